@@ -1,0 +1,182 @@
+"""estimate(): sum the memory/* components over the phases of a training step (or of inference).
+
+Pure given the ModelSpec: no torch, no printing. Phase model (steady state, step >= 2, when optimizer state exists;
+torchtitan's estimation script: "iter 0 does not have optimizer state"): each phase is a dict component -> bytes
+alive at that phase's high-water mark; the allocated peak is the largest phase, and `components` shows that phase.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memplan.memory import activations as act
+from memplan.memory import inference as inf
+from memplan.memory import logits as lg
+from memplan.memory import optimizer as opt
+from memplan.memory import overhead, quant, weights
+from memplan.memory.context import Ctx, resolve
+from memplan.setup import Setup
+from memplan.spec import ModelSpec
+
+#: display order of components; device-only terms last.
+COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
+              "activations", "autocast_weight_copies", "logits", "attention_mask", "dequant_temporaries",
+              "backward_temporaries", "kv_cache", "cublas_workspace", "allocator_reserve", "paged_optimizer_state",
+              "cuda_context")
+_DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "cuda_context")
+_PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache")
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Predicted memory of one Setup on one model. All sizes in bytes.
+
+    components: name -> bytes alive at the allocated peak (plus the device-only terms), in COMPONENTS order.
+    phases: phase name -> peak allocated bytes in that phase.
+    """
+
+    model: str
+    setup: Setup
+    params_total: int
+    params_trainable: int
+    components: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "params_total": self.params_total,
+            "params_trainable": self.params_trainable,
+            "setup": self.setup.to_dict(),
+            "components": dict(self.components),
+            "phases": dict(self.phases),
+            "peak_phase": self.peak_phase,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "notes": list(self.notes),
+        }
+
+
+def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Estimate:
+    """Estimate GPU memory of `setup` (or Setup(**fields)) on `model`: a catalog id, a config.json path or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        spec = model
+    else:
+        from memplan.models import load_spec
+
+        spec = load_spec(model)
+    if setup is None:
+        setup = Setup(**fields)
+    elif fields:
+        raise TypeError("pass either a Setup or Setup fields, not both")
+    ctx = resolve(spec, setup)
+    phases = training_phases(ctx) if setup.mode == "train" else inference_phases(ctx)
+    return _assemble(ctx, phases)
+
+
+def _resident(ctx: Ctx) -> dict[str, int]:
+    paged = ctx.training and opt.is_paged(ctx)
+    return {
+        "weights": weights.weights_bytes(ctx),
+        "quant_state": weights.quant_state_bytes(ctx),
+        "lora_adapters": weights.lora_bytes(ctx) if ctx.training else 0,
+        "optimizer_state": opt.optimizer_state_bytes(ctx) if ctx.training and not paged else 0,
+        "cublas_workspace": overhead.CUBLAS_WORKSPACE_BYTES,
+    }
+
+
+def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
+    """forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
+    the logits gradients, or (checkpointing) the last block's recompute. backward_end: all gradients. In between,
+    backward frees the activations of block i as it allocates the gradients of block i, so the live bytes move
+    linearly from the start to the end and the two ends bound the whole backward. optimizer_step: grads + state +
+    step temporaries."""
+    s = ctx.setup
+    res = _resident(ctx)
+    grads = opt.gradient_bytes(ctx)
+    held_grads = grads if s.grad_accum > 1 else 0  # zero_grad(set_to_none=True) frees them between steps
+    blocks = act.per_block_bytes(ctx)
+    saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + act.outside_blocks_bytes(ctx)
+    recompute = max((full for full, _ in blocks), default=0) if s.grad_ckpt else 0
+    casts = quant.autocast_copy_bytes(ctx)
+    deq = quant.dequant_temp_bytes(ctx)
+    common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
+    bwd_work = recompute + _backward_temp_bytes(ctx)
+    return {
+        "forward": {**common, "logits": lg.logits_forward_bytes(ctx), "attention_mask": _mask_bytes(ctx),
+                    "dequant_temporaries": deq},
+        "backward_start": {**common, **_larger(("logits", lg.logits_backward_bytes(ctx)),
+                                               ("backward_temporaries", bwd_work))},
+        "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
+        "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
+    }
+
+
+def _larger(*items: tuple[str, int]) -> dict[str, int]:
+    """The one (component, bytes) of several non-overlapping transients that is largest."""
+    name, value = max(items, key=lambda kv: kv[1])
+    return {name: value}
+
+
+def _mask_bytes(ctx: Ctx) -> int:
+    """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
+    (transformers masking_utils eager_mask); sdpa without padding passes is_causal instead."""
+    if ctx.attn_impl != "eager":
+        return 0
+    return ctx.setup.batch_size * ctx.src_len * ctx.src_len * ctx.residual_bytes
+
+
+def _backward_temp_bytes(ctx: Ctx) -> int:
+    """Working gradients inside one block's backward: the fp32/compute-dtype grad of the residual stream and of
+    the normed input, plus two MLP-intermediate-sized grads (dL/d gate, dL/d up or dL/d fc1 out)."""
+    a = ctx.spec.arch
+    t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
+    k = a.experts_per_token if a.num_experts else 1
+    return t * (2 * a.hidden_size * ctx.residual_bytes + 2 * a.intermediate_size * k * ctx.compute_bytes)
+
+
+def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
+    """prefill (one layer's working set + the cache so far) and decode (full cache + growth + last-token logits)."""
+    res = _resident(ctx)
+    kv = inf.kv_cache_bytes(ctx)
+    prompt_kv = kv if ctx.spec.arch.kind == "encoder" else int(kv * ctx.src_len / max(ctx.src_len + (ctx.setup.new_tokens or 0), 1))
+    deq = quant.dequant_temp_bytes(ctx)
+    return {
+        "prefill": {**res, "kv_cache": prompt_kv, "activations": inf.prefill_working_bytes(ctx),
+                    "dequant_temporaries": deq, "attention_mask": _mask_bytes(ctx)},
+        "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx)},
+    }
+
+
+def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]]) -> Estimate:
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    peak = totals[peak_phase]
+    at_peak = phases[peak_phase]
+    transient = peak - sum(v for k, v in at_peak.items() if k in _PERSISTENT)
+    reserve = overhead.allocator_reserve_bytes(ctx, transient)
+    paged = opt.optimizer_state_bytes(ctx) if ctx.training and opt.is_paged(ctx) else 0
+    device_only = {"allocator_reserve": reserve, "paged_optimizer_state": paged,
+                   "cuda_context": overhead.CUDA_CONTEXT_BYTES}
+    merged = {**at_peak, **device_only}
+    components = {k: int(merged.get(k, 0)) for k in COMPONENTS}
+    return Estimate(
+        model=ctx.spec.model_id, setup=ctx.setup, params_total=ctx.spec.numel_total,
+        params_trainable=weights.trainable_numel(ctx) if ctx.training else 0,
+        components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
+        peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
+        device_total_bytes=int(peak + reserve + paged + overhead.CUDA_CONTEXT_BYTES),
+        notes=_notes(ctx))
+
+
+def _notes(ctx: Ctx) -> tuple[str, ...]:
+    notes = [f"attention: {ctx.attn_impl}"]
+    if ctx.training and opt.is_paged(ctx):
+        notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
+                     "counted in the device total while resident")
+    return tuple(notes)

@@ -1,0 +1,198 @@
+"""Activations autograd saves for backward, per block, by slot of each Linear (memplan.memory.layout).
+
+Counting rule (torch autograd, tools/autograd/derivatives.yaml): an op saves only the inputs/outputs its backward
+needs for the grads actually required. A Linear saves its input only when its weight trains (grad_W = grad_out^T x);
+a frozen Linear saves nothing beyond its weight. Elementwise/normalisation ops save their inputs regardless.
+Under autocast (torch.amp, CUDA op lists) each Linear casts its fp32 input to the compute dtype separately, so
+trainable q/k/v each save their own copy; pure 16-bit models share one. Per-token tallies generalise Korthikanti et
+al. (arXiv:2205.05198, Table 2: 34sbh + 5as^2b bytes per layer for GPT with fp16, dropout, no sequence parallel) to
+the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face models.
+"""
+from __future__ import annotations
+
+from memplan.memory.context import Ctx
+from memplan.memory.layout import BlockLayout, blocks
+
+#: families whose eager attention computes softmax in fp32 explicitly (softmax(..., dtype=torch.float32)
+#: in e.g. transformers/models/llama/modeling_llama.py eager_attention_forward) and casts back: fp32 probs + a copy.
+SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "t5", "mt5", "falcon",
+                "gpt_neox", "opt"}
+
+#: activation -> bytes saved per element of its input, as f(c) for compute bytes c; `mixed` variant under autocast.
+#: gelu/silu/relu (one ATen op): the input (or output) only. gelu_new (transformers NewGELUActivation, five python
+#: ops): pow saves x, tanh saves its output, the final mul saves 0.5*x and (1+tanh); under autocast pow runs in fp32
+#: (autocast fp32 op list) so x is upcast and the tanh chain is fp32.
+ACT_SAVED = {
+    "gelu_new": (lambda c: 4 * c, lambda c: 4 + 4 + c + 4),
+    "default": (lambda c: c, lambda c: c),
+}
+
+
+def _act_bytes(ctx: Ctx) -> float:
+    pure, mixed = ACT_SAVED.get(ctx.spec.arch.hidden_act, ACT_SAVED["default"])
+    return (mixed if ctx.mixed else pure)(ctx.compute_bytes)
+
+
+def _trains(ctx: Ctx, name: str) -> bool:
+    return name + ".weight" in ctx.trainable
+
+
+def _input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
+    """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements."""
+    c = ctx.compute_bytes
+    cast = in_bytes != c
+    trained = sum(1 for m in members if _trains(ctx, m.name))
+    shared = 0.0
+    if trained:
+        shared = trained * in_dim * c if cast else in_dim * c
+    return shared + sum(_lora_saves(ctx, in_dim, in_bytes) for m in members if m.name in lora_names)
+
+
+def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> float:
+    """One LoRA branch: peft casts x to the fp32 adapter dtype (lora/layer.py Linear.forward `_cast_input_dtype`), or
+    under autocast lora_A casts it to the compute dtype; lora_A saves that input, lora_B saves [t, r]. Dropout > 0
+    adds a 1-byte mask and a dropped copy."""
+    s = ctx.setup
+    xb = ctx.compute_bytes if ctx.mixed else 4
+    own_copy = ctx.mixed or in_bytes != 4 or s.lora_dropout > 0
+    x = in_dim * xb if own_copy else 0.0
+    if s.lora_dropout > 0:
+        x += in_dim
+    return x + s.lora_r * xb
+
+
+def _norm_bytes(ctx: Ctx, h: int, trains: bool) -> float:
+    """RMSNorm (HF Llama/T5 style: upcast to fp32, x*rsqrt(var), weight * x.to(dtype)): saves the fp32 input and,
+    when the weight trains, the normalised tensor. LayerNorm (ATen native_layer_norm): saves its input (+ [t] stats)."""
+    r = ctx.residual_bytes
+    if ctx.spec.arch.norm == "rmsnorm":
+        return 4 * h + (r * h if trains else 0)
+    return r * h + 8
+
+
+def _attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, eager: bool) -> tuple[float, float]:
+    """(bytes per query token, bytes per score element) saved by one attention.
+
+    sdpa/flash (torch _scaled_dot_product_{flash,efficient}_attention): q, k, v, out and fp32 logsumexp per head;
+    k/v at kv_dim (transformers passes enable_gqa when no mask is needed: integrations/sdpa_attention.py
+    use_gqa_in_sdpa). Eager: repeat_kv expands k/v to all heads; QK^T saves q and k, PV saves probs and v; the
+    probabilities are one fp32 softmax output plus a compute-dtype copy, or with dropout a mask and a dropped copy.
+    """
+    a = ctx.spec.arch
+    c = ctx.compute_bytes
+    ratio = k_tok / q_tok
+    if not eager:
+        return (2 * q_dim + 2 * kv_dim * ratio) * c + a.num_heads * 4, 0.0
+    fp32_softmax = ctx.mixed or c == 4 or a.model_type in SOFTMAX_FP32
+    probs = 4 if fp32_softmax else c
+    drop = a.attn_dropout > 0
+    if drop:
+        probs += 1 + c
+    elif fp32_softmax and c != 4:
+        probs += c
+    return q_dim * c + 2 * q_dim * ratio * c, probs
+
+
+def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], lora_names: set[str],
+                block_trains: bool) -> float:
+    """Bytes one block saves for backward (no checkpointing) for `tokens` = batch x its sequence length.
+
+    seqs = (query length, encoder length) for the score matrices; decoder blocks of encoder-decoders add a
+    cross-attention over the encoder output.
+    """
+    a = ctx.spec.arch
+    c, r, h = ctx.compute_bytes, ctx.residual_bytes, a.hidden_size
+    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    eager = ctx.attn_impl == "eager"
+    by_slot: dict[str, list] = {}
+    for sl, m in blk.linears:
+        by_slot.setdefault(sl, []).append(m)
+    cross = blk.stack == "decoder" and a.kind == "seq2seq"
+    n_norms = (1 if a.parallel_block else 2) + (1 if cross else 0)
+    per_tok = n_norms * _norm_bytes(ctx, h, block_trains)
+    per_tok += _input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
+    per_tok += _input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
+    tok_core, per_score = _attn_core(ctx, q_dim, kv_dim, 1, 1, eager)
+    per_tok += tok_core
+    scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
+    for m in by_slot.get("attn_out", []):
+        per_tok += (q_dim * c if eager and _trains(ctx, m.name) else 0) + (
+            _lora_saves(ctx, m.in_features, c) if m.name in lora_names else 0)
+    per_tok += _mlp_bytes(ctx, by_slot, lora_names)
+    for m in by_slot.get("other", []):
+        per_tok += m.in_features * c if _trains(ctx, m.name) else 0
+    if a.hidden_dropout > 0:
+        per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
+    total = per_tok * tokens + scores
+    if cross:
+        total += _cross_bytes(ctx, by_slot, tokens, seqs, lora_names)
+    return total
+
+
+def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
+    """MLP: gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
+    activation's inputs (ACT_SAVED) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
+    experts) and adds the gathered expert inputs/outputs."""
+    a = ctx.spec.arch
+    c, I = ctx.compute_bytes, a.intermediate_size
+    k = a.experts_per_token if a.num_experts else 1
+    outs = by_slot.get("mlp_out", [])
+    down_trains = any(_trains(ctx, m.name) for m in outs)
+    down_lora = sum(_lora_saves(ctx, m.in_features, c) for m in outs if m.name in lora_names)
+    if a.num_experts and outs:
+        down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
+    if a.mlp_gated:
+        core = 3 * I * c + (I * c if down_trains else 0)
+    else:
+        core = I * _act_bytes(ctx) + (I * c if down_trains else 0)
+    moe = 2 * a.hidden_size * c if a.num_experts else 0
+    return k * (core + moe) + down_lora
+
+
+def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
+    """Cross-attention of a decoder block: q over decoder tokens, k/v over encoder tokens (inputs: the encoder
+    output, shared by every decoder block)."""
+    a = ctx.spec.arch
+    q_dim = a.num_heads * a.head_dim
+    batch = tokens // max(seqs[0], 1)
+    enc_tokens = batch * seqs[1]
+    tok_core, per_score = _attn_core(ctx, q_dim, q_dim, seqs[0], seqs[1], ctx.attn_impl == "eager")
+    kv = _input_saves(ctx, by_slot.get("cross_kv", []), a.hidden_size, ctx.residual_bytes, lora_names)
+    return tok_core * tokens + kv * enc_tokens / 1.0 + a.num_heads * seqs[0] * seqs[1] * per_score * batch
+
+
+def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
+    """(tokens, (query len, key len)) a block of `stack` processes per micro-batch."""
+    b = ctx.setup.batch_size
+    if ctx.spec.arch.kind == "seq2seq" and stack == "decoder":
+        return b * ctx.tgt_len, (ctx.tgt_len, ctx.src_len)
+    return b * ctx.src_len, (ctx.src_len, ctx.src_len)
+
+
+def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
+    """[(full saved bytes, checkpointed bytes)] for every block. A checkpointed block keeps only its input
+    (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses)."""
+    lora_names = {m.name for m in ctx.lora}
+    trained_blocks = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
+    out = []
+    for blk in blocks(ctx.spec):
+        tokens, seqs = stack_tokens(ctx, blk.stack)
+        full = block_bytes(ctx, blk, tokens, seqs, lora_names, (blk.stack, blk.index) in trained_blocks)
+        out.append((full, tokens * ctx.spec.arch.hidden_size * ctx.residual_bytes))
+    return out
+
+
+def outside_blocks_bytes(ctx: Ctx) -> float:
+    """Saved outside the blocks: embedding dropout mask, final norm, and the lm_head input when lm_head trains
+    (its own compute-dtype copy under autocast)."""
+    a = ctx.spec.arch
+    b, h = ctx.setup.batch_size, a.hidden_size
+    tokens = b * (ctx.tgt_len if a.kind == "seq2seq" else ctx.src_len)
+    head_trains = any(p.role in ("lm_head", "embedding") and p.name in ctx.trainable for p in ctx.spec.params)
+    per_tok = _norm_bytes(ctx, h, bool(ctx.trainable))
+    if head_trains and a.has_lm_head:
+        per_tok += h * ctx.compute_bytes
+    if a.hidden_dropout > 0:
+        per_tok += h
+    stacks = 2 if a.kind == "seq2seq" else 1
+    return per_tok * tokens * stacks

@@ -1,0 +1,86 @@
+"""Ctx: the facts every component needs, resolved once per estimate from (ModelSpec, Setup).
+
+Resolution mirrors what the real libraries do; each rule cites its source.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan import select
+from memplan.errors import BadInput
+from memplan.setup import Setup
+from memplan.spec import Linear, ModelSpec, Param
+from memplan.units import DTYPE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    spec: ModelSpec
+    setup: Setup
+    attn_impl: str  # resolved: eager | sdpa | flash_attention_2
+    compute_bytes: int  # c: bytes of the matmul dtype
+    residual_bytes: int  # r: bytes of the hidden-state stream between blocks
+    weight_bytes: int  # bytes/element of non-quantized weights
+    trainable: frozenset[str]  # names of trainable base parameters
+    lora: tuple[Linear, ...]  # LoRA-targeted linears (empty unless lora/qlora)
+    quantized: frozenset[str]  # names of quantized Linear modules
+    vocab: int  # embedding rows incl. added tokens
+    src_len: int  # tokens per sample through the encoder (seq2seq/encoder) or the decoder (causal)
+    tgt_len: int  # decoder tokens (seq2seq); == src_len for causal
+
+    @property
+    def mixed(self) -> bool:
+        return self.setup.mixed
+
+    @property
+    def training(self) -> bool:
+        return self.setup.mode == "train"
+
+
+def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
+    """Resolve a (spec, setup) pair, raising BadInput for model-dependent problems (all reported together)."""
+    problems = _model_problems(spec, setup)
+    if problems:
+        raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
+    quant_train = setup.quant is not None and setup.mode == "train"
+    # peft.prepare_model_for_kbit_training casts every non-quantized fp16/bf16 parameter to fp32
+    # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32.
+    weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.weight_dtype])
+    compute = int(DTYPE_BYTES[setup.compute_dtype])
+    trainable = frozenset(p.name for p in select.trainable_params(spec, setup)) if setup.mode == "train" else frozenset()
+    lora = select.lora_linears(spec, setup.lora_targets) if setup.uses_lora else ()
+    quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
+    src = setup.seq_len if setup.mode == "train" else (setup.prompt_len or setup.seq_len)
+    tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
+    return Ctx(spec=spec, setup=setup, attn_impl=_attn_impl(spec, setup), compute_bytes=compute,
+               residual_bytes=weight_bytes, weight_bytes=weight_bytes, trainable=trainable, lora=lora,
+               quantized=quantized, vocab=spec.arch.vocab_size + setup.added_tokens, src_len=src, tgt_len=tgt)
+
+
+def _attn_impl(spec: ModelSpec, setup: Setup) -> str:
+    """The attention implementation transformers would use: the user's choice, else the model's default
+    (sdpa where the class supports it: PreTrainedModel._check_and_adjust_attn_implementation)."""
+    return setup.attn_impl or spec.arch.default_attn_impl
+
+
+def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
+    a = spec.arch
+    p: list[str] = []
+    total_len = (setup.prompt_len or setup.seq_len) + (setup.new_tokens or 0) if setup.mode == "infer" else setup.seq_len
+    if a.max_positions and total_len > a.max_positions:
+        p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
+                 f"use --seq-len <= {a.max_positions}")
+    if setup.attn_impl == "sdpa" and not a.supports_sdpa:
+        p.append(f"{a.model_type} does not support sdpa attention in transformers; use --attn-impl eager")
+    if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
+        p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")
+    if setup.target_len is not None and a.kind != "seq2seq":
+        p.append("target_len applies to encoder-decoder models only")
+    if setup.mode == "infer" and a.kind == "encoder" and setup.new_tokens:
+        p.append(f"{spec.model_id} is an encoder: it does not generate; drop --new-tokens")
+    return p
+
+
+def params_bytes(params: list[Param] | tuple[Param, ...], bytes_per: float) -> int:
+    """sum(numel) * bytes_per, rounded down to whole bytes."""
+    return int(sum(p.numel for p in params) * bytes_per)

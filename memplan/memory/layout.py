@@ -1,0 +1,77 @@
+"""Where each Linear sits inside a transformer block, from its module name (pure, cached per ModelSpec).
+
+Slots: "attn_in" (q/k/v or fused qkv: read the normed hidden state), "cross_kv" (cross-attention k/v: read the
+encoder output), "attn_out", "mlp_in" (gate/up/fc1: read the normed hidden state), "mlp_out" (down/fc2),
+"router" (MoE gate), "other". Names follow the transformers modeling files of each family (llama/mistral/qwen2/
+gemma: q_proj..down_proj; gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/gpt_neox: query_key_value, dense,
+dense_h_to_4h, dense_4h_to_h; t5: q,k,v,o, wi/wi_0/wi_1, wo; bart/opt: q_proj.., out_proj, fc1, fc2; bert: query,
+key, value, attention.output.dense, intermediate.dense, output.dense; phi: dense, fc1, fc2; phi3: qkv_proj,
+gate_up_proj; mixtral: w1, w2, w3, gate).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.spec import Linear, ModelSpec
+
+_ATTN_IN = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "c_attn", "query_key_value",
+            "qkv_proj", "Wqkv", "q_attn"}
+_MLP_IN = {"gate_proj", "up_proj", "gate_up_proj", "wi", "wi_0", "wi_1", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3",
+           "fc_in"}
+_MLP_OUT = {"down_proj", "wo", "fc2", "dense_4h_to_h", "w2", "fc_out"}
+_CROSS = ("encoder_attn.", "EncDecAttention.", "crossattention.", "cross_attn.")
+
+
+def slot(m: Linear, num_experts: int = 0) -> str:
+    """The slot of one Linear (see module docstring)."""
+    short = m.short_name
+    parent = m.name.rsplit(".", 2)[-2] if m.name.count(".") >= 1 else ""
+    cross = any(c in m.name for c in _CROSS)
+    if short in _ATTN_IN:
+        return "cross_kv" if cross and short in {"k_proj", "v_proj", "k", "v", "key", "value"} else "attn_in"
+    if short in _MLP_IN:
+        return "mlp_in"
+    if short in _MLP_OUT:
+        return "mlp_out"
+    if short in ("o_proj", "o", "out_proj"):
+        return "attn_out"
+    if short == "c_proj":
+        return "attn_out" if parent in ("attn", "attention", "crossattention") else "mlp_out"
+    if short == "dense":
+        # bert: attention.output.dense (attn out) vs layer.N.output.dense (mlp out) vs intermediate.dense (mlp in)
+        if parent == "intermediate":
+            return "mlp_in"
+        if ".attention." in m.name or parent in ("self_attention", "self_attn", "attention", "attn"):
+            return "attn_out"
+        return "mlp_out" if parent == "output" else "other"
+    if short == "gate" and num_experts and m.out_features == num_experts:
+        return "router"
+    return "other"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Linears of one block grouped by slot."""
+
+    stack: str | None
+    index: int
+    linears: tuple[tuple[str, Linear], ...]  # (slot, linear)
+
+
+_CACHE: dict[int, tuple[ModelSpec, tuple[BlockLayout, ...]]] = {}
+
+
+def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
+    """Every block of the model with its slotted linears, in (stack, index) order; cached per spec object."""
+    hit = _CACHE.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    groups: dict[tuple[str | None, int], list[tuple[str, Linear]]] = {}
+    for m in spec.linears:
+        if m.block is None or m.is_output:
+            continue
+        groups.setdefault((m.stack, m.block), []).append((slot(m, spec.arch.num_experts), m))
+    order = {"encoder": 0, None: 1, "decoder": 2}
+    out = tuple(BlockLayout(st, i, tuple(ls)) for (st, i), ls in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 1), kv[0][1])))
+    _CACHE[id(spec)] = (spec, out)
+    return out

@@ -1,0 +1,103 @@
+"""Gradients, optimizer state and optimizer-step temporaries, per trainable tensor."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from memplan.memory.context import Ctx
+from memplan.memory.weights import trainable_bytes
+
+# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8 state1/state2,
+# one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements keep fp32 states.
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def trainable_tensors(ctx: Ctx) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(shape, bytes per element) of every trainable tensor: base params and LoRA A/B matrices (fp32)."""
+    for p in ctx.spec.params:
+        if p.name in ctx.trainable:
+            yield p.shape, ctx.weight_bytes
+    r = ctx.setup.lora_r
+    for m in ctx.lora:
+        yield (r, m.in_features), 4
+        yield (m.out_features, r), 4
+
+
+def gradient_bytes(ctx: Ctx) -> int:
+    """One gradient per trainable tensor, in the parameter's dtype (autograd accumulates .grad like the param).
+
+    Frozen parameters (requires_grad=False) have none. ZeRO paper (arXiv:1910.02054 sec. 3.1): 2 B/param fp16 grads
+    under mixed precision there; here autocast keeps fp32 params so grads are fp32 (4 B) as torch.amp does.
+    """
+    return trainable_bytes(ctx)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _adam_state(shape: tuple[int, ...], pbytes: int) -> int:
+    """torch.optim.AdamW: exp_avg and exp_avg_sq = zeros_like(param) (torch/optim/adamw.py _init_group)."""
+    return 2 * _numel(shape) * pbytes
+
+
+def _bnb8_state(shape: tuple[int, ...], pbytes: int) -> int:
+    n = _numel(shape)
+    if n < BNB_MIN_8BIT_SIZE:
+        return 2 * n * 4
+    return 2 * (n + math.ceil(n / BNB_BLOCK) * 4)
+
+
+def _adafactor_state(shape: tuple[int, ...], pbytes: int) -> int:
+    """transformers.optimization.Adafactor (beta1=None, Trainer's optim="adafactor"): factored second moment for
+    >= 2-D tensors (exp_avg_sq_row [..., rows] + exp_avg_sq_col [..., cols]), full exp_avg_sq for 1-D; in grad dtype
+    (Shazeer & Stern, arXiv:1804.04235 sec. 3)."""
+    if len(shape) >= 2:
+        lead = _numel(shape[:-2])
+        return lead * (shape[-2] + shape[-1]) * pbytes
+    return _numel(shape) * pbytes
+
+
+#: optimizer -> state bytes for one tensor (shape, bytes per param element). Source per function docstring.
+STATE_FN = {
+    "adamw": _adam_state,
+    "adamw-fused": _adam_state,
+    "adamw-8bit": _bnb8_state,
+    "paged-adamw-8bit": _bnb8_state,  # same bytes, but in CUDA unified (paged) memory: see is_paged()
+    "adafactor": _adafactor_state,
+    "sgd": lambda shape, pbytes: 0,  # torch.optim.SGD with momentum=0 (Trainer optim="sgd") keeps no state
+}
+
+
+def optimizer_state_bytes(ctx: Ctx) -> int:
+    """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
+    fn = STATE_FN[ctx.setup.optimizer]
+    return sum(fn(shape, pbytes) for shape, pbytes in trainable_tensors(ctx))
+
+
+def is_paged(ctx: Ctx) -> bool:
+    """Paged bnb optimizers allocate state with cudaMallocManaged (bitsandbytes GlobalPageManager): outside torch's
+    caching allocator, so not in max_memory_allocated/reserved, but resident on the device unless evicted."""
+    return ctx.setup.optimizer.startswith("paged-")
+
+
+def optimizer_temp_bytes(ctx: Ctx) -> int:
+    """Transient memory of optimizer.step().
+
+    - adamw (torch foreach path, the CUDA default when fused is not set): torch/optim/adamw.py _multi_tensor_adamw
+      computes `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)` for the whole dtype group at once: one
+      param-sized buffer (plus the in-place ops); we count 1x the trainable bytes.
+    - adamw-fused: one fused kernel per tensor list, no param-sized intermediates (torch/optim/_fused.py).
+    - bnb 8-bit: per-tensor CUDA kernels update in place: nothing param-sized.
+    - adafactor: per tensor, update = grad**2 + eps and the row/col factors: about 3 temporaries the size of the
+      largest trainable tensor, in fp32 (transformers Adafactor.step upcasts 16-bit params/grads to fp32).
+    - sgd (foreach, no momentum): in-place _foreach_add_: nothing.
+    """
+    opt = ctx.setup.optimizer
+    if opt == "adamw":
+        return trainable_bytes(ctx)
+    if opt == "adafactor":
+        largest = max((_numel(s) for s, _ in trainable_tensors(ctx)), default=0)
+        return 3 * largest * 4
+    return 0

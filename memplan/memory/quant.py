@@ -1,0 +1,33 @@
+"""Dequantization temporaries of bitsandbytes layers."""
+from __future__ import annotations
+
+from memplan.memory.context import Ctx
+
+
+def dequant_temp_bytes(ctx: Ctx) -> int:
+    """bitsandbytes MatMul4Bit (autograd/_functions.py) dequantizes the whole weight to the compute dtype for each
+    matmul with more than one token, in forward and again in backward (it saves only the packed weight), so the
+    largest quantized Linear exists once in compute dtype at a time. LLM.int8 (MatMul8bitLt) likewise materialises
+    an fp16 weight for the input gradient in backward."""
+    sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
+    if not sizes:
+        return 0
+    return max(sizes) * ctx.compute_bytes
+
+
+def autocast_copy_bytes(ctx: Ctx) -> int:
+    """Autocast weight copies kept from forward to backward in mixed precision: every Linear weight (and the
+    lm_head) is cast to the compute dtype and the matmul saves the cast for the input gradient; trainable leaves
+    are also held in autocast's cache until the autocast region exits (torch/csrc/autograd ... autocast_mode.cpp
+    cached_cast). With checkpointing, frozen weights' casts are dropped and re-made in recompute; trainable ones
+    stay cached through the forward. Quantized weights are not cast (bitsandbytes dequantizes instead)."""
+    if not (ctx.mixed and ctx.training):
+        return 0
+    n = 0
+    for m in ctx.spec.linears:
+        if m.name in ctx.quantized:
+            continue
+        trains = m.name + ".weight" in ctx.trainable
+        if trains or not ctx.setup.grad_ckpt:
+            n += m.in_features * m.out_features
+    return n * ctx.compute_bytes

@@ -1,0 +1,91 @@
+"""Resident model state: base weights, quantization metadata, LoRA adapters."""
+from __future__ import annotations
+
+import math
+
+from memplan.memory.context import Ctx
+
+# bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
+# one fp32 absmax per block of 64 weights; with compress_statistics (double quant) the absmax values are themselves
+# quantized to uint8 in blocks of 256 with one fp32 absmax per block, plus a 256-entry fp32 code table and an fp32 offset.
+# QLoRA paper (arXiv:2305.14314, sec. 3) gives the same 64/256 block sizes: 0.5 + 32/64 bits -> 0.127 bit/param saved.
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+# bitsandbytes LLM.int8 (Int8Params): int8 weight plus one fp32 scale per output row (SCB) - arXiv:2208.07339 sec. 3.
+INT8_ROW_SCALE_BYTES = 4
+
+
+def _quantized_weight_names(ctx: Ctx) -> set[str]:
+    return {name + ".weight" for name in ctx.quantized}
+
+
+def weights_bytes(ctx: Ctx) -> int:
+    """Base weights: non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte.
+
+    Unique tensors only (tied embeddings counted once: ModelSpec lists unique params). Added tokens grow the input
+    embedding and an untied lm_head by added_tokens x hidden rows (transformers resize_token_embeddings).
+    """
+    qnames = _quantized_weight_names(ctx)
+    qbytes = 0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0
+    total = 0.0
+    for p in ctx.spec.params:
+        total += p.numel * (qbytes if p.name in qnames else ctx.weight_bytes)
+    return int(total) + _added_token_bytes(ctx) * ctx.weight_bytes
+
+
+def _added_token_bytes(ctx: Ctx) -> int:
+    """Extra elements from added tokens: one row per token in the input embedding and in an untied lm_head."""
+    n = ctx.setup.added_tokens
+    if not n:
+        return 0
+    copies = 1 if ctx.spec.arch.tie_word_embeddings or not ctx.spec.arch.has_lm_head else 2
+    return n * ctx.spec.arch.hidden_size * copies
+
+
+def quant_state_bytes(ctx: Ctx) -> int:
+    """Quantization metadata of every quantized Linear.
+
+    nf4/fp4: absmax fp32 per 64 weights (numel/16 B); double quant: uint8 per 64 weights + fp32 per 256 blocks
+    + 256-entry fp32 code table (1 KiB) per tensor. int8: one fp32 row scale per output feature.
+    """
+    s = ctx.setup
+    total = 0
+    for m in ctx.spec.linears:
+        if m.name not in ctx.quantized:
+            continue
+        n = m.in_features * m.out_features
+        if s.quant == "int8":
+            total += m.out_features * INT8_ROW_SCALE_BYTES
+            continue
+        blocks = math.ceil(n / NF4_BLOCK)
+        if s.double_quant:
+            total += blocks + math.ceil(blocks / NESTED_BLOCK) * 4 + 256 * 4 + 4
+        else:
+            total += blocks * 4
+    return total
+
+
+def lora_numel(ctx: Ctx) -> int:
+    """LoRA adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]; arXiv:2106.09685)."""
+    r = ctx.setup.lora_r
+    return sum(r * (m.in_features + m.out_features) for m in ctx.lora)
+
+
+def lora_bytes(ctx: Ctx) -> int:
+    """LoRA adapters are fp32: peft's get_peft_model(autocast_adapter_dtype=True) upcasts bf16/fp16 adapter weights
+    to float32 (peft tuners_utils `_cast_adapter_dtype`); on an fp32 base they are fp32 anyway."""
+    return lora_numel(ctx) * 4
+
+
+def trainable_numel(ctx: Ctx) -> int:
+    """Parameters that get gradients: selected base params (+ added-token rows) and LoRA adapters."""
+    base = sum(p.numel for p in ctx.spec.params if p.name in ctx.trainable)
+    added = _added_token_bytes(ctx) if ctx.trainable else 0
+    return base + added + lora_numel(ctx)
+
+
+def trainable_bytes(ctx: Ctx) -> int:
+    """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
+    base = sum(p.numel for p in ctx.spec.params if p.name in ctx.trainable)
+    added = _added_token_bytes(ctx) if ctx.trainable else 0
+    return (base + added) * ctx.weight_bytes + lora_bytes(ctx)

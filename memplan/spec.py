@@ -1,0 +1,143 @@
+"""ModelSpec: the exact parameter inventory of a model plus the architecture facts the estimator needs.
+
+Pure data (no torch). Built once per model by `memplan.models` (real transformers class on the meta device)
+and cached as JSON under memplan/data/models/inventory/, so a catalog lookup imports no torch.
+
+Inventory JSON (version 1)::
+
+    {"format": 1, "model_id": str, "config_file": str, "transformers_version": str,
+     "arch": {<Arch fields>},
+     "params":  [[name, shape, role, block, stack], ...],          # unique parameters only
+     "linears": [[name, in, out, bias, block, stack, kind, is_output], ...],
+     "tied":    [[alias_name, target_name], ...]}                  # aliases not listed in params
+
+Roles: "embedding" (token embeddings), "pos_embedding" (learned positions, token types, relative-position
+tables), "linear" (weight of an nn.Linear / GPT-2 Conv1D), "bias" (any bias), "norm" (LayerNorm/RMSNorm
+weights), "lm_head" (untied output projection), "expert" (fused MoE expert weights), "other".
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+INVENTORY_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One unique parameter tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    block: int | None = None  # index of the transformer block it belongs to
+    stack: str | None = None  # "encoder" | "decoder" | None (outside the blocks)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """One nn.Linear (or transformers Conv1D) module: what LoRA targets and bitsandbytes quantizes."""
+
+    name: str  # module path, e.g. "model.layers.0.self_attn.q_proj"
+    in_features: int
+    out_features: int
+    bias: bool
+    block: int | None = None
+    stack: str | None = None
+    kind: str = "linear"  # "linear" | "conv1d"
+    is_output: bool = False  # the output embedding (lm_head): never LoRA'd by all-linear, never quantized
+
+    @property
+    def short_name(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """Architecture facts read from the config and the instantiated model."""
+
+    kind: str  # "causal" | "seq2seq" | "encoder"
+    model_type: str
+    auto_class: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # rows of the input embedding as instantiated
+    num_encoder_layers: int = 0
+    num_decoder_layers: int = 0
+    mlp_gated: bool = False  # SwiGLU/GeGLU: gate and up projections
+    hidden_act: str = "gelu"
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    max_positions: int | None = None
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    parallel_block: bool = False  # attention and MLP read the same normed input (GPT-J/NeoX/Falcon/Phi)
+    attn_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    sliding_window: int | None = None
+    has_lm_head: bool = True  # a vocabulary-sized output head (MaskedLM/CausalLM/Seq2SeqLM)
+    supports_sdpa: bool = True
+    supports_flash: bool = False
+    default_attn_impl: str = "sdpa"
+    lora_default_targets: tuple[str, ...] = ()
+    needs_remote_code: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_encoder_layers + self.num_decoder_layers
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Exact parameter inventory + architecture of one model."""
+
+    model_id: str
+    arch: Arch
+    params: tuple[Param, ...]
+    linears: tuple[Linear, ...]
+    tied: tuple[tuple[str, str], ...] = ()
+    config_file: str = ""
+    transformers_version: str = ""
+    numel_total: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel_total", sum(p.numel for p in self.params))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSpec":
+        arch_keys = {f.name for f in fields(Arch)}
+        arch = dict(d["arch"])
+        arch["lora_default_targets"] = tuple(arch.get("lora_default_targets", ()))
+        return cls(
+            model_id=d["model_id"],
+            arch=Arch(**{k: v for k, v in arch.items() if k in arch_keys}),
+            params=tuple(Param(n, tuple(s), r, b, st) for n, s, r, b, st in d["params"]),
+            linears=tuple(Linear(*row) for row in d["linears"]),
+            tied=tuple((a, t) for a, t in d.get("tied", ())),
+            config_file=d.get("config_file", ""),
+            transformers_version=d.get("transformers_version", ""),
+        )
+
+    def to_dict(self) -> dict:
+        arch = asdict(self.arch)
+        arch["lora_default_targets"] = list(self.arch.lora_default_targets)
+        return {
+            "format": INVENTORY_FORMAT,
+            "model_id": self.model_id,
+            "config_file": self.config_file,
+            "transformers_version": self.transformers_version,
+            "arch": arch,
+            "params": [[p.name, list(p.shape), p.role, p.block, p.stack] for p in self.params],
+            "linears": [[m.name, m.in_features, m.out_features, m.bias, m.block, m.stack, m.kind, m.is_output]
+                        for m in self.linears],
+            "tied": [list(t) for t in self.tied],
+        }

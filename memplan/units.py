@@ -1,0 +1,60 @@
+"""Byte constants, dtype sizes and formatting. Bytes inside, GiB (2**30) at the edge.
+
+Imports nothing from memplan.
+"""
+from __future__ import annotations
+
+import re
+
+KiB = 2**10
+MiB = 2**20
+GiB = 2**30
+GB = 10**9
+
+#: Bytes per element of each dtype name used across memplan (torch's element sizes).
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4,
+    "fp16": 2,
+    "bf16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "int64": 8,
+    "nf4": 0.5,  # two 4-bit codes packed per uint8 (bitsandbytes Params4bit)
+    "fp4": 0.5,
+}
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of `dtype` (one of DTYPE_BYTES)."""
+    return DTYPE_BYTES[dtype]
+
+
+def fmt_gib(n_bytes: float, digits: int = 2) -> str:
+    """Format bytes as GiB, e.g. ``fmt_gib(3 * 2**30) == '3.00 GiB'``."""
+    return f"{n_bytes / GiB:.{digits}f} GiB"
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": GiB, "b": 1,
+    "k": KiB, "kb": 10**3, "kib": KiB,
+    "m": MiB, "mb": 10**6, "mib": MiB,
+    "g": GiB, "gb": GB, "gib": GiB,
+    "t": 2**40, "tb": 10**12, "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse a memory size: '12GiB', '12 GB' (10**9), '24g' (GiB), '16000MiB', a bare number = GiB.
+
+    Raises ValueError with the accepted forms when the text is not a size.
+    """
+    m = _SIZE_RE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size; use e.g. 12GiB, 12GB (=10^9 bytes), 16000MiB")
+    value = float(m.group(1))
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value * _SIZE_UNITS[unit])
