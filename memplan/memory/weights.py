@@ -42,27 +42,35 @@ def _added_token_bytes(ctx: Ctx) -> int:
     return n * ctx.spec.arch.hidden_size * copies
 
 
-def quant_state_bytes(ctx: Ctx) -> int:
-    """Quantization metadata of every quantized Linear.
+def alloc_bytes(n: float) -> int:
+    """Bytes the CUDA caching allocator hands out for an n-byte tensor: rounded up to 512 B (kMinBlockSize,
+    c10/cuda/CUDACachingAllocator.cpp round_size); torch.cuda.max_memory_allocated counts these rounded sizes."""
+    return int(-(-int(n) // 512) * 512)
 
-    nf4/fp4: absmax fp32 per 64 weights (numel/16 B); double quant: uint8 per 64 weights + fp32 per 256 blocks
-    + 256-entry fp32 code table (1 KiB) per tensor. int8: one fp32 row scale per output feature.
-    """
+
+def nf4_state_bytes(numel: int, double_quant: bool) -> int:
+    """Metadata of one 4-bit weight: fp32 absmax per 64 weights; with double quant uint8 absmax per 64 weights +
+    fp32 absmax per 256 of those blocks + an fp32 offset (the 256-entry code table is shared, see quant_state_bytes)."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    if not double_quant:
+        return alloc_bytes(blocks * 4)
+    return alloc_bytes(blocks) + alloc_bytes(math.ceil(blocks / NESTED_BLOCK) * 4) + alloc_bytes(4)
+
+
+def quant_state_bytes(ctx: Ctx) -> int:
+    """Quantization metadata of every quantized Linear (nf4_state_bytes per tensor; int8: one fp32 row scale per
+    output feature), plus bitsandbytes' shared 256-entry fp32 dynamic code table used by double quant."""
     s = ctx.setup
     total = 0
     for m in ctx.spec.linears:
         if m.name not in ctx.quantized:
             continue
-        n = m.in_features * m.out_features
         if s.quant == "int8":
-            total += m.out_features * INT8_ROW_SCALE_BYTES
-            continue
-        blocks = math.ceil(n / NF4_BLOCK)
-        if s.double_quant:
-            total += blocks + math.ceil(blocks / NESTED_BLOCK) * 4 + 256 * 4 + 4
+            total += alloc_bytes(m.out_features * INT8_ROW_SCALE_BYTES)
         else:
-            total += blocks * 4
-    return total
+            total += nf4_state_bytes(m.in_features * m.out_features, s.double_quant)
+    shared_code = alloc_bytes(256 * 4) if s.double_quant and total else 0
+    return total + shared_code
 
 
 def lora_numel(ctx: Ctx) -> int:

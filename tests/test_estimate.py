@@ -1,0 +1,164 @@
+"""Estimator tests: hand-derived component numbers on a hand-built tiny Llama (tests/conftest.py), phase logic,
+and properties (hypothesis) that must hold for any model and setup."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.estimate import estimate
+from memplan.memory.overhead import CUBLAS_WORKSPACE_BYTES
+from memplan.memory.optimizer import _bnb8_state
+from memplan.memory.weights import NF4_BLOCK, nf4_state_bytes
+from memplan.setup import Setup
+
+TOTAL = 202_048  # tiny_llama numel: 2 x 64,000 (embed, lm_head) + 2 x 36,992 (layers) + 64 (final norm)
+
+
+def test_weights_and_adamw_fp32_full(tiny):
+    e = estimate(tiny, technique="full", precision="fp32", optimizer="adamw", batch_size=1, seq_len=8)
+    c = e.components if e.peak_phase == "optimizer_step" else None
+    assert e.params_total == TOTAL and e.params_trainable == TOTAL
+    step = estimate(tiny, technique="full", precision="fp32", optimizer="adamw", batch_size=1, seq_len=8)
+    # optimizer_step phase: weights 4 B + grads 4 B + exp_avg/exp_avg_sq 8 B + foreach sqrt buffer 4 B per param
+    assert step.phases["optimizer_step"] == TOTAL * (4 + 4 + 8 + 4) + CUBLAS_WORKSPACE_BYTES
+    assert c is None or c["optimizer_temporaries"] == TOTAL * 4
+
+
+def test_lora_pure_bf16_hand_derived(tiny):
+    # LoRA r=8 on peft's llama defaults q_proj, v_proj; weights bf16; batch 2 x seq 8 = 16 tokens; sdpa.
+    e = estimate(tiny, technique="lora", precision="bf16", batch_size=2, seq_len=8, attn_impl="sdpa")
+    lora_params = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # r*(in+out) for q (64->64) and v (64->32), 2 layers
+    assert e.params_trainable == lora_params == 3_584
+    comp = e.components
+    assert comp["weights"] == TOTAL * 2
+    assert comp["lora_adapters"] == lora_params * 4  # peft upcasts adapters to fp32
+    assert comp["optimizer_state"] == lora_params * 8  # AdamW m, v in fp32
+    # Per block per token: 2 RMSNorms x fp32 input 4h (256 each) + 2 LoRA branches x (fp32 copy 4h + [t,r] fp32 32)
+    # + sdpa q,k,v,out (2*64 + 2*32)*2 B + logsumexp 4 heads x 4 B + SwiGLU gate/up/act 3 x 128 x 2 B = 2,256 B.
+    per_block = 16 * (512 + 2 * (256 + 32) + ((2 * 64 + 2 * 32) * 2 + 16) + 768)
+    final_norm = 16 * 256
+    assert comp["activations"] == 2 * per_block + final_norm == 76_288
+    # Peak at the start of backward: saved log_softmax + two fp32 grads of [16 tokens, 1000 vocab].
+    assert e.peak_phase == "backward_start"
+    assert comp["logits"] == 12 * 16 * 1000
+    assert e.peak_allocated_bytes == TOTAL * 2 + lora_params * (4 + 8) + 76_288 + 192_000 + CUBLAS_WORKSPACE_BYTES
+
+
+def test_bnb_8bit_state_rule():
+    # bitsandbytes Optimizer2State.init_state: uint8 state1/state2 + fp32 absmax per 256 block; < 4096 elems -> fp32.
+    assert _bnb8_state((4096,), 4) == 2 * (4096 + 16 * 4)
+    assert _bnb8_state((64, 63), 4) == 2 * 64 * 63 * 4
+
+
+def test_qlora_nf4_weights_and_state(tiny):
+    plain = estimate(tiny, technique="qlora", precision="bf16", batch_size=1, seq_len=8)
+    dq = estimate(tiny, technique="qlora", precision="bf16", double_quant=True, batch_size=1, seq_len=8)
+    quantized = 2 * 36_864  # every block Linear; lm_head stays unquantized
+    others = TOTAL - quantized
+    # prepare_model_for_kbit_training keeps non-quantized params in fp32; 4-bit packs two weights per byte.
+    assert plain.components["weights"] == others * 4 + quantized // 2
+    # fp32 absmax per 64 weights, each tensor's allocation rounded up to 512 B by the caching allocator
+    per_tensor = [max(512, n // NF4_BLOCK * 4) for n in (4096, 2048, 2048, 4096, 8192, 8192, 8192)] * 2
+    assert plain.components["quant_state"] == sum(per_tensor)
+    assert dq.components["quant_state"] > 0
+
+
+def test_double_quant_metadata_4096x4096():
+    # QLoRA paper sec. 3 (arXiv:2305.14314): absmax 32 bit per 64 weights -> 8 bit + 32 bit per 256 blocks.
+    n = 4096 * 4096
+    assert nf4_state_bytes(n, False) == n // 64 * 4  # 1 MiB
+    assert nf4_state_bytes(n, True) == n // 64 + (n // 64 // 256) * 4 + 512
+
+
+def test_grad_accum_keeps_gradients_in_forward(tiny):
+    one = estimate(tiny, precision="bf16", batch_size=2, seq_len=8)
+    four = estimate(tiny, precision="bf16", batch_size=2, seq_len=8, grad_accum=4)
+    assert four.phases["forward"] - one.phases["forward"] == TOTAL * 2
+
+
+def test_paged_optimizer_outside_allocator(tiny):
+    e = estimate(tiny, technique="lora", optimizer="paged-adamw-8bit", batch_size=1, seq_len=8)
+    assert e.components["optimizer_state"] == 0
+    assert e.components["paged_optimizer_state"] > 0
+    assert e.device_total_bytes > e.peak_reserved_bytes + e.components["cuda_context"]
+
+
+def test_inference_kv_cache(tiny):
+    e = estimate(tiny, mode="infer", precision="bf16", batch_size=2, prompt_len=10, new_tokens=5)
+    # DynamicCache: 2 layers x K,V x [b=2, kv_heads=2, 10 + 5 - 1, 16] x 2 B
+    kv = 2 * 2 * 2 * 2 * 14 * 16 * 2
+    assert e.phases["decode"] >= TOTAL * 2 + kv
+    assert e.params_trainable == 0
+
+
+def test_errors_are_reported_together(tiny):
+    from memplan.errors import BadInput
+    with pytest.raises(BadInput) as info:
+        estimate(tiny, seq_len=5000, target_len=4)
+    msg = str(info.value)
+    assert "max_position_embeddings" in msg and "target_len" in msg
+
+
+def test_estimate_module_is_torch_free():
+    code = "import memplan.estimate, memplan.setup, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------- properties ----------
+techniques = st.sampled_from(["full", "lora", "qlora", "freeze"])
+precisions = st.sampled_from(["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16"])
+optimizers = st.sampled_from(["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"])
+attn = st.sampled_from(["eager", "sdpa"])
+
+
+def _setup(technique, precision, optimizer, impl, ckpt, batch, seq):
+    return Setup(technique=technique, precision=precision, optimizer=optimizer, attn_impl=impl, grad_ckpt=ckpt,
+                 batch_size=batch, seq_len=seq)
+
+
+@settings(max_examples=150, deadline=None)
+@given(techniques, precisions, optimizers, attn, st.booleans(), st.integers(1, 32), st.integers(1, 2048))
+def test_monotone_in_batch_and_seq(technique, precision, optimizer, impl, ckpt, batch, seq):
+    from tests.conftest import tiny_llama
+    spec = tiny_llama()
+    base = estimate(spec, _setup(technique, precision, optimizer, impl, ckpt, batch, seq))
+    more_b = estimate(spec, _setup(technique, precision, optimizer, impl, ckpt, batch + 1, seq))
+    more_s = estimate(spec, _setup(technique, precision, optimizer, impl, ckpt, batch, seq + 1))
+    for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
+        assert getattr(more_b, field) >= getattr(base, field)
+        assert getattr(more_s, field) >= getattr(base, field)
+
+
+@settings(max_examples=100, deadline=None)
+@given(techniques, precisions, optimizers, attn, st.integers(1, 16), st.integers(1, 1024))
+def test_checkpointing_never_adds_activations(technique, precision, optimizer, impl, batch, seq):
+    from tests.conftest import tiny_llama
+    spec = tiny_llama()
+    off = estimate(spec, _setup(technique, precision, optimizer, impl, False, batch, seq))
+    on = estimate(spec, _setup(technique, precision, optimizer, impl, True, batch, seq))
+    assert on.phases["forward"] <= off.phases["forward"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(precisions, optimizers, attn, st.booleans(), st.integers(1, 16), st.integers(1, 1024))
+def test_lora_never_exceeds_full(precision, optimizer, impl, ckpt, batch, seq):
+    from tests.conftest import tiny_llama
+    spec = tiny_llama()
+    full = estimate(spec, _setup("full", precision, optimizer, impl, ckpt, batch, seq))
+    lora = estimate(spec, _setup("lora", precision, optimizer, impl, ckpt, batch, seq))
+    assert lora.peak_allocated_bytes <= full.peak_allocated_bytes
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(["bf16", "fp16"]), st.integers(1, 8), st.integers(1, 512))
+def test_quantized_weights_order(precision, batch, seq):
+    from tests.conftest import tiny_llama
+    spec = tiny_llama()
+    w = {q: estimate(spec, mode="infer", precision=precision, quant=q, batch_size=batch, prompt_len=seq,
+                     new_tokens=1).components["weights"] for q in ("nf4", "int8", None)}
+    assert w["nf4"] <= w["int8"] <= w[None]
