@@ -38,27 +38,37 @@ def _trains(ctx: Ctx, name: str) -> bool:
 
 
 def _input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
-    """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements."""
+    """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements: the trained
+    Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA branch."""
     c = ctx.compute_bytes
     cast = in_bytes != c
     trained = sum(1 for m in members if _trains(ctx, m.name))
-    shared = 0.0
-    if trained:
-        shared = trained * in_dim * c if cast else in_dim * c
-    return shared + sum(_lora_saves(ctx, in_dim, in_bytes) for m in members if m.name in lora_names)
+    shared_saved = trained > 0 and not cast
+    saved = (trained * in_dim * c if cast else in_dim * c) if trained else 0.0
+    for m in members:
+        if m.name in lora_names:
+            branch, shares_input = _lora_saves(ctx, in_dim, in_bytes)
+            saved += branch
+            if shares_input and not shared_saved:
+                saved += in_dim * in_bytes  # the shared input itself, saved once by the first lora_A
+                shared_saved = True
+    return saved
 
 
-def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> float:
-    """One LoRA branch: peft casts x to the fp32 adapter dtype (lora/layer.py Linear.forward `_cast_input_dtype`), or
-    under autocast lora_A casts it to the compute dtype; lora_A saves that input, lora_B saves [t, r]. Dropout > 0
-    adds a 1-byte mask and a dropped copy."""
+def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
+    """One LoRA branch -> (bytes per token, whether it saves the layer's own input tensor instead of a copy).
+
+    peft casts x to the fp32 adapter dtype (lora/layer.py Linear.forward `_cast_input_dtype`), or under autocast
+    lora_A casts it to the compute dtype: a copy per branch that lora_A saves. An fp32 input with no dropout is
+    saved as is (shared by all branches on that input). lora_B saves [t, r]. Dropout > 0 adds a 1-byte mask and
+    a dropped copy per branch."""
     s = ctx.setup
     xb = ctx.compute_bytes if ctx.mixed else 4
     own_copy = ctx.mixed or in_bytes != 4 or s.lora_dropout > 0
     x = in_dim * xb if own_copy else 0.0
     if s.lora_dropout > 0:
         x += in_dim
-    return x + s.lora_r * xb
+    return x + s.lora_r * xb, not own_copy
 
 
 def _norm_bytes(ctx: Ctx, h: int, trains: bool) -> float:
@@ -116,8 +126,12 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     per_tok += tok_core
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     for m in by_slot.get("attn_out", []):
-        per_tok += (q_dim * c if eager and _trains(ctx, m.name) else 0) + (
-            _lora_saves(ctx, m.in_features, c) if m.name in lora_names else 0)
+        saved_input = eager and _trains(ctx, m.name)
+        per_tok += q_dim * c if saved_input else 0
+        if m.name in lora_names:
+            branch, shares = _lora_saves(ctx, m.in_features, c)
+            # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
+            per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
     per_tok += _mlp_bytes(ctx, by_slot, lora_names)
     for m in by_slot.get("other", []):
         per_tok += m.in_features * c if _trains(ctx, m.name) else 0
@@ -138,7 +152,11 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     k = a.experts_per_token if a.num_experts else 1
     outs = by_slot.get("mlp_out", [])
     down_trains = any(_trains(ctx, m.name) for m in outs)
-    down_lora = sum(_lora_saves(ctx, m.in_features, c) for m in outs if m.name in lora_names)
+    down_lora = 0.0
+    for m in outs:
+        if m.name in lora_names:
+            branch, shares = _lora_saves(ctx, m.in_features, c)
+            down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
     if a.num_experts and outs:
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
     if a.mlp_gated:
@@ -170,15 +188,32 @@ def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
 
 
 def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
-    """[(full saved bytes, checkpointed bytes)] for every block. A checkpointed block keeps only its input
-    (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses)."""
+    """[(full saved bytes, checkpointed bytes)] for every block, in execution order. A checkpointed block keeps
+    only its input (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses).
+
+    Blocks that run before anything trainable save nothing: with frozen embeddings no gradient flows below the
+    first trainable block (layer freezing saves all lower blocks' activations), and in the first LoRA block the
+    input norm runs before any adapter.
+    """
     lora_names = {m.name for m in ctx.lora}
+    lora_blocks = {(m.stack, m.block) for m in ctx.lora}
     trained_blocks = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
+    live = any(p.block is None and p.role in ("embedding", "pos_embedding") and p.name in ctx.trainable
+               for p in ctx.spec.params)
+    h = ctx.spec.arch.hidden_size
     out = []
     for blk in blocks(ctx.spec):
+        key = (blk.stack, blk.index)
         tokens, seqs = stack_tokens(ctx, blk.stack)
-        full = block_bytes(ctx, blk, tokens, seqs, lora_names, (blk.stack, blk.index) in trained_blocks)
-        out.append((full, tokens * ctx.spec.arch.hidden_size * ctx.residual_bytes))
+        starts_here = not live and (key in trained_blocks or key in lora_blocks)
+        live = live or starts_here
+        if not live:
+            out.append((0.0, 0.0))
+            continue
+        full = block_bytes(ctx, blk, tokens, seqs, lora_names, key in trained_blocks)
+        if starts_here and key not in trained_blocks:
+            full -= _norm_bytes(ctx, h, False) * tokens
+        out.append((full, tokens * h * ctx.residual_bytes))
     return out
 
 
