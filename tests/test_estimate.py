@@ -40,12 +40,14 @@ def test_lora_pure_bf16_hand_derived(tiny):
     # Per block per token: 2 RMSNorms x fp32 input 4h (256 each) + 2 LoRA branches x (fp32 copy 4h + [t,r] fp32 32)
     # + sdpa q,k,v,out (2*64 + 2*32)*2 B + logsumexp 4 heads x 4 B + SwiGLU gate/up/act 3 x 128 x 2 B = 2,256 B.
     per_block = 16 * (512 + 2 * (256 + 32) + ((2 * 64 + 2 * 32) * 2 + 16) + 768)
+    # Embeddings are frozen: block 0's input norm runs before any adapter and saves nothing.
+    first_norm = 16 * 256
     final_norm = 16 * 256
-    assert comp["activations"] == 2 * per_block + final_norm == 76_288
+    assert comp["activations"] == 2 * per_block - first_norm + final_norm == 72_192
     # Peak at the start of backward: saved log_softmax + two fp32 grads of [16 tokens, 1000 vocab].
     assert e.peak_phase == "backward_start"
     assert comp["logits"] == 12 * 16 * 1000
-    assert e.peak_allocated_bytes == TOTAL * 2 + lora_params * (4 + 8) + 76_288 + 192_000 + CUBLAS_WORKSPACE_BYTES
+    assert e.peak_allocated_bytes == TOTAL * 2 + lora_params * (4 + 8) + 72_192 + 192_000 + CUBLAS_WORKSPACE_BYTES
 
 
 def test_bnb_8bit_state_rule():
@@ -144,11 +146,14 @@ def test_checkpointing_never_adds_activations(technique, precision, optimizer, i
     assert on.phases["forward"] <= off.phases["forward"]
 
 
-@settings(max_examples=100, deadline=None)
-@given(precisions, optimizers, attn, st.booleans(), st.integers(1, 16), st.integers(1, 1024))
-def test_lora_never_exceeds_full(precision, optimizer, impl, ckpt, batch, seq):
-    from tests.conftest import tiny_llama
-    spec = tiny_llama()
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["openai-community/gpt2", "meta-llama/Llama-3.2-1B", "google-t5/t5-small"]),
+       precisions, optimizers, attn, st.booleans(), st.integers(1, 16), st.integers(1, 1024))
+def test_lora_never_exceeds_full(model, precision, optimizer, impl, ckpt, batch, seq):
+    # On real models (not the tiny spec, whose weights are smaller than one batch of activations: there LoRA's
+    # fp32 input copies can legitimately outweigh full fine-tuning's gradients).
+    from memplan.models import load_spec
+    spec = load_spec(model)
     full = estimate(spec, _setup("full", precision, optimizer, impl, ckpt, batch, seq))
     lora = estimate(spec, _setup("lora", precision, optimizer, impl, ckpt, batch, seq))
     assert lora.peak_allocated_bytes <= full.peak_allocated_bytes
