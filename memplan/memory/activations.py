@@ -13,10 +13,16 @@ from __future__ import annotations
 from memplan.memory.context import Ctx
 from memplan.memory.layout import BlockLayout, blocks
 
-#: families whose eager attention computes softmax in fp32 explicitly (softmax(..., dtype=torch.float32)
-#: in e.g. transformers/models/llama/modeling_llama.py eager_attention_forward) and casts back: fp32 probs + a copy.
-SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "t5", "mt5", "falcon",
-                "gpt_neox", "opt"}
+#: families whose eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy):
+#: `softmax(..., dtype=torch.float32).to(query.dtype)` in transformers 5.23 llama (and the families that copy its
+#: eager_attention_forward), opt, gpt_neox, phi, bloom, gpt_bigcode. gpt2, bert, bart, t5 and falcon call softmax
+#: in the input dtype (their modeling_*.py eager paths).
+SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "opt", "gpt_neox",
+                "bloom", "gpt_bigcode"}
+
+#: families with a learned relative position bias passed to every attention layer of a stack as one
+#: [b, heads, q, k] float tensor (T5Attention.compute_bias + mask), kept for backward by sdpa's efficient kernel.
+POSITION_BIAS = {"t5", "mt5"}
 
 #: activation -> bytes saved per element of its input, as f(c) for compute bytes c; `mixed` variant under autocast.
 #: gelu/silu/relu (one ATen op): the input (or output) only. gelu_new (transformers NewGELUActivation, five python
@@ -230,4 +236,16 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     if a.hidden_dropout > 0:
         per_tok += h
     stacks = 2 if a.kind == "seq2seq" else 1
-    return per_tok * tokens * stacks
+    return per_tok * tokens * stacks + position_bias_bytes(ctx)
+
+
+def position_bias_bytes(ctx: Ctx) -> float:
+    """T5/mT5: one position-bias tensor per attention kind (encoder self, decoder self, decoder cross), shared by
+    all layers of its stack: b x heads x q_len x k_len in the residual dtype (computed from fp32 or model-dtype
+    embedding weights)."""
+    a = ctx.spec.arch
+    if a.model_type not in POSITION_BIAS:
+        return 0.0
+    b, src, tgt = ctx.setup.batch_size, ctx.src_len, ctx.tgt_len
+    pairs = [(src, src)] + ([(tgt, tgt), (tgt, src)] if a.kind == "seq2seq" else [])
+    return sum(b * a.num_heads * q * k * ctx.residual_bytes for q, k in pairs)
