@@ -1,0 +1,260 @@
+"""Build a ModelSpec from a config by instantiating the real transformers class on the meta device (lazy torch).
+
+Counting, not guessing: every unique parameter of the real module tree is recorded with its shape and role
+(accelerate `init_empty_weights` + `tie_weights()`, as accelerate's estimate-memory does).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from memplan.errors import BadInput
+from memplan.spec import Arch, Linear, ModelSpec, Param
+
+_BLOCK_RE = re.compile(r"\.(?:layers|layer|h|block|blocks)\.(\d+)\.")
+
+
+def write_json_atomic(path: Path, data, indent: int | None = None) -> None:
+    """Write JSON to a temp file beside `path`, then rename it over `path` (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=indent, separators=(",", ":") if indent is None else None)
+        f.write("\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _auto_class(config_dict: dict, config):
+    import transformers as tf
+
+    arch = (config_dict.get("architectures") or [""])[0]
+    order = [tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM]
+    if "ConditionalGeneration" in arch or config.is_encoder_decoder:
+        order = [tf.AutoModelForSeq2SeqLM] + order
+    elif "MaskedLM" in arch or "PreTraining" in arch or config.model_type in ("bert", "roberta"):
+        order = [tf.AutoModelForMaskedLM] + order
+    for cls in order:
+        if type(config) in cls._model_mapping:
+            return cls
+    raise BadInput(f"transformers has no causal-LM, seq2seq-LM or masked-LM class for model type "
+                   f"{config.model_type!r}; memplan supports decoder, encoder-decoder and encoder language models")
+
+
+def _check_remote_code(d: dict, trust_remote_code: bool) -> None:
+    from transformers import CONFIG_MAPPING
+
+    # transformers uses its own class when it knows the model_type, ignoring a legacy auto_map (phi-2 ships one)
+    if d.get("model_type") not in CONFIG_MAPPING and not trust_remote_code:
+        raise BadInput(f"model_type {d.get('model_type')!r} is not built into transformers: its code lives in the "
+                       "model's repository; memplan never runs remote code unless you pass --trust-remote-code")
+
+
+def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_remote_code: bool = False) -> ModelSpec:
+    """Instantiate `config_dict` on the meta device and record its exact inventory."""
+    _check_remote_code(config_dict, trust_remote_code)
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    d = {k: v for k, v in config_dict.items() if k not in ("transformers_version", "_name_or_path")}
+    try:
+        if d.get("model_type") in transformers.CONFIG_MAPPING:
+            config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "auto_map"})
+        else:
+            config = transformers.AutoConfig.from_pretrained(str(Path(config_file).parent), trust_remote_code=True)
+    except (TypeError, ValueError, KeyError) as e:
+        raise BadInput(f"{config_file or model_id}: transformers rejects this config: {e}") from None
+    cls = _auto_class(config_dict, config)
+    with init_empty_weights():
+        model = cls.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()
+    params, tied = _params(model, torch)
+    params, tied = _honour_untied_file(config_dict, model, params, tied)
+    linears = _linears(model, torch)
+    arch = _arch(config, config_dict, model, cls.__name__, linears)
+    return ModelSpec(model_id=model_id, arch=arch, params=tuple(params), linears=tuple(linears), tied=tuple(tied),
+                     config_file=config_file, transformers_version=transformers.__version__)
+
+
+def _stack(name: str, model) -> str | None:
+    if model.config.is_encoder_decoder:
+        return "encoder" if "encoder." in name else ("decoder" if "decoder." in name else None)
+    if _BLOCK_RE.search(name) is None:
+        return None
+    return "encoder" if _is_encoder_only(model) else "decoder"
+
+
+def _is_encoder_only(model) -> bool:
+    return not model.config.is_encoder_decoder and not getattr(model.config, "is_decoder", False) and \
+        "MaskedLM" in type(model).__name__
+
+
+def _role(pname: str, module, model, torch) -> str:
+    leaf = pname.rsplit(".", 1)[-1]
+    kind = type(module).__name__
+    if leaf == "bias":
+        return "bias"
+    if module is model.get_output_embeddings():
+        return "lm_head"
+    if isinstance(module, torch.nn.Embedding):
+        return "embedding" if module is model.get_input_embeddings() else "pos_embedding"
+    if "Norm" in kind:
+        return "norm"
+    if isinstance(module, torch.nn.Linear) or kind == "Conv1D":
+        return "linear"
+    return "expert" if "expert" in pname.lower() else "other"
+
+
+def _params(model, torch):
+    owners = {}
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            owners.setdefault(f"{mname}.{pname}" if mname else pname, module)
+    seen, params, tied = {}, [], []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.append((name, seen[id(p)]))
+            continue
+        seen[id(p)] = name
+        m = _BLOCK_RE.search(name)
+        params.append(Param(name, tuple(p.shape), _role(name, owners[name], model, torch),
+                            int(m.group(1)) if m else None, _stack(name, model)))
+    return params, tied
+
+
+def _honour_untied_file(d: dict, model, params, tied):
+    """transformers 5.23 ties T5/mT5 embeddings even when the config file says tie_word_embeddings: false
+    (SOURCES.md: flan-t5-xl, T0_3B, mt0-xxl would undercount by vocab x d_model). Follow the file: the checkpoint
+    ships a separate lm_head."""
+    if d.get("tie_word_embeddings", True) is not False:
+        return params, tied
+    out = model.get_output_embeddings()
+    head = next((alias for alias, target in tied if out is not None and alias.startswith(_module_name(model, out))), None)
+    if head is None:
+        return params, tied
+    target = dict(tied)[head]
+    shape = next(p.shape for p in params if p.name == target)
+    return params + [Param(head, shape, "lm_head")], [t for t in tied if t[0] != head]
+
+
+def _module_name(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def _linears(model, torch):
+    out_emb = model.get_output_embeddings()
+    rows = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if not (isinstance(module, torch.nn.Linear) or kind == "Conv1D"):
+            continue
+        w = module.weight
+        fin, fout = (w.shape[0], w.shape[1]) if kind == "Conv1D" else (w.shape[1], w.shape[0])
+        m = _BLOCK_RE.search(name + ".")
+        rows.append(Linear(name, int(fin), int(fout), module.bias is not None, int(m.group(1)) if m else None,
+                           _stack(name + ".", model), "conv1d" if kind == "Conv1D" else "linear",
+                           module is out_emb))
+    return rows
+
+
+def _first(config, *names, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _intermediate(config, linears, hidden: int) -> int:
+    """Width of the MLP: the out_features of the first block's MLP input Linear (gate_up fused: half), else the
+    config's intermediate size (fused MoE experts are not Linears)."""
+    from memplan.memory.layout import slot
+
+    for m in linears:
+        if m.block is not None and slot(m) == "mlp_in":
+            return m.out_features // 2 if m.short_name == "gate_up_proj" else m.out_features
+    return int(_first(config, "intermediate_size", "moe_intermediate_size", "n_inner", "d_ff", "ffn_dim",
+                      default=4 * hidden))
+
+
+_GATED = {"gate_proj", "wi_0", "w1", "gate_up_proj"}
+
+
+def _activation(config) -> str:
+    act = _first(config, "hidden_act", "activation_function", "dense_act_fn", "hidden_activation", default="gelu")
+    return str(act).removeprefix("gated-")
+
+
+def _parallel(config) -> bool:
+    mt = config.model_type
+    if mt == "falcon":
+        return bool(getattr(config, "parallel_attn", True) or getattr(config, "new_decoder_architecture", False))
+    if mt == "gpt_neox":
+        return bool(getattr(config, "use_parallel_residual", True))
+    return mt in ("phi", "gptj", "cohere")
+
+
+def _kv_heads(config, heads: int) -> int:
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1  # falcon-7b / gpt_bigcode multi-query attention
+    return int(_first(config, "num_key_value_heads", "num_kv_heads", default=heads) or heads)
+
+
+def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as LORA_DEFAULTS
+
+    hidden = int(_first(config, "hidden_size", "d_model", "n_embd"))
+    heads = int(_first(config, "num_attention_heads", "num_heads", "n_head"))
+    enc = model.config.is_encoder_decoder
+    layers = int(_first(config, "num_hidden_layers", "num_layers", "n_layer"))
+    dec_layers = int(_first(config, "num_decoder_layers", "decoder_layers", default=layers)) if enc else layers
+    kind = "seq2seq" if enc else ("encoder" if _is_encoder_only(model) else "causal")
+    norms = {type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}
+    return Arch(
+        kind=kind, model_type=config.model_type, auto_class=auto_class, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=_kv_heads(config, heads), head_dim=int(_first(config, "head_dim", "d_kv", default=hidden // heads)),
+        intermediate_size=_intermediate(config, linears, hidden), vocab_size=model.get_input_embeddings().num_embeddings,
+        num_encoder_layers=(int(_first(config, "encoder_layers", "num_layers", default=layers)) if enc else
+                            (layers if kind == "encoder" else 0)),
+        num_decoder_layers=dec_layers if kind != "encoder" else 0,
+        mlp_gated=any(m.short_name in _GATED for m in linears) or bool(getattr(config, "is_gated_act", False))
+        or bool(getattr(config, "num_local_experts", 0)),
+        hidden_act=_activation(config),
+        norm="rmsnorm" if any("RMS" in n or n == "T5LayerNorm" for n in norms) else "layernorm",
+        max_positions=_max_positions(config),
+        tie_word_embeddings=any(a.endswith(".weight") for a, _ in _tied_pairs(model)),
+        num_experts=int(_first(config, "num_local_experts", "num_experts", default=0) or 0),
+        experts_per_token=int(_first(config, "num_experts_per_tok", default=0) or 0),
+        parallel_block=_parallel(config),
+        attn_dropout=float(_first(config, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
+                                  "dropout_rate", default=0.0) or 0.0),
+        hidden_dropout=float(_first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
+                                    "dropout_rate", default=0.0) or 0.0),
+        sliding_window=_first(config, "sliding_window"),
+        has_lm_head=model.get_output_embeddings() is not None,
+        supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
+        supports_flash=bool(getattr(model, "_supports_flash_attn", False)),
+        default_attn_impl="sdpa" if getattr(model, "_supports_sdpa", False) else "eager",
+        lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
+    )
+
+
+def _max_positions(config) -> int | None:
+    """Longest sequence the position scheme allows: learned/rotary tables set it; T5's relative buckets and
+    BLOOM's ALiBi have no table (T5 configs carry a legacy n_positions=512 that nothing enforces)."""
+    if config.model_type in ("t5", "mt5", "bloom"):
+        return None
+    return _first(config, "max_position_embeddings", "n_positions")
+
+
+def _tied_pairs(model):
+    seen, pairs = {}, []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            pairs.append((name, seen[id(p)]))
+        seen.setdefault(id(p), name)
+    return pairs

@@ -1,0 +1,89 @@
+"""Which parameters train and which Linears are LoRA'd or quantized, mirroring peft and transformers (pure)."""
+from __future__ import annotations
+
+import fnmatch
+
+from memplan.errors import BadInput, not_found
+from memplan.spec import Linear, ModelSpec, Param
+
+
+def _matches(name: str, target: str) -> bool:
+    """peft's string rule (tuners_utils.check_target_module_exists): exact module name or a '.'-suffix of it."""
+    return name == target or name.endswith("." + target)
+
+
+def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
+    """Linears peft's LoraConfig(target_modules=targets) wraps.
+
+    None: peft's default for the model type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, recorded in the
+    inventory). "all-linear": every Linear/Conv1D except the output embedding (peft
+    `_maybe_include_all_linear_layers`). A name that matches no module is an error listing the available names.
+    """
+    if targets is None:
+        targets = spec.arch.lora_default_targets
+        if not targets:
+            raise BadInput(f"peft has no default LoRA target modules for model type {spec.arch.model_type!r}; "
+                           "pass --lora-targets (module names, or all-linear)")
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        return tuple(m for m in spec.linears if not m.is_output)
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    chosen = tuple(m for m in spec.linears if any(_matches(m.name, t) for t in targets))
+    missing = [t for t in targets if not any(_matches(m.name, t) for m in spec.linears)]
+    if missing:
+        names = sorted({m.short_name for m in spec.linears})
+        raise not_found("LoRA target", ", ".join(missing), names,
+                        f"{spec.model_id} has these Linear modules: {', '.join(names)} (or use all-linear).")
+    return chosen
+
+
+def lora_params(spec: ModelSpec, targets, r: int) -> int:
+    """Adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r])."""
+    return sum(r * (m.in_features + m.out_features) for m in lora_linears(spec, targets))
+
+
+def _last_blocks(spec: ModelSpec, n: int) -> tuple[Param, ...]:
+    """Parameters of the last n blocks of the stack that feeds the head: the decoder for causal LMs and
+    encoder-decoders, the encoder for encoder-only models."""
+    stack = "encoder" if spec.arch.kind == "encoder" else "decoder"
+    indices = sorted({p.block for p in spec.params if p.block is not None and p.stack == stack})
+    keep = set(indices[-n:])
+    return tuple(p for p in spec.params if p.stack == stack and p.block in keep)
+
+
+def _by_patterns(spec: ModelSpec, patterns: tuple[str, ...]) -> tuple[Param, ...]:
+    """Parameters whose name contains a pattern or matches it as a glob."""
+    def hit(name: str, pat: str) -> bool:
+        return pat in name or fnmatch.fnmatchcase(name, pat)
+
+    missing = [pat for pat in patterns if not any(hit(p.name, pat) for p in spec.params)]
+    if missing:
+        sample = sorted({p.name.rsplit(".", 2)[0] for p in spec.params})[:12]
+        raise BadInput(f"--trainable pattern(s) {', '.join(map(repr, missing))} match no parameter of "
+                       f"{spec.model_id}; parameter names look like: {', '.join(sample)}")
+    return tuple(p for p in spec.params if any(hit(p.name, pat) for pat in patterns))
+
+
+def trainable_params(spec: ModelSpec, setup) -> tuple[Param, ...]:
+    """Base parameters that get gradients: all (full), none (lora/qlora: only the adapters train), or for freeze
+    `setup.trainable` = N (last N blocks), name patterns, or None (the last block)."""
+    if setup.technique == "full":
+        return spec.params
+    if setup.technique in ("lora", "qlora"):
+        return ()
+    t = setup.trainable
+    if t is None or isinstance(t, int):
+        return _last_blocks(spec, t or 1)
+    patterns = tuple(x.strip() for x in (t.split(",") if isinstance(t, str) else t) if x.strip())
+    if all(x.isdigit() for x in patterns):
+        return _last_blocks(spec, int(patterns[0]))
+    return _by_patterns(spec, patterns)
+
+
+def quantized_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    """Linears bitsandbytes replaces through transformers' BitsAndBytesConfig (integrations/bitsandbytes.py
+    replace_with_bnb_linear: nn.Linear and Conv1D) minus quantizers/base.py get_keys_to_not_convert: the output
+    embedding, tied weights and the module of the model's last parameter."""
+    tied = {name.removesuffix(".weight") for pair in spec.tied for name in pair}
+    last = spec.params[-1].name.rsplit(".", 1)[0] if spec.params else ""
+    return tuple(m for m in spec.linears if not m.is_output and m.name not in tied and m.name != last)
