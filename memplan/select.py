@@ -25,7 +25,7 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
             raise BadInput(f"peft has no default LoRA target modules for model type {spec.arch.model_type!r}; "
                            "pass --lora-targets (module names, or all-linear)")
     if isinstance(targets, str) and targets.lower() == "all-linear":
-        return tuple(m for m in spec.linears if not m.is_output)
+        return tuple(m for m in spec.linears if not m.is_output) + _moe_targets(spec)
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())
     chosen = tuple(m for m in spec.linears if any(_matches(m.name, t) for t in targets))
@@ -37,9 +37,28 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
     return chosen
 
 
+def _moe_targets(spec: ModelSpec) -> tuple[Linear, ...]:
+    """MoE layers that are not nn.Linear in transformers 5 (a router module with a [E, hidden] weight, fused
+    expert tensors [E, out, in]) but that peft 0.21 all-linear still adapts. Observed with get_peft_model on
+    Mixtral (tests/test_select.py): router lora_A [r, H] / lora_B [E, r]; experts lora_A [r*E*m, in] /
+    lora_B [out, r*E*m] with m = 2 for the fused gate_up_proj and 1 for down_proj."""
+    if not spec.arch.num_experts:
+        return ()
+    out = []
+    for p in spec.params:
+        if p.role == "other" and p.name.endswith(".gate.weight") and p.shape[0] == spec.arch.num_experts:
+            out.append(Linear(p.name.removesuffix(".weight"), p.shape[1], p.shape[0], False, p.block, p.stack,
+                              "router"))
+        elif p.role == "expert" and len(p.shape) == 3:
+            mult = p.shape[0] * (2 if p.name.endswith("gate_up_proj") else 1)
+            out.append(Linear(p.name, p.shape[2], p.shape[1], False, p.block, p.stack, "expert", False, mult))
+    return tuple(out)
+
+
 def lora_params(spec: ModelSpec, targets, r: int) -> int:
-    """Adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r])."""
-    return sum(r * (m.in_features + m.out_features) for m in lora_linears(spec, targets))
+    """Adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]); fused experts
+    use rank r x rank_mult."""
+    return sum(r * m.rank_mult * (m.in_features + m.out_features) for m in lora_linears(spec, targets))
 
 
 def _last_blocks(spec: ModelSpec, n: int) -> tuple[Param, ...]:

@@ -52,6 +52,7 @@ class Linear:
     stack: str | None = None
     kind: str = "linear"  # "linear" | "conv1d"
     is_output: bool = False  # the output embedding (lm_head): never LoRA'd by all-linear, never quantized
+    rank_mult: int = 1  # LoRA rank multiplier (fused MoE experts: peft gives each expert its own rank-r slice)
 
     @property
     def short_name(self) -> str:

@@ -20,8 +20,8 @@ def trainable_tensors(ctx: Ctx) -> Iterator[tuple[tuple[int, ...], int]]:
             yield p.shape, ctx.weight_bytes
     r = ctx.setup.lora_r
     for m in ctx.lora:
-        yield (r, m.in_features), 4
-        yield (m.out_features, r), 4
+        yield (r * m.rank_mult, m.in_features), 4
+        yield (m.out_features, r * m.rank_mult), 4
 
 
 def gradient_bytes(ctx: Ctx) -> int:

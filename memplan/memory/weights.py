@@ -76,7 +76,7 @@ def quant_state_bytes(ctx: Ctx) -> int:
 def lora_numel(ctx: Ctx) -> int:
     """LoRA adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]; arXiv:2106.09685)."""
     r = ctx.setup.lora_r
-    return sum(r * (m.in_features + m.out_features) for m in ctx.lora)
+    return sum(r * m.rank_mult * (m.in_features + m.out_features) for m in ctx.lora)
 
 
 def lora_bytes(ctx: Ctx) -> int:

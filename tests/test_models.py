@@ -1,0 +1,104 @@
+"""Catalog and inventory tests: published parameter totals, offline behaviour, bad configs, remote code."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memplan.errors import BadInput, NotFound, OfflineError
+from memplan.models import catalog_index, load_spec
+
+# Totals: memplan/data/models/SOURCES.md "published reference" / "computed params" columns (exact = the model card
+# or paper states the exact count; the others were checked there against the card within its tolerance).
+PUBLISHED = {
+    "openai-community/gpt2": 124_439_808,  # exact (HF)
+    "meta-llama/Llama-2-7b-hf": 6_738_415_616,  # exact
+    "EleutherAI/pythia-1b": 1_011_781_632,  # exact, Pythia paper
+    "bigscience/bloom-560m": 559_214_592,  # exact, model card
+    "bigscience/bloomz-7b1": 7_069_016_064,  # exact, BLOOM-7b1 card
+    "google-bert/bert-base-uncased": 109_514_298,  # card "110M"
+    "google/flan-t5-xl": 2_849_757_184,  # untied lm_head (file says tie_word_embeddings: false)
+    "bigscience/T0_3B": 2_849_757_184,  # untied lm_head
+    "bigscience/mt0-xxl": 12_921_057_280,  # untied lm_head, card "13B"
+    "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704,  # "46.7B total"
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,  # 8.03B
+    "Qwen/Qwen2.5-7B": 7_615_616_512,  # 7.61B
+    "meta-llama/Llama-3.2-1B": 1_235_814_400,  # 1.23B (tied embeddings)
+    "facebook/bart-large": 406_291_456,  # card "400M"
+}
+
+
+@pytest.mark.parametrize("model_id,total", sorted(PUBLISHED.items()))
+def test_published_totals(model_id, total):
+    assert load_spec(model_id).numel_total == total
+
+
+def test_catalog_covers_shared_configs_with_sources():
+    index = catalog_index()
+    assert len(index) >= 49
+    assert all(row["source"] for row in index.values()), "every catalog row needs a source (SOURCES.md)"
+
+
+@pytest.mark.parametrize("alias,target", [("gpt2", "openai-community/gpt2"), ("bert-base-uncased",
+                         "google-bert/bert-base-uncased"), ("t5-small", "google-t5/t5-small"),
+                         ("LLAMA-2-7B-HF", "meta-llama/Llama-2-7b-hf")])
+def test_legacy_and_bare_ids(alias, target):
+    assert load_spec(alias).model_id == target
+
+
+def test_catalog_lookup_imports_no_torch():
+    code = ("import sys; from memplan.models import load_spec; s = load_spec('meta-llama/Llama-2-7b-hf'); "
+            "print('torch' in sys.modules, s.numel_total)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "6738415616"]
+
+
+def test_roles_blocks_and_tying():
+    spec = load_spec("gpt2")
+    roles = {p.role for p in spec.params}
+    assert {"embedding", "pos_embedding", "linear", "bias", "norm"} <= roles
+    assert spec.tied == (("lm_head.weight", "transformer.wte.weight"),)
+    assert {p.block for p in spec.params if p.block is not None} == set(range(12))
+    c_attn = next(m for m in spec.linears if m.name == "transformer.h.0.attn.c_attn")
+    assert (c_attn.in_features, c_attn.out_features, c_attn.kind) == (768, 2304, "conv1d")
+    t5 = load_spec("google/flan-t5-xl")
+    assert any(p.role == "lm_head" for p in t5.params) and t5.arch.kind == "seq2seq"
+    assert {p.stack for p in t5.params if p.block is not None} == {"encoder", "decoder"}
+
+
+def test_unknown_model_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OfflineError) as info:
+        load_spec("someorg/llama-2-7b-hf-finetune")
+    assert "config.json" in str(info.value)
+    with pytest.raises(NotFound) as info:
+        load_spec("lama-2-7b")
+    assert "meta-llama/Llama-2-7b-hf" in str(info.value)
+
+
+def test_malformed_config_names_file_and_key(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 8,')
+    with pytest.raises(BadInput, match="config.json: not valid JSON"):
+        load_spec(bad)
+    bad.write_text('{"hidden_size": 8}')
+    with pytest.raises(BadInput, match="missing key 'model_type'"):
+        load_spec(tmp_path)
+
+
+def test_remote_code_refused(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "my_secret_arch", "auto_map": {"AutoConfig": "x.Cfg"}}))
+    with pytest.raises(BadInput, match="--trust-remote-code"):
+        load_spec(cfg)
+
+
+def test_local_config_matches_catalog(tmp_path):
+    src = json.loads((__import__("memplan.models").models.CONFIGS / "openai-community__gpt2.json").read_text())
+    src["n_layer"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(src))
+    spec = load_spec(tmp_path)
+    # gpt2 minus 10 blocks of 7,087,872 params each (12 x 7,087,872 + embeddings = 124,439,808)
+    assert spec.numel_total == 124_439_808 - 10 * 7_087_872

@@ -1,0 +1,88 @@
+"""LoRA targeting, freezing and quantized-module selection, checked against peft / transformers themselves."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memplan.errors import BadInput, NotFound
+from memplan.models import CONFIGS, load_spec
+from memplan.select import lora_linears, lora_params, quantized_linears, trainable_params
+from memplan.setup import Setup
+
+
+def _small(tmp_path, stem: str, **overrides):
+    """A catalog config cut down to 2 layers (fast to build), saved as a local config.json."""
+    cfg = json.loads((CONFIGS / f"{stem}.json").read_text())
+    cfg.update(overrides)
+    path = tmp_path / stem
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _peft_trainable(config_dir, targets, r: int) -> int:
+    """peft's own count: get_peft_model on the real class built on the meta device."""
+    import peft
+    import transformers
+    from accelerate import init_empty_weights
+
+    from memplan.models import read_config
+    from memplan.inventory import _auto_class
+
+    d = read_config(config_dir / "config.json")
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "auto_map"})
+    with init_empty_weights():
+        model = _auto_class(d, config).from_config(config)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=targets))
+    trainable, _ = model.get_nb_trainable_parameters()
+    return trainable
+
+
+CASES = [
+    ("meta-llama__Llama-2-7b-hf", {"num_hidden_layers": 2}, None, 8),
+    ("meta-llama__Llama-2-7b-hf", {"num_hidden_layers": 2}, "all-linear", 16),
+    ("openai-community__gpt2", {"n_layer": 2}, None, 8),  # Conv1D c_attn
+    ("openai-community__gpt2", {"n_layer": 2}, "all-linear", 4),
+    ("google-t5__t5-small", {"num_layers": 2, "num_decoder_layers": 2}, None, 8),
+    ("google-bert__bert-base-uncased", {"num_hidden_layers": 2}, "all-linear", 8),
+    ("facebook__bart-base", {"encoder_layers": 2, "decoder_layers": 2}, ["q_proj", "v_proj", "fc1"], 8),
+    ("mistralai__Mixtral-8x7B-v0.1", {"num_hidden_layers": 2}, "all-linear", 8),
+    ("tiiuae__falcon-7b", {"num_hidden_layers": 2}, None, 8),
+]
+
+
+@pytest.mark.parametrize("stem,overrides,targets,r", CASES)
+def test_lora_count_matches_peft(tmp_path, stem, overrides, targets, r):
+    path = _small(tmp_path, stem, **overrides)
+    spec = load_spec(path)
+    ours = lora_params(spec, targets if not isinstance(targets, list) else tuple(targets), r)
+    assert ours == _peft_trainable(path, targets, r)
+
+
+def test_unknown_lora_target_lists_modules():
+    with pytest.raises(NotFound) as info:
+        lora_linears(load_spec("meta-llama/Llama-2-7b-hf"), ("q_prj",))
+    assert "q_proj" in str(info.value)
+
+
+def test_freeze_defaults_to_last_block_of_the_head_stack():
+    t5 = load_spec("google-t5/t5-small")
+    last = trainable_params(t5, Setup(technique="freeze"))
+    assert {(p.stack, p.block) for p in last} == {("decoder", 5)}
+    llama = load_spec("meta-llama/Llama-2-7b-hf")
+    two = trainable_params(llama, Setup(technique="freeze", trainable=2))
+    assert {p.block for p in two} == {30, 31}
+    assert sum(p.numel for p in two) == 2 * 202_383_360  # one Llama-2-7B block: 4*4096^2 + 3*4096*11008 + 2*4096
+    heads = trainable_params(llama, Setup(technique="freeze", trainable=("lm_head", "model.norm")))
+    assert {p.name for p in heads} == {"lm_head.weight", "model.norm.weight"}
+    with pytest.raises(BadInput, match="match no parameter"):
+        trainable_params(llama, Setup(technique="freeze", trainable=("nonexistent",)))
+
+
+def test_quantized_modules_skip_the_output_head():
+    llama = load_spec("meta-llama/Llama-2-7b-hf")
+    q = quantized_linears(llama)
+    assert len(q) == 32 * 7 and not any(m.name == "lm_head" for m in q)
+    gpt2 = load_spec("gpt2")
+    assert all(m.kind == "conv1d" for m in quantized_linears(gpt2))  # transformers converts Conv1D too
