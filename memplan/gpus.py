@@ -1,0 +1,118 @@
+"""GPU catalog (memplan/data/gpus.csv, a source per row), forgiving name lookup and NVML detection (lazy pynvml).
+
+Memory is the vendor's nominal figure, whose "GB" for GPU memory is binary (GiB): a 24 GB card is 24 x 2^30
+bytes nominal. NVML reports slightly less on some cards (ECC, reserved regions); detected GPUs carry NVML's total.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from memplan.errors import BadInput, not_found
+from memplan.units import GiB, fmt_gib, parse_size
+
+CSV = Path(__file__).parent / "data" / "gpus.csv"
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+    compute_capability: str = ""
+    architecture: str = ""
+    bf16: bool = True
+    vendor: str = "nvidia"
+    source: str = ""
+    aliases: tuple[str, ...] = ()
+    detected: bool = False
+    free_bytes: int | None = None
+
+
+def _norm(text: str) -> str:
+    """'RTX-3060 12 GB' -> 'rtx306012g': lower case, no separators, 'gb'/'gib' -> 'g', vendor words dropped."""
+    t = text.lower()
+    t = re.sub(r"\b(nvidia|geforce|tesla|amd|instinct|tensor core gpu)\b", "", t)
+    t = re.sub(r"gi?b\b", "g", t)
+    return re.sub(r"[\s_\-]+", "", t)
+
+
+@functools.lru_cache(maxsize=1)
+def load_gpus() -> tuple[Gpu, ...]:
+    """Every catalog row as a Gpu."""
+    with CSV.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return tuple(Gpu(name=r["name"], memory_bytes=int(float(r["memory_gib"]) * GiB),
+                     compute_capability=r["compute_capability"], architecture=r["architecture"],
+                     bf16=r["bf16"] == "yes", vendor=r["vendor"], source=r["source"],
+                     aliases=tuple(a.strip() for a in r["aliases"].split(";") if a.strip())) for r in rows)
+
+
+def find_gpu(name: str) -> Gpu:
+    """Catalog GPU for `name`: exact name or alias after normalisation ("3060", "rtx 3060 12gb", "A100-80",
+    "a100 80g"), else the unique catalog entry whose normalised name contains it. "a100" alone is the 80 GB card
+    (listed as its alias: the common cloud default); any other ambiguity lists the candidates."""
+    key = _norm(name)
+    if not key:
+        raise BadInput("empty GPU name; run `memplan gpus` to list the names")
+    gpus = load_gpus()
+    for g in gpus:
+        if key == _norm(g.name) or key in {_norm(a) for a in g.aliases}:
+            return g
+    hits = [g for g in gpus if key in _norm(g.name) or any(key in _norm(a) for a in g.aliases)]
+    if len(hits) == 1:
+        return hits[0]
+    if len(hits) > 1:
+        raise BadInput(f"GPU name {name!r} is ambiguous: {', '.join(g.name for g in hits)}; name one of them")
+    raise not_found("GPU", name, [g.name for g in gpus], "Run `memplan gpus` to list them, or pass --memory 12GiB.")
+
+
+def detect_gpus() -> list[Gpu]:
+    """GPUs visible through NVML (name, total and free memory), matched to the catalog for compute capability and
+    bf16; [] when NVML or a driver is missing."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver / no library: no GPU to detect, by design not an error
+        return []
+    try:
+        return [_detected(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _detected(pynvml, index: int) -> Gpu:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    name = pynvml.nvmlDeviceGetName(handle)
+    name = name.decode() if isinstance(name, bytes) else name
+    mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    try:
+        base = find_gpu(name)
+    except BadInput:
+        base = Gpu(name=name, memory_bytes=int(mem.total), compute_capability=f"{major}.{minor}",
+                   bf16=major >= 8, source="detected through NVML")
+    return replace(base, name=name, memory_bytes=int(mem.total), free_bytes=int(mem.free),
+                   compute_capability=f"{major}.{minor}", bf16=major >= 8, detected=True)
+
+
+def resolve_gpu(name: str | None = None, memory: int | str | None = None) -> Gpu:
+    """--gpu NAME, --memory SIZE (a custom card, bf16 assumed), or the first detected GPU."""
+    if name and memory:
+        raise BadInput("pass either --gpu or --memory, not both")
+    if name:
+        return find_gpu(name)
+    if memory:
+        try:
+            n = memory if isinstance(memory, int) else parse_size(memory)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        return Gpu(name=f"custom {fmt_gib(n)}", memory_bytes=n, source="--memory")
+    found = detect_gpus()
+    if not found:
+        raise BadInput('no GPU detected (NVML found none); name one with --gpu (e.g. --gpu "RTX 3060") or give '
+                       "its memory with --memory 12GiB; `memplan gpus` lists the names")
+    return found[0]
