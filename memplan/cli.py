@@ -1,0 +1,178 @@
+"""memplan command line: a thin click group. Each command: parse -> core -> render.
+
+Exit codes: 0 an answer, 1 "does not fit" (fit: no option fits), 2 bad input (unknown model/GPU, invalid setup,
+malformed config; click usage errors too). --json prints one JSON object on stdout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import typing
+
+import click
+
+from memplan.errors import MemplanError
+from memplan.setup import ATTN_IMPLS, MODES, OPTIMIZERS, PRECISIONS, QUANTS, TECHNIQUES, Setup
+
+_CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
+            "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS}
+_HELP = {
+    "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
+    "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
+}
+
+
+def _parse_targets(value):
+    if value is None:
+        return None
+    return value if value.lower() == "all-linear" else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _parse_trainable(value):
+    if value is None:
+        return None
+    return int(value) if value.strip().isdigit() else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def setup_options(func):
+    """Add one --flag per Setup field (names with dashes; choices from the Literal vocabularies)."""
+    hints = typing.get_type_hints(Setup)
+    for f in reversed(dataclasses.fields(Setup)):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        kw = {"default": None, "help": _HELP.get(f.name, f"Setup.{f.name} (default {f.default!r})")}
+        if f.name in _CHOICES:
+            opt = click.option(flag, type=click.Choice(_CHOICES[f.name]), **kw)
+        elif hint is bool:
+            opt = click.option(f"{flag}/--no-{flag[2:]}", **kw)
+        elif f.name in ("lora_targets", "trainable"):
+            opt = click.option(flag, type=str, **kw)
+        elif float in typing.get_args(hint) or hint is float:
+            opt = click.option(flag, type=float, **kw)
+        else:
+            opt = click.option(flag, type=int, **kw)
+        func = opt(func)
+    return func
+
+
+def setup_from_options(options: dict) -> Setup:
+    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems."""
+    names = {f.name for f in dataclasses.fields(Setup)}
+    given = {k: v for k, v in options.items() if k in names and v is not None}
+    if "lora_targets" in given:
+        given["lora_targets"] = _parse_targets(given["lora_targets"])
+    if "trainable" in given:
+        given["trainable"] = _parse_trainable(given["trainable"])
+    return Setup(**given)
+
+
+def handle_errors(func):
+    """MemplanError -> 'error: ...' on stderr and its exit code; never a traceback."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except MemplanError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+    return wrapper
+
+
+def _emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="memplan")
+def main():
+    """memplan: how much GPU memory will fine-tuning or serving a Hugging Face model take, and does it fit?"""
+
+
+@main.command()
+@click.argument("model")
+@setup_options
+@click.option("--trust-remote-code", is_flag=True, help="allow configs whose code lives in the model repository")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@handle_errors
+def estimate(model, trust_remote_code, as_json, **options):
+    """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
+    from memplan.estimate import estimate as run
+    from memplan.models import load_spec
+
+    setup = setup_from_options(options)
+    result = run(load_spec(model, trust_remote_code=trust_remote_code), setup)
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        from memplan.report import print_estimate
+        print_estimate(result)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060", a100-80 (see `memplan gpus`)')
+@click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB, 24GB")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per sample")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@handle_errors
+def fit(model, gpu_name, memory, seq_len, trust_remote_code, as_json):
+    """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits."""
+    from memplan.fit import fit as run
+    from memplan.gpus import resolve_gpu
+    from memplan.models import load_spec
+
+    if seq_len < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--seq-len")
+    result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len)
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        from memplan.report import print_fit
+        print_fit(result)
+    sys.exit(0 if result.any_fits else 1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def models(as_json):
+    """List the built-in model catalog."""
+    from memplan.models import catalog_index
+
+    index = catalog_index()
+    if as_json:
+        _emit_json(index)
+    else:
+        from memplan.report import print_models
+        print_models(index)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def gpus(as_json):
+    """List the GPU catalog."""
+    from memplan.gpus import load_gpus
+
+    rows = load_gpus()
+    if as_json:
+        _emit_json([dataclasses.asdict(g) for g in rows])
+    else:
+        from memplan.report import print_gpus
+        print_gpus(rows)
+
+
+@main.command("refresh-catalog")
+@handle_errors
+def refresh_catalog():
+    """Rebuild the model inventories after adding a config.json to memplan/data/models/configs/."""
+    from memplan.models import refresh_catalog as run
+
+    click.echo(f"{run(echo=click.echo)} models refreshed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""fit(): "will it fit on this GPU, and how?" - one row per common setup, with the largest micro-batch.
+
+Pure: the estimator is injected (tests pass a fake and check the probe order).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memplan.errors import MemplanError
+from memplan.gpus import Gpu
+from memplan.setup import Setup
+
+#: option name -> (mode, Setup overrides). "{bf}" is bf16 on GPUs that support it, else fp16. The QLoRA row is
+#: the QLoRA paper's recipe (arXiv:2305.14314: NF4 + double quant, paged AdamW, checkpointing, bf16 compute).
+FIT_OPTIONS: tuple[tuple[str, dict], ...] = (
+    ("inference {bf}", {"mode": "infer", "precision": "{bf}"}),
+    ("inference int8", {"mode": "infer", "precision": "{bf}", "quant": "int8"}),
+    ("inference 4-bit nf4", {"mode": "infer", "precision": "{bf}", "quant": "nf4"}),
+    ("full fine-tune ({bf}-mixed, AdamW)", {"technique": "full", "precision": "{bf}-mixed",
+                                            "optimizer": "adamw-fused"}),
+    ("full + 8-bit AdamW + checkpointing", {"technique": "full", "precision": "{bf}-mixed",
+                                            "optimizer": "adamw-8bit", "grad_ckpt": True}),
+    ("LoRA r=8 on a {bf} base", {"technique": "lora", "precision": "{bf}", "optimizer": "adamw-fused"}),
+    ("QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)",
+     {"technique": "qlora", "quant": "nf4", "double_quant": True, "precision": "{bf}",
+      "optimizer": "paged-adamw-8bit", "grad_ckpt": True}),
+)
+DEFAULT_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class FitRow:
+    option: str
+    setup: Setup
+    fits: bool
+    max_batch_size: int
+    device_total_bytes_at_batch_1: int
+    shortfall_bytes: int  # how much more memory batch 1 needs (0 when it fits)
+    estimate_at_batch_1: object = None  # Estimate
+    error: str = ""  # why this option does not apply to the model
+
+    def to_dict(self) -> dict:
+        return {"option": self.option, "mode": self.setup.mode, "setup": self.setup.to_dict(), "fits": self.fits,
+                "max_batch_size": self.max_batch_size,
+                "device_total_bytes_at_batch_1": self.device_total_bytes_at_batch_1,
+                "shortfall_bytes": self.shortfall_bytes, "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    model: str
+    gpu: Gpu
+    seq_len: int
+    rows: tuple[FitRow, ...]
+
+    @property
+    def any_fits(self) -> bool:
+        return any(r.fits for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+                "seq_len": self.seq_len, "options": [r.to_dict() for r in self.rows]}
+
+
+def option_setups(spec, gpu: Gpu, seq_len: int) -> list[tuple[str, Setup]]:
+    """The FIT_OPTIONS rows as Setups for this model, GPU and sequence length (batch 1)."""
+    bf = "bf16" if gpu.bf16 else "fp16"
+    a = spec.arch
+    new = 0 if a.kind == "encoder" else DEFAULT_NEW_TOKENS
+    if a.max_positions:
+        new = max(0, min(new, a.max_positions - seq_len))
+    out = []
+    for name, overrides in FIT_OPTIONS:
+        fields = {k: (v.format(bf=bf) if isinstance(v, str) else v) for k, v in overrides.items()}
+        if fields.get("mode") == "infer":
+            fields.update(prompt_len=seq_len, new_tokens=new)
+        out.append((name.format(bf=bf), Setup(batch_size=1, seq_len=seq_len, **fields)))
+    return out
+
+
+def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, limit: int = 4096) -> int:
+    """Largest batch with device_total_bytes <= budget: double from 1, then bisect (the estimate is monotone in
+    batch size - a property the tests check). 0 when batch 1 does not fit."""
+    def fits(b: int) -> bool:
+        return estimator(spec, dataclasses.replace(setup, batch_size=b)).device_total_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:  # invariant: lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None) -> FitResult:
+    """Evaluate every FIT_OPTIONS row for `spec` on `gpu` at `seq_len`."""
+    if estimator is None:
+        from memplan.estimate import estimate as estimator
+    rows = []
+    for name, setup in option_setups(spec, gpu, seq_len):
+        try:
+            est = estimator(spec, setup)
+        except MemplanError as e:
+            rows.append(FitRow(name, setup, False, 0, 0, 0, None, str(e)))
+            continue
+        total = est.device_total_bytes
+        best = max_batch_size(spec, setup, gpu.memory_bytes, estimator) if total <= gpu.memory_bytes else 0
+        rows.append(FitRow(name, setup, best > 0, best, total, max(0, total - gpu.memory_bytes), est))
+    return FitResult(spec.model_id, gpu, seq_len, tuple(rows))

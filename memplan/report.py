@@ -1,0 +1,79 @@
+"""Rendering: the only user of rich (and, later, pandas/matplotlib). GiB = 2**30, labelled GiB."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from memplan.units import GiB
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def estimate_table(e) -> Table:
+    """Components at the peak (GiB and % of the device total), then the three peaks."""
+    s = e.setup
+    what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
+            + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""))
+    t = Table(title=f"{e.model}\n{what}", title_justify="left")
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    t.add_column("% of device", justify="right")
+    for name, value in e.components.items():
+        if value:
+            t.add_row(name.replace("_", " "), _gib(value), f"{100 * value / e.device_total_bytes:.1f}")
+    t.add_section()
+    t.add_row(f"peak allocated ({e.peak_phase})", _gib(e.peak_allocated_bytes), "")
+    t.add_row("peak reserved", _gib(e.peak_reserved_bytes), "")
+    t.add_row("device total (nvidia-smi)", _gib(e.device_total_bytes), "100.0", style="bold")
+    return t
+
+
+def print_estimate(e, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(estimate_table(e))
+    console.print(f"parameters: {e.params_total:,} total, {e.params_trainable:,} trainable; "
+                  + "; ".join(e.notes))
+
+
+def fit_table(result) -> Table:
+    g = result.gpu
+    t = Table(title=f"{result.model} on {g.name} ({_gib(g.memory_bytes)} GiB), seq_len {result.seq_len}",
+              title_justify="left")
+    for col, just in (("option", "left"), ("fits", "center"), ("max micro-batch", "right"),
+                      ("GiB at batch 1", "right"), ("missing", "right")):
+        t.add_column(col, justify=just)
+    for r in result.rows:
+        if r.error:
+            t.add_row(r.option, "n/a", "-", "-", r.error.splitlines()[0][:60])
+            continue
+        t.add_row(r.option, "[green]yes[/]" if r.fits else "[red]no[/]", str(r.max_batch_size) if r.fits else "0",
+                  _gib(r.device_total_bytes_at_batch_1), f"{_gib(r.shortfall_bytes)} GiB" if r.shortfall_bytes else "")
+    return t
+
+
+def print_fit(result, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(fit_table(result))
+    if not result.any_fits:
+        console.print("[red]No option fits[/]: try a shorter --seq-len or a larger GPU.")
+
+
+def print_models(index: dict, console: Console | None = None) -> None:
+    t = Table(title="built-in model catalog")
+    for col in ("model", "type", "kind", "parameters", "aliases"):
+        t.add_column(col)
+    for mid, row in sorted(index.items(), key=lambda kv: kv[0].lower()):
+        t.add_row(mid, row["model_type"], row["kind"], f"{row['params_total']:,}", ", ".join(row["aliases"]))
+    (console or Console()).print(t)
+
+
+def print_gpus(gpus, console: Console | None = None) -> None:
+    t = Table(title="GPU catalog (memory as the vendor states it: GB = GiB)")
+    for col in ("name", "GiB", "compute", "bf16", "aliases"):
+        t.add_column(col)
+    for g in gpus:
+        t.add_row(g.name, _gib(g.memory_bytes), g.compute_capability or g.architecture, "yes" if g.bf16 else "no",
+                  ", ".join(g.aliases))
+    (console or Console()).print(t)
