@@ -1,0 +1,100 @@
+"""CLI through click's CliRunner: text and --json contracts, exit codes, clean errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from memplan.cli import main
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+    return lambda *args: runner.invoke(main, list(args))
+
+
+def test_estimate_json_contract(run):
+    r = run("estimate", "gpt2", "--technique", "lora", "--lora-targets", "c_attn,c_proj", "--precision", "bf16",
+            "--batch-size", "2", "--seq-len", "128", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert {"model", "params_total", "params_trainable", "setup", "components", "peak_allocated_bytes",
+            "peak_reserved_bytes", "device_total_bytes"} <= set(d)
+    assert d["model"] == "openai-community/gpt2" and d["params_total"] == 124_439_808
+    assert d["setup"]["lora_targets"] == ["c_attn", "c_proj"] and d["setup"]["batch_size"] == 2
+    assert d["peak_allocated_bytes"] <= d["peak_reserved_bytes"] <= d["device_total_bytes"]
+    assert all(isinstance(v, int) for v in d["components"].values())
+
+
+def test_estimate_text(run):
+    r = run("estimate", "meta-llama/Llama-2-7b-hf", "--technique", "qlora", "--double-quant", "--grad-ckpt")
+    assert r.exit_code == 0, r.output
+    assert "peak allocated" in r.output and "GiB" in r.output and "quant state" in r.output
+
+
+def test_fit_json_contract(run):
+    r = run("fit", "meta-llama/Llama-2-7b-hf", "--gpu", "RTX 3060", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["gpu"] == {"name": "GeForce RTX 3060 12GB", "memory_bytes": 12 * 2**30}
+    assert len(d["options"]) == 7
+    for row in d["options"]:
+        assert {"option", "mode", "setup", "fits", "max_batch_size", "device_total_bytes_at_batch_1"} <= set(row)
+        assert row["mode"] in ("train", "infer") and isinstance(row["max_batch_size"], int)
+        assert row["fits"] == (row["max_batch_size"] > 0)
+    by_name = {row["option"]: row for row in d["options"]}
+    assert by_name["full fine-tune (bf16-mixed, AdamW)"]["fits"] is False  # 7B x 16 B/param >> 12 GiB
+    assert by_name["QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)"]["fits"] is True
+
+
+def test_fit_nothing_fits_exits_1(run):
+    r = run("fit", "meta-llama/Llama-2-70b-hf", "--memory", "4GiB")
+    assert r.exit_code == 1
+    assert "No option fits" in r.output
+
+
+def test_fit_t4_uses_fp16(run):
+    r = run("fit", "gpt2", "--gpu", "t4", "--json")
+    assert r.exit_code == 0
+    assert all("bf16" not in row["setup"]["precision"] for row in json.loads(r.output)["options"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("estimate", "llama-7"), "unknown model"),
+    (("fit", "gpt2", "--gpu", "voodoo5"), "unknown GPU"),
+    (("estimate", "gpt2", "--batch-size", "0"), "batch_size must be an integer >= 1"),
+    (("estimate", "gpt2", "--seq-len", "4096"), "max_position_embeddings (1024)"),
+    (("estimate", "gpt2", "--technique", "lora", "--lora-targets", "q_proj"), "c_attn"),
+    (("fit", "gpt2", "--gpu", "3060", "--memory", "12GiB"), "either --gpu or --memory"),
+])
+def test_bad_input_exit_2_without_traceback(run, args, needle):
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output
+
+
+def test_all_setup_problems_reported_together(run):
+    r = run("estimate", "gpt2", "--batch-size", "0", "--grad-accum", "0", "--technique", "full", "--quant", "nf4")
+    assert r.exit_code == 2
+    assert "3 problem(s)" in r.output
+
+
+def test_click_usage_error_is_exit_2(run):
+    assert run("estimate", "gpt2", "--precision", "fp8").exit_code == 2
+
+
+def test_listings(run):
+    r = run("models", "--json")
+    assert r.exit_code == 0 and "meta-llama/Llama-2-7b-hf" in json.loads(r.output)
+    r = run("gpus")
+    assert r.exit_code == 0 and "RTX 4090" in r.output
+    assert run("models").exit_code == 0
+
+
+def test_no_gpu_detected_message(run, monkeypatch):
+    import memplan.gpus
+    monkeypatch.setattr(memplan.gpus, "detect_gpus", lambda: [])
+    r = run("fit", "gpt2")
+    assert r.exit_code == 2 and "--gpu" in r.output and "--memory" in r.output
