@@ -1,0 +1,161 @@
+"""Estimate every usable row of the published GPU peak measurements and report the relative error.
+
+Rows come from ../shared/reference/published_peaks_visible.csv (each with its source). A row is estimated when its
+setup maps onto memplan's Setup vocabulary and its model is in the catalog; every other row is listed with the
+reason. Nothing is tuned to rows: this script only reads the estimator.
+
+    python benchmarks/published.py [--csv PATH] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "published_peaks_visible.csv"
+MEASURE_KEY = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserved_bytes", "device": "device_total_bytes"}
+
+
+def _val(row, key, cast=None):
+    v = row.get(key)
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v == "":
+        return None
+    return cast(v) if cast else v
+
+
+def _bool(v) -> bool:
+    return str(v).strip().lower() in ("true", "1", "yes")
+
+
+def row_setup(row) -> tuple[dict | None, str]:
+    """Setup fields for one CSV row, or (None, reason) when the row cannot be expressed in memplan's vocabulary."""
+    if _val(row, "usable") != "yes":
+        return None, "marked usable=no by the reference"
+    if _val(row, "unsupported"):
+        return None, f"outside memplan's vocabulary: {row['unsupported']}"
+    if int(row.get("num_gpus", 1)) != 1 or str(row.get("sharding", "none")) != "none":
+        return None, "multi-GPU / sharded (issue 7)"
+    notes = str(row.get("framework_note", ""))
+    if "SequenceClassification" in notes:
+        return None, "head differs: sequence-classification head (catalog models carry their LM head)"
+    mode = row["mode"]
+    quant = _val(row, "quant")
+    fields = {"mode": mode, "precision": row["precision"], "attn_impl": _val(row, "attn_impl")}
+    if quant and quant != "none":
+        fields.update(quant=quant, double_quant=_bool(row.get("double_quant")))
+    if mode == "infer":
+        prompt = _val(row, "prompt_len", lambda x: int(float(x)))
+        if prompt is None:
+            return None, "inference row without a prompt length"
+        fields.update(batch_size=int(row["batch_size"]), prompt_len=prompt, seq_len=prompt,
+                      new_tokens=_val(row, "new_tokens", lambda x: int(float(x))) or 0)
+        return fields, ""
+    fields.update(technique=row["technique"], optimizer=row["optimizer"], batch_size=int(row["batch_size"]),
+                  seq_len=int(float(row["seq_len"])), grad_ckpt=_bool(row.get("grad_ckpt")),
+                  grad_accum=int(float(_val(row, "grad_accum") or 1)))
+    if row["technique"] in ("lora", "qlora"):
+        targets = _val(row, "lora_targets")
+        fields.update(lora_r=int(float(row["lora_r"])), lora_dropout=float(_val(row, "lora_dropout") or 0.0))
+        if targets:
+            fields["lora_targets"] = tuple(t.strip() for t in targets.split(";"))
+    return fields, ""
+
+
+def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
+    """(estimated rows, skipped rows with reasons) for every row of the reference CSV."""
+    from memplan.errors import MemplanError
+    from memplan.estimate import estimate
+    from memplan.models import catalog_id
+    from memplan.setup import Setup
+
+    done, skipped = [], []
+    for row in pd.read_csv(csv_path).to_dict("records"):
+        base = {"id": row["source_id"], "model": row["model"], "trust": row["trust"]}
+        fields, reason = row_setup(row)
+        if fields is not None and catalog_id(row["model"]) is None:
+            fields, reason = None, "model not in the built-in catalog"
+        if fields is None:
+            skipped.append({**base, "reason": reason})
+            continue
+        try:
+            est = estimate(row["model"], Setup(**fields))
+        except MemplanError as e:
+            skipped.append({**base, "reason": f"estimator refused: {e}"})
+            continue
+        measured = float(row["measured_bytes"])
+        predicted = getattr(est, MEASURE_KEY[row["measure"]])
+        done.append({**base, "setup": _summary(fields), "measure": row["measure"], "measured_gib": measured / 2**30,
+                     "predicted_gib": predicted / 2**30, "rel_error": (predicted - measured) / measured,
+                     "peak_phase": est.peak_phase})
+    return done, skipped
+
+
+def _summary(f: dict) -> str:
+    if f["mode"] == "infer":
+        return f"infer {f['precision']} {f.get('quant') or ''} b{f['batch_size']} p{f['prompt_len']}+{f['new_tokens']}"
+    parts = [f["technique"], f["precision"], f.get("quant") or "", f["optimizer"], f"b{f['batch_size']}",
+             f"s{f['seq_len']}", "ckpt" if f["grad_ckpt"] else "", f"ga{f['grad_accum']}" if f["grad_accum"] > 1 else "",
+             f.get("attn_impl") or ""]
+    return " ".join(p for p in parts if p)
+
+
+def summarize(done: list[dict]) -> dict:
+    errs = sorted(abs(r["rel_error"]) for r in done)
+    if not errs:
+        return {"rows": 0}
+    p90 = errs[min(len(errs) - 1, math.ceil(0.9 * len(errs)) - 1)]
+    under = min(r["rel_error"] for r in done)
+    return {"rows": len(done), "median_abs_rel_error": statistics.median(errs), "p90_abs_rel_error": p90,
+            "worst_under_prediction": min(under, 0.0), "worst_over_prediction": max(r["rel_error"] for r in done)}
+
+
+def render(done, skipped, summary) -> str:
+    import transformers
+
+    import memplan
+    lines = [f"# Published peaks vs memplan estimate", "",
+             f"{datetime.date.today()} · memplan {memplan.__version__} · transformers {transformers.__version__} · "
+             f"source: shared/reference/published_peaks_visible.csv", ""]
+    if summary["rows"]:
+        lines += [f"**{summary['rows']} rows estimated**: median |rel. error| {summary['median_abs_rel_error']:.1%}, "
+                  f"p90 {summary['p90_abs_rel_error']:.1%}, worst under-prediction "
+                  f"{summary['worst_under_prediction']:.1%}, worst over-prediction {summary['worst_over_prediction']:.1%}",
+                  ""]
+    lines += ["| id | model | setup | measure | measured GiB | predicted GiB | rel. error | trust | peak phase |",
+              "|---|---|---|---|---:|---:|---:|---|---|"]
+    for r in sorted(done, key=lambda r: -abs(r["rel_error"])):
+        lines.append(f"| {r['id']} | {r['model']} | {r['setup']} | {r['measure']} | {r['measured_gib']:.2f} | "
+                     f"{r['predicted_gib']:.2f} | {r['rel_error']:+.1%} | {r['trust']} | {r['peak_phase']} |")
+    lines += ["", f"## Rows not estimated ({len(skipped)})", "", "| id | model | reason |", "|---|---|---|"]
+    lines += [f"| {r['id']} | {r['model']} | {' '.join(r['reason'].split())} |" for r in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args(argv)
+    if not args.csv.exists():
+        print(f"error: {args.csv} not found (pass --csv)", file=sys.stderr)
+        return 2
+    done, skipped = evaluate(args.csv)
+    summary = summarize(done)
+    text = render(done, skipped, summary)
+    sys.path.insert(0, str(ROOT))
+    from memplan.inventory import write_text_atomic
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(args.out / "published.md", text)
+    write_text_atomic(args.out / "published.csv", pd.DataFrame(done + skipped).to_csv(index=False))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Speed targets: `memplan fit` of a catalog model < 1 s wall in a fresh process; estimates per second (>= 1000
+for the planner); import time of the pure core. Writes benchmarks/results/speed.md.
+
+    python benchmarks/speed.py
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wall(cmd: list[str], repeat: int = 5) -> float:
+    """Median wall seconds of a command run as a fresh process."""
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def estimates_per_second(model: str = "meta-llama/Llama-2-7b-hf", n: int = 2000) -> float:
+    import dataclasses
+
+    from memplan.estimate import estimate
+    from memplan.models import load_spec
+    from memplan.setup import Setup
+
+    spec = load_spec(model)
+    setups = [Setup(technique=t, precision="bf16", batch_size=b, seq_len=512, grad_ckpt=c)
+              for t in ("full", "lora", "qlora") for b in (1, 2, 4, 8) for c in (False, True)]
+    t = time.perf_counter()
+    for i in range(n):
+        estimate(spec, dataclasses.replace(setups[i % len(setups)], lora_r=8 + i % 3))
+    return n / (time.perf_counter() - t)
+
+
+def main() -> int:
+    exe = sys.executable
+    fit_cmd = [exe, "-m", "memplan", "fit", "meta-llama/Llama-2-7b-hf", "--gpu", "RTX 3060"]
+    rows = [
+        ("`memplan fit meta-llama/Llama-2-7b-hf --gpu \"RTX 3060\"` (fresh process, median of 5)",
+         f"{wall(fit_cmd):.2f} s", "< 1 s"),
+        ("`python -c 'import memplan.estimate'` (fresh process, median of 5)",
+         f"{wall([exe, '-c', 'import memplan.estimate']):.2f} s", "-"),
+        ("estimates per second, Llama-2-7B, mixed setups (in process)", f"{estimates_per_second():,.0f} /s",
+         ">= 1,000 /s"),
+    ]
+    lines = ["# Speed", "", f"{datetime.date.today()} · {platform.processor() or platform.machine()} · "
+             f"Python {platform.python_version()}", "", "| what | measured | target |", "|---|---:|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    text = "\n".join(lines) + "\n"
+    from memplan.inventory import write_text_atomic
+    write_text_atomic(ROOT / "benchmarks" / "results" / "speed.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
