@@ -32,6 +32,9 @@ ACT_SAVED = {
     "gelu_new": (lambda c: 4 * c, lambda c: 4 + 4 + c + 4),
     "default": (lambda c: c, lambda c: c),
 }
+#: activations whose backward needs their output (aten threshold_backward for relu): that output is also fc2's
+#: input, so a trainable fc2 adds nothing when no dropout sits between them.
+SAVES_OUTPUT = {"relu"}
 
 
 def _act_bytes(ctx: Ctx) -> float:
@@ -77,12 +80,24 @@ def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
     return x + s.lora_r * xb, not own_copy
 
 
-def _norm_bytes(ctx: Ctx, h: int, trains: bool) -> float:
-    """RMSNorm (HF Llama/T5 style: upcast to fp32, x*rsqrt(var), weight * x.to(dtype)): saves the fp32 input and,
+#: RMSNorms that multiply the *input* (not its fp32 upcast) by rsqrt(variance): T5LayerNorm
+#: (`hidden_states * torch.rsqrt(variance + eps)` after computing the variance from `hidden_states.to(float32)`),
+#: so a 16-bit model saves the input as well as its fp32 copy.
+RMS_KEEPS_INPUT = {"t5", "mt5"}
+#: RMSNorms that apply the weight in fp32 (`output * (1.0 + self.weight.float())`, GemmaRMSNorm) and cast after:
+#: the normalised tensor a trainable weight needs is fp32 whatever the model dtype.
+RMS_FP32_WEIGHT = {"gemma", "gemma2"}
+
+
+def _norm_bytes(ctx: Ctx, h: int, trains: bool, model_type: str = "") -> float:
+    """RMSNorm (HF Llama style: upcast to fp32, x*rsqrt(var), weight * x.to(dtype)): saves the fp32 input and,
     when the weight trains, the normalised tensor. LayerNorm (ATen native_layer_norm): saves its input (+ [t] stats)."""
     r = ctx.residual_bytes
     if ctx.spec.arch.norm == "rmsnorm":
-        return 4 * h + (r * h if trains else 0)
+        mt = model_type or ctx.spec.arch.model_type
+        keeps = mt in RMS_KEEPS_INPUT and r != 4
+        normed = 4 if mt in RMS_FP32_WEIGHT else r
+        return 4 * h + (normed * h if trains else 0) + (r * h if keeps else 0)
     return r * h + 8
 
 
@@ -168,7 +183,8 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     if a.mlp_gated:
         core = 3 * I * c + (I * c if down_trains else 0)
     else:
-        core = I * _act_bytes(ctx) + (I * c if down_trains else 0)
+        shared = a.hidden_act in SAVES_OUTPUT and a.hidden_dropout == 0
+        core = I * _act_bytes(ctx) + (I * c if down_trains and not shared else 0)
     moe = 2 * a.hidden_size * c if a.num_experts else 0
     return k * (core + moe) + down_lora
 
@@ -223,20 +239,49 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     return out
 
 
+def _outside_tokens(ctx: Ctx, name: str) -> int:
+    """Tokens a module outside the blocks sees: decoder-side modules of encoder-decoders see the target length."""
+    b = ctx.setup.batch_size
+    if ctx.spec.arch.kind == "seq2seq" and ("decoder." in name or name.startswith("lm_head")):
+        return b * ctx.tgt_len
+    return b * ctx.src_len
+
+
 def outside_blocks_bytes(ctx: Ctx) -> float:
-    """Saved outside the blocks: embedding dropout mask, final norm, and the lm_head input when lm_head trains
-    (its own compute-dtype copy under autocast)."""
+    """Saved outside the blocks: every norm (embedding norms only when the embeddings train - no gradient flows
+    below frozen ones), non-output Linears such as BERT's MLM transform (input if it trains, plus its activation),
+    the lm_head input when lm_head trains (its own compute-dtype copy under autocast), embedding dropout masks."""
     a = ctx.spec.arch
-    b, h = ctx.setup.batch_size, a.hidden_size
-    tokens = b * (ctx.tgt_len if a.kind == "seq2seq" else ctx.src_len)
-    head_trains = any(p.role in ("lm_head", "embedding") and p.name in ctx.trainable for p in ctx.spec.params)
-    per_tok = _norm_bytes(ctx, h, bool(ctx.trainable))
-    if head_trains and a.has_lm_head:
-        per_tok += h * ctx.compute_bytes
-    if a.hidden_dropout > 0:
-        per_tok += h
-    stacks = 2 if a.kind == "seq2seq" else 1
-    return per_tok * tokens * stacks + position_bias_bytes(ctx)
+    if not ctx.trainable and not ctx.lora:
+        return 0.0
+    h, c = a.hidden_size, ctx.compute_bytes
+    embeds_train = any(p.role in ("embedding", "pos_embedding") and p.block is None and p.name in ctx.trainable
+                       for p in ctx.spec.params)
+    total = 0.0
+    for p in ctx.spec.params:
+        if p.block is not None or p.role != "norm" or p.name.endswith(".bias"):
+            continue
+        if "embed" in p.name and not embeds_train:
+            continue
+        total += _norm_bytes(ctx, p.shape[0], p.name in ctx.trainable, a.model_type) * _outside_tokens(ctx, p.name)
+    tied = dict(ctx.spec.tied)
+    lora_names = {m.name for m in ctx.lora}
+    for m in ctx.spec.linears:
+        if m.block is not None:
+            continue
+        weight = m.name + ".weight"
+        trains = weight in ctx.trainable or tied.get(weight) in ctx.trainable
+        tokens = _outside_tokens(ctx, m.name)
+        if m.name in lora_names:
+            branch, shares = _lora_saves(ctx, m.in_features, ctx.residual_bytes)
+            total += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
+        if m.is_output:
+            total += (m.in_features * c if trains and a.has_lm_head else 0) * tokens
+        else:
+            total += ((m.in_features * c if trains else 0) + m.out_features * _act_bytes(ctx)) * tokens
+    if a.hidden_dropout > 0 and embeds_train:
+        total += h * ctx.setup.batch_size * ctx.src_len
+    return total + position_bias_bytes(ctx)
 
 
 def position_bias_bytes(ctx: Ctx) -> float:
@@ -244,8 +289,8 @@ def position_bias_bytes(ctx: Ctx) -> float:
     all layers of its stack: b x heads x q_len x k_len in the residual dtype (computed from fp32 or model-dtype
     embedding weights)."""
     a = ctx.spec.arch
-    if a.model_type not in POSITION_BIAS:
-        return 0.0
+    if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
+        return 0.0  # eager adds the bias to the scores, which saves nothing
     b, src, tgt = ctx.setup.batch_size, ctx.src_len, ctx.tgt_len
     pairs = [(src, src)] + ([(tgt, tgt), (tgt, src)] if a.kind == "seq2seq" else [])
     return sum(b * a.num_heads * q * k * ctx.residual_bytes for q, k in pairs)

@@ -11,33 +11,47 @@ def _logit_tokens(ctx: Ctx) -> int:
     return ctx.setup.batch_size * (ctx.tgt_len if a.kind == "seq2seq" else ctx.src_len)
 
 
+#: LM heads that call torch CrossEntropyLoss on the logits as they are (transformers 5.23 BertForMaskedLM,
+#: T5/MT5ForConditionalGeneration, BartForConditionalGeneration); every other family goes through
+#: `self.loss_function` (loss/loss_utils.py ForCausalLMLoss), which first does `logits = logits.float()`.
+PLAIN_CROSS_ENTROPY = {"bert", "t5", "mt5", "bart"}
+
+
 def _logit_bytes(ctx: Ctx) -> int:
-    """dtype of the lm_head output: the compute dtype (autocast / 16-bit model), fp32 for fp32 and kbit-prepared
-    models without autocast."""
+    """dtype of the lm_head output: the compute dtype (autocast or a 16-bit model; fp32 for fp32 models)."""
     return ctx.compute_bytes
 
 
-def logits_forward_bytes(ctx: Ctx) -> int:
-    """Peak of the loss computation in forward: logits + fp32 upcast + log_softmax output.
+def _loss_bytes(ctx: Ctx) -> int:
+    """dtype of log_softmax inside cross-entropy: fp32 after the loss_function upcast, or under autocast (log_softmax
+    and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model."""
+    if ctx.mixed or ctx.spec.arch.model_type not in PLAIN_CROSS_ENTROPY:
+        return 4
+    return _logit_bytes(ctx)
 
-    transformers/loss/loss_utils.py ForCausalLMLoss / ForMaskedLMLoss: `logits = logits.float()` (a copy unless
-    already fp32), labels are shifted instead of logits (5.x), then F.cross_entropy = log_softmax (saves its fp32
-    output for backward) + nll_loss.
+
+def logits_forward_bytes(ctx: Ctx) -> int:
+    """Peak of the loss computation in forward: logits + the upcast copy (if any) + log_softmax output.
+
+    transformers/loss/loss_utils.py ForCausalLMLoss: `logits = logits.float()` (a copy unless already fp32), labels
+    are shifted instead of logits (5.x), then F.cross_entropy = log_softmax (saves its output for backward) +
+    nll_loss.
     """
-    t, v, lb = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx)
-    upcast = 4 if lb != 4 else 0
-    return t * v * (lb + upcast + 4)
+    t, v, lb, loss = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx), _loss_bytes(ctx)
+    upcast = loss if loss != lb else 0
+    return t * v * (lb + upcast + loss)
 
 
 def logits_saved_bytes(ctx: Ctx) -> int:
-    """What the loss keeps for backward: the fp32 log_softmax output [tokens, vocab]."""
-    return _logit_tokens(ctx) * ctx.vocab * 4
+    """What the loss keeps for backward: the log_softmax output [tokens, vocab]."""
+    return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx)
 
 
 def logits_backward_bytes(ctx: Ctx) -> int:
-    """Peak at the start of backward: saved log_softmax output + nll_loss grad + log_softmax grad, all fp32
-    [tokens, vocab] (aten nll_loss_backward / _log_softmax_backward_data allocate full-size results)."""
-    return _logit_tokens(ctx) * ctx.vocab * 12
+    """Peak at the start of backward: saved log_softmax output + nll_loss grad + log_softmax grad, all
+    [tokens, vocab] in the loss dtype (aten nll_loss_backward / _log_softmax_backward_data allocate full-size
+    results)."""
+    return _logit_tokens(ctx) * ctx.vocab * 3 * _loss_bytes(ctx)
 
 
 def inference_logits_bytes(ctx: Ctx) -> int:
