@@ -121,6 +121,7 @@ def _attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, eager:
         probs += 1 + c
     elif fp32_softmax and c != 4:
         probs += c
+    # repeat_kv - or, in falcon, a broadcasting batched matmul - materialises K and V at all heads
     return q_dim * c + 2 * q_dim * ratio * c, probs
 
 
@@ -139,10 +140,13 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     for sl, m in blk.linears:
         by_slot.setdefault(sl, []).append(m)
     cross = blk.stack == "decoder" and a.kind == "seq2seq"
-    n_norms = (1 if a.parallel_block else 2) + (1 if cross else 0)
-    per_tok = n_norms * _norm_bytes(ctx, h, block_trains)
-    per_tok += _input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
-    per_tok += _input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
+    # parallel blocks normalise one input x: two LayerNorms (GPT-NeoX) save the same x, so count it once
+    per_tok = (1 if a.parallel_block else blk.norms) * _norm_bytes(ctx, h, block_trains)
+    if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
+        per_tok += _input_saves(ctx, by_slot.get("attn_in", []) + by_slot.get("mlp_in", []), h, r, lora_names)
+    else:
+        per_tok += _input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
+        per_tok += _input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
     tok_core, per_score = _attn_core(ctx, q_dim, kv_dim, 1, 1, eager)
     per_tok += tok_core
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))

@@ -56,6 +56,7 @@ class BlockLayout:
     stack: str | None
     index: int
     linears: tuple[tuple[str, Linear], ...]  # (slot, linear)
+    norms: int = 2  # normalisation layers (weights) in the block, from the inventory
 
 
 _CACHE: dict[int, tuple[ModelSpec, tuple[BlockLayout, ...]]] = {}
@@ -71,7 +72,12 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
         if m.block is None or m.is_output:
             continue
         groups.setdefault((m.stack, m.block), []).append((slot(m, spec.arch.num_experts), m))
+    norms: dict[tuple[str | None, int], int] = {}
+    for p in spec.params:
+        if p.role == "norm" and p.block is not None and not p.name.endswith(".bias"):
+            norms[(p.stack, p.block)] = norms.get((p.stack, p.block), 0) + 1
     order = {"encoder": 0, None: 1, "decoder": 2}
-    out = tuple(BlockLayout(st, i, tuple(ls)) for (st, i), ls in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 1), kv[0][1])))
+    keys = sorted(groups, key=lambda k: (order.get(k[0], 1), k[1]))
+    out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0)) for k in keys)
     _CACHE[id(spec)] = (spec, out)
     return out
