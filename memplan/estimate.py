@@ -92,7 +92,8 @@ def _resident(ctx: Ctx) -> dict[str, int]:
 
 def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     """forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
-    the logits gradients, or (checkpointing) the last block's recompute. backward_end: all gradients. In between,
+    the loss gradients, or (checkpointing) the last block's recompute. lm_head_backward: the logits gradient
+    and the head's weight gradient. backward_end: all gradients. In between,
     backward frees the activations of block i as it allocates the gradients of block i, so the live bytes move
     linearly from the start to the end and the two ends bound the whole backward. optimizer_step: grads + state +
     step temporaries."""
@@ -112,6 +113,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
                     "dequant_temporaries": deq},
         "backward_start": {**common, **_larger(("logits", lg.logits_backward_bytes(ctx)),
                                                ("backward_temporaries", bwd_work))},
+        "lm_head_backward": {**common, "gradients": held_grads or lg.head_grad_bytes(ctx),
+                             "logits": lg.head_backward_bytes(ctx)},
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }

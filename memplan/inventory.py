@@ -190,6 +190,10 @@ def _intermediate(config, linears, hidden: int) -> int:
                       default=4 * hidden))
 
 
+#: post-LN families (modeling_bert.py BertSelfOutput: LayerNorm(hidden + input); modeling_bart.py
+#: BartEncoderLayer: self_attn_layer_norm after the residual add).
+POST_NORM = {"bert", "bart", "roberta"}
+
 _GATED = {"gate_proj", "wi_0", "w1", "gate_up_proj"}
 
 
@@ -239,6 +243,7 @@ def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
         num_experts=int(_first(config, "num_local_experts", "num_experts", default=0) or 0),
         experts_per_token=int(_first(config, "num_experts_per_tok", default=0) or 0),
         parallel_block=_parallel(config),
+        post_norm=config.model_type in POST_NORM or getattr(config, "do_layer_norm_before", True) is False,
         attn_dropout=float(_first(config, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
                                   "dropout_rate", default=0.0) or 0.0),
         hidden_dropout=float(_first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",

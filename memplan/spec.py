@@ -82,6 +82,7 @@ class Arch:
     num_experts: int = 0
     experts_per_token: int = 0
     parallel_block: bool = False  # attention and MLP read the same normed input (GPT-J/NeoX/Falcon/Phi)
+    post_norm: bool = False  # LayerNorm after each residual add (BERT, BART, OPT-350m) instead of before
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
     sliding_window: int | None = None

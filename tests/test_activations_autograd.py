@@ -83,5 +83,5 @@ def test_activations_equal_autograd_saved_bytes(stem, overrides, setup_kw):
     ctx = resolve(spec, setup)
     predicted = (sum(full for full, _ in activations.per_block_bytes(ctx)) + activations.outside_blocks_bytes(ctx)
                  + logits.logits_saved_bytes(ctx))
-    # 1.5%: the largest residual is BERT LoRA all-linear at -1.0% (the rest are within 0.5%)
-    assert predicted == pytest.approx(measured, rel=0.015)
+    # 1%: measured residuals are within 0.5% on every family (docs/MODEL.md lists the effects modelled)
+    assert predicted == pytest.approx(measured, rel=0.01)

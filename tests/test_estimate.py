@@ -156,7 +156,8 @@ def test_lora_never_exceeds_full(model, precision, optimizer, impl, ckpt, batch,
     spec = load_spec(model)
     full = estimate(spec, _setup("full", precision, optimizer, impl, ckpt, batch, seq))
     lora = estimate(spec, _setup("lora", precision, optimizer, impl, ckpt, batch, seq))
-    assert lora.peak_allocated_bytes <= full.peak_allocated_bytes
+    # device totals: with a paged optimizer full fine-tuning's state sits outside the allocator
+    assert lora.device_total_bytes <= full.device_total_bytes
 
 
 @settings(max_examples=50, deadline=None)

@@ -218,8 +218,8 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     only its input (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses).
 
     Blocks that run before anything trainable save nothing: with frozen embeddings no gradient flows below the
-    first trainable block (layer freezing saves all lower blocks' activations), and in the first LoRA block the
-    input norm runs before any adapter.
+    first trainable block (layer freezing saves all lower blocks' activations), and in the first LoRA block of a
+    pre-LN model the input norm runs before any adapter.
     """
     lora_names = {m.name for m in ctx.lora}
     lora_blocks = {(m.stack, m.block) for m in ctx.lora}
@@ -237,8 +237,8 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
             out.append((0.0, 0.0))
             continue
         full = block_bytes(ctx, blk, tokens, seqs, lora_names, key in trained_blocks)
-        if starts_here and key not in trained_blocks:
-            full -= _norm_bytes(ctx, h, False) * tokens
+        if starts_here and key not in trained_blocks and not ctx.spec.arch.post_norm:
+            full -= _norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
         out.append((full, tokens * h * ctx.residual_bytes))
     return out
 

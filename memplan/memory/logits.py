@@ -54,6 +54,24 @@ def logits_backward_bytes(ctx: Ctx) -> int:
     return _logit_tokens(ctx) * ctx.vocab * 3 * _loss_bytes(ctx)
 
 
+def head_backward_bytes(ctx: Ctx) -> int:
+    """Live in lm_head's backward (after the loss backward freed its fp32 buffers): the logits gradient in the
+    lm_head output dtype and the head's input gradient [tokens, hidden]."""
+    t = _logit_tokens(ctx)
+    return t * ctx.vocab * _logit_bytes(ctx) + t * ctx.spec.arch.hidden_size * ctx.compute_bytes
+
+
+def head_grad_bytes(ctx: Ctx) -> int:
+    """The output embedding's weight gradient, allocated in lm_head's backward while the logits gradient is alive
+    (tied heads: the shared embedding's gradient)."""
+    tied = dict(ctx.spec.tied)
+    for m in ctx.spec.linears:
+        weight = m.name + ".weight"
+        if m.is_output and (weight in ctx.trainable or tied.get(weight) in ctx.trainable):
+            return m.in_features * m.out_features * ctx.weight_bytes
+    return 0
+
+
 def inference_logits_bytes(ctx: Ctx) -> int:
     """generate(): the prefill computes logits for the last position only (logits_to_keep=1, transformers 5.x
     GenerationMixin) and copies them to fp32; encoders (no generation) compute all positions."""
