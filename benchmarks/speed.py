@@ -42,6 +42,27 @@ def estimates_per_second(model: str = "meta-llama/Llama-2-7b-hf", n: int = 2000)
     return n / (time.perf_counter() - t)
 
 
+def plan_rates() -> list[tuple[str, str, str]]:
+    """The planner in process: candidate setups estimated per second and wall time per plan."""
+    from memplan.gpus import find_gpu
+    from memplan.models import load_spec
+    from memplan.search import plan
+
+    rows = []
+    for model, gpu, prefer in (("meta-llama/Llama-2-7b-hf", "RTX 3060", "quality"),
+                               ("meta-llama/Llama-2-7b-hf", "RTX 4090", "speed"),
+                               ("meta-llama/Llama-2-70b-hf", "RTX 3060", "quality")):
+        spec = load_spec(model)
+        plan(spec, find_gpu(gpu))  # warm caches
+        t = time.perf_counter()
+        p = plan(spec, find_gpu(gpu), prefer=prefer)
+        dt = time.perf_counter() - t
+        rows.append((f"`plan {model} --gpu \"{gpu}\" --prefer {prefer}`: candidate setups estimated per second "
+                     f"({p.evaluated} in {dt:.2f} s, {'fits' if p.fits else 'nothing fits'})",
+                     f"{p.evaluated / dt:,.0f} /s", ">= 1,000 /s"))
+    return rows
+
+
 def main() -> int:
     exe = sys.executable
     fit_cmd = [exe, "-m", "memplan", "fit", "meta-llama/Llama-2-7b-hf", "--gpu", "RTX 3060"]
@@ -52,12 +73,15 @@ def main() -> int:
          f"{wall([exe, '-c', 'import memplan.estimate']):.2f} s", "-"),
         ("estimates per second, Llama-2-7B, mixed setups (in process)", f"{estimates_per_second():,.0f} /s",
          ">= 1,000 /s"),
+        ("`memplan plan meta-llama/Llama-2-7b-hf --gpu \"RTX 3060\"` (fresh process, median of 5)",
+         f"{wall([exe, '-m', 'memplan', 'plan', 'meta-llama/Llama-2-7b-hf', '--gpu', 'RTX 3060']):.2f} s", "< 1 s"),
+        *plan_rates(),
     ]
     lines = ["# Speed", "", f"{datetime.date.today()} · {platform.processor() or platform.machine()} · "
              f"Python {platform.python_version()}", "", "| what | measured | target |", "|---|---:|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join(lines) + "\n"
-    from memplan.inventory import write_text_atomic
+    from memplan.fileio import write_text_atomic
     write_text_atomic(ROOT / "benchmarks" / "results" / "speed.md", text)
     print(text)
     return 0

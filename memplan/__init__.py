@@ -1,7 +1,7 @@
 """memplan: GPU memory planning for fine-tuning and serving Hugging Face transformers.
 
 Public API (lazy imports keep `import memplan` torch-free and fast): estimate, Estimate, Setup, fit, load_spec,
-ModelSpec, find_gpu, resolve_gpu.
+ModelSpec, find_gpu, resolve_gpu, plan, Plan, load_plan, write_plan.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "estimate": "memplan.estimate", "Estimate": "memplan.estimate", "Setup": "memplan.setup",
     "fit": "memplan.fit", "load_spec": "memplan.models", "ModelSpec": "memplan.spec",
-    "find_gpu": "memplan.gpus", "resolve_gpu": "memplan.gpus",
+    "find_gpu": "memplan.gpus", "resolve_gpu": "memplan.gpus", "plan": "memplan.search", "Plan": "memplan.search",
+    "load_plan": "memplan.export", "write_plan": "memplan.export",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -57,15 +57,20 @@ def setup_options(func):
     return func
 
 
-def setup_from_options(options: dict) -> Setup:
-    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems."""
+def given_setup_fields(options: dict) -> dict:
+    """The Setup fields the user set on the command line, parsed (lists split, block counts as ints)."""
     names = {f.name for f in dataclasses.fields(Setup)}
     given = {k: v for k, v in options.items() if k in names and v is not None}
     if "lora_targets" in given:
         given["lora_targets"] = _parse_targets(given["lora_targets"])
     if "trainable" in given:
         given["trainable"] = _parse_trainable(given["trainable"])
-    return Setup(**given)
+    return given
+
+
+def setup_from_options(options: dict) -> Setup:
+    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems."""
+    return Setup(**given_setup_fields(options))
 
 
 def handle_errors(func):
@@ -133,6 +138,55 @@ def fit(model, gpu_name, memory, seq_len, trust_remote_code, as_json):
         from memplan.report import print_fit
         print_fit(result)
     sys.exit(0 if result.any_fits else 1)
+
+
+def _parse_headroom(value: str) -> float:
+    text = value.strip()
+    try:
+        x = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a fraction or percentage (e.g. 5% or 0.05)") from None
+    if not 0 <= x < 1:
+        raise click.BadParameter(f"{value!r} must be between 0% and 100%")
+    return x
+
+
+@main.command()
+@click.argument("model")
+@click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060" (see `memplan gpus`); default: the detected GPU')
+@click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
+@click.option("--effective-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="samples per optimizer step (micro-batch x gradient accumulation)")
+@click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
+              help="what to maximise first (docs/PLANNER.md)")
+@click.option("--headroom", default="5%", show_default=True, help="memory kept spare, of the usable memory")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")
+@setup_options
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")
+@handle_errors
+def plan(model, gpu_name, memory, effective_batch, prefer, headroom, output, fmt, trust_remote_code, as_json,
+         **options):
+    """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
+    from memplan.gpus import resolve_gpu
+    from memplan.models import load_spec
+    from memplan.search import plan as run
+
+    pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    result = run(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
+                 headroom=_parse_headroom(headroom), **pins)
+    written = None
+    if output and result.fits:
+        from memplan.export import write_plan
+        written = str(write_plan(result, spec, output, fmt))
+    if as_json:
+        _emit_json(dict(result.to_dict(), written=written))
+    else:
+        from memplan.report import print_plan
+        print_plan(result, written)
+    sys.exit(0 if result.fits else 1)
 
 
 @main.command()

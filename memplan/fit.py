@@ -80,23 +80,26 @@ def option_setups(spec, gpu: Gpu, seq_len: int) -> list[tuple[str, Setup]]:
     return out
 
 
-def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, limit: int = 4096) -> int:
-    """Largest batch with device_total_bytes <= budget: double from 1, then bisect (the estimate is monotone in
-    batch size - a property the tests check). 0 when batch 1 does not fit."""
-    def fits(b: int) -> bool:
-        return estimator(spec, dataclasses.replace(setup, batch_size=b)).device_total_bytes <= budget_bytes
-
+def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
+    """Largest b in [1, cap] with fits(b), for a monotone `fits`; 0 if none. Doubling from 1, then bisection:
+    about 2 log2(b) probes."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
-    while hi <= limit and fits(hi):
+    while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > limit:
-        return lo
-    while hi - lo > 1:  # invariant: lo fits, hi does not
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:  # invariant: lo fits, hi does not (or is beyond the cap)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, limit: int = 4096) -> int:
+    """Largest batch with device_total_bytes <= budget (the estimate is monotone in batch size - a property the
+    tests check). 0 when batch 1 does not fit."""
+    return largest_fitting(
+        lambda b: estimator(spec, dataclasses.replace(setup, batch_size=b)).device_total_bytes <= budget_bytes, limit)
 
 
 def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None) -> FitResult:

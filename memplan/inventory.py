@@ -5,36 +5,13 @@ Counting, not guessing: every unique parameter of the real module tree is record
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from memplan.errors import BadInput
 from memplan.spec import Arch, Linear, ModelSpec, Param
 
 _BLOCK_RE = re.compile(r"\.(?:layers|layer|h|block|blocks)\.(\d+)\.")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temp file beside `path`, then rename it over `path` (never a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, data, indent: int | None = None) -> None:
-    """Write JSON atomically (compact unless indent is given)."""
-    write_text_atomic(path, json.dumps(data, indent=indent, separators=(",", ":") if indent is None else None) + "\n")
 
 
 def _auto_class(config_dict: dict, config):

@@ -132,9 +132,32 @@ def _from_hub(name: str, trust_remote_code: bool) -> ModelSpec:
     return build_spec(config.to_dict(), model_id=name, config_file=f"hub:{name}", trust_remote_code=trust_remote_code)
 
 
+def config_dict(model) -> dict:
+    """The config.json content behind a catalog id, a local config.json / model folder, or (online) a Hub id:
+    what the tracer, the validator and examples build the real model from (no weights needed)."""
+    spec = load_spec(model)
+    ref = spec.config_file
+    if ref.startswith("hub:"):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(ref[4:]).to_dict()
+    path = Path(ref)
+    return read_config(path if path.is_absolute() else DATA / path)
+
+
+def hf_config(model, **overrides):
+    """A transformers PretrainedConfig for `model` (see config_dict), with `overrides` applied."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in config_dict(model).items() if k not in ("auto_map", "transformers_version")}
+    d.update(overrides)
+    return AutoConfig.for_model(**d)
+
+
 def refresh_catalog(echo=print) -> int:
     """Rebuild every inventory under memplan/data/models/inventory/ and the catalog index. Returns the count."""
-    from memplan.inventory import build_spec, write_json_atomic
+    from memplan.fileio import write_json_atomic
+    from memplan.inventory import build_spec
 
     sources = _sources_by_id()
     index = {}

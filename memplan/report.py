@@ -77,3 +77,37 @@ def print_gpus(gpus, console: Console | None = None) -> None:
         t.add_row(g.name, _gib(g.memory_bytes), g.compute_capability or g.architecture, "yes" if g.bf16 else "no",
                   ", ".join(g.aliases))
     (console or Console()).print(t)
+
+
+def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
+    """The chosen setup with its breakdown, the budget, and the alternatives with why each lost."""
+    from memplan.search import describe
+
+    console = console or Console()
+    g = plan.gpu
+    head = (f"{plan.model} on {g.name} ({_gib(g.memory_bytes)} GiB) · prefer {plan.prefer} · "
+            f"effective batch {plan.effective_batch}")
+    if not plan.fits:
+        console.print(f"[red]Nothing fits[/] {head}")
+        if plan.smallest:
+            console.print(f"smallest setup: {describe(plan.smallest.setup)} — {plan.smallest.reason}")
+        for tip in plan.suggestions:
+            console.print(f"  - {tip}")
+        return
+    console.print(f"[bold]{head}[/]")
+    console.print(f"[green]plan[/]: {describe(plan.setup)}"
+                  + (f" (effective batch {plan.achieved_effective_batch})"
+                     if plan.achieved_effective_batch != plan.effective_batch else ""))
+    console.print(estimate_table(plan.estimate))
+    console.print(f"budget {_gib(plan.budget_bytes)} GiB = {_gib(g.memory_bytes)} GiB - headroom "
+                  f"{_gib(plan.headroom_bytes)} GiB ({plan.headroom:.0%} of the {_gib(plan.usable_bytes)} GiB usable "
+                  f"beyond the CUDA context); spare at the predicted peak: {_gib(plan.spare_bytes)} GiB")
+    if plan.alternatives:
+        t = Table(title="alternatives", title_justify="left")
+        for col, just in (("setup", "left"), ("fits", "center"), ("device GiB", "right"), ("why not chosen", "left")):
+            t.add_column(col, justify=just)
+        for a in plan.alternatives:
+            t.add_row(describe(a.setup), "yes" if a.fits else "[red]no[/]", _gib(a.device_total_bytes), a.reason)
+        console.print(t)
+    if written:
+        console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")

@@ -228,6 +228,7 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
                for p in ctx.spec.params)
     h = ctx.spec.arch.hidden_size
     out = []
+    same: dict[tuple, float] = {}  # blocks of identical structure save identical bytes (speed: 80-layer models)
     for blk in blocks(ctx.spec):
         key = (blk.stack, blk.index)
         tokens, seqs = stack_tokens(ctx, blk.stack)
@@ -236,7 +237,13 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
         if not live:
             out.append((0.0, 0.0))
             continue
-        full = block_bytes(ctx, blk, tokens, seqs, lora_names, key in trained_blocks)
+        shape = (blk.stack, blk.norms, key in trained_blocks,
+                 tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
+                        _trains(ctx, m.name))
+                       for sl, m in blk.linears))
+        if shape not in same:
+            same[shape] = block_bytes(ctx, blk, tokens, seqs, lora_names, key in trained_blocks)
+        full = same[shape]
         if starts_here and key not in trained_blocks and not ctx.spec.arch.post_norm:
             full -= _norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
         out.append((full, tokens * h * ctx.residual_bytes))

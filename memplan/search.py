@@ -1,0 +1,511 @@
+"""plan(): the best training setup that fits a GPU, found analytically (no GPU touched, no OOM-and-retry).
+
+The search space (docs/PLANNER.md has the rationale): technique x precision x LoRA rank x LoRA targets x
+optimizer x gradient checkpointing, and for each candidate the largest micro-batch (binary search over the
+estimate, which is monotone in the batch size) up to the effective batch; gradient accumulation makes up the
+rest. Any Setup field can be pinned; the search fills the others.
+
+Preferences order the candidates by a key (smaller is better):
+  quality: (technique, precision, LoRA targets, optimizer, -LoRA rank), then speed
+  speed:   relative throughput, then quality
+  memory:  the smallest device total at micro-batch 1, then quality (micro-batch 1, accumulation = effective batch)
+Quality ranks full > LoRA > QLoRA > freeze (freeze trains only the top blocks: the weakest adaptation), mixed
+precision = fp32 master weights > fp32 compute > pure 16-bit weights, all-linear > peft's default (attention)
+targets, AdamW > 8-bit AdamW > paged 8-bit AdamW > Adafactor, larger rank (quality_key cites the evidence).
+
+Speed is a relative score used only to order candidates (never reported as a prediction):
+  efficiency(micro-batch tokens) / step cost, efficiency = min(tokens, 4096) / 4096 (a micro-batch of >= 4096
+  tokens is taken to saturate the GPU's matmuls), step cost in forward-pass units = 1 forward + 1 input-gradient
+  backward + the trainable fraction of the weight-gradient backward (backward = 2 forwards: the 6N FLOPs/token
+  rule, Kaplan et al. 2020, arXiv:2001.08361 sec. 2.1) + 1 recomputed forward with gradient checkpointing.
+The search is best-first with an optimistic bound (each candidate's key at the largest useful micro-batch), so
+it stops as soon as no unevaluated candidate can beat the best one found.
+
+Pure: the estimator is injected (tests pass a fake).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memplan.errors import BadInput, MemplanError, SetupError
+from memplan.fit import largest_fitting
+from memplan.gpus import Gpu
+from memplan.setup import Setup
+
+PREFERENCES = ("quality", "speed", "memory")
+TECHNIQUE_ORDER = ("full", "lora", "qlora", "freeze")
+RANKS = (256, 128, 64, 32, 16, 8, 4)
+TARGET_ORDER = ("all-linear", None)  # None = peft's default targets for the model type (attention projections)
+OPTIMIZER_ORDER = ("adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor")
+DEFAULT_EFFECTIVE_BATCH = 32
+DEFAULT_HEADROOM = 0.05
+SATURATING_TOKENS = 4096
+#: the search dimensions: the Setup fields the planner chooses (the rest come from pins or Setup defaults)
+SEARCHED = ("technique", "precision", "quant", "double_quant", "lora_r", "lora_targets", "optimizer", "grad_ckpt",
+            "batch_size", "grad_accum")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One evaluated point: a Setup at its chosen micro-batch, its estimate, and whether it fits the budget."""
+
+    setup: Setup
+    estimate: object  # Estimate (at setup.batch_size; at batch 1 when nothing fits)
+    fits: bool
+    max_batch_size: int
+    key: tuple = ()
+
+    @property
+    def device_total_bytes(self) -> int:
+        return self.estimate.device_total_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    setup: Setup
+    fits: bool
+    device_total_bytes: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"setup": self.setup.to_dict(), "fits": self.fits, "device_total_bytes": self.device_total_bytes,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The chosen setup (None when nothing fits), its estimate and the memory budget it was chosen against.
+
+    usable_bytes = GPU memory - CUDA context; headroom_bytes = headroom x usable; budget_bytes (what the chosen
+    setup's device total may reach) = GPU memory - headroom_bytes.
+    """
+
+    model: str
+    gpu: Gpu
+    prefer: str
+    effective_batch: int
+    headroom: float
+    usable_bytes: int
+    headroom_bytes: int
+    budget_bytes: int
+    setup: Setup | None
+    estimate: object | None
+    alternatives: tuple[Alternative, ...] = ()
+    evaluated: int = 0  # estimates computed
+    pinned: dict = field(default_factory=dict)
+    smallest: Alternative | None = None  # nothing fits: the setup needing the least memory
+    suggestions: tuple[str, ...] = ()  # nothing fits: what would make it fit
+
+    @property
+    def fits(self) -> bool:
+        return self.setup is not None
+
+    @property
+    def achieved_effective_batch(self) -> int:
+        return self.setup.batch_size * self.setup.grad_accum if self.setup else 0
+
+    @property
+    def spare_bytes(self) -> int:
+        """Memory left below the GPU's total at the predicted device peak (headroom included)."""
+        return self.gpu.memory_bytes - self.estimate.device_total_bytes if self.estimate else 0
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
+            "prefer": self.prefer, "fits": self.fits, "effective_batch": self.effective_batch,
+            "achieved_effective_batch": self.achieved_effective_batch,
+            "headroom": self.headroom, "usable_bytes": self.usable_bytes, "headroom_bytes": self.headroom_bytes,
+            "budget_bytes": self.budget_bytes, "pinned": _jsonable(self.pinned),
+            "setup": self.setup.to_dict() if self.setup else None,
+            "estimate": self.estimate.to_dict() if self.estimate else None,
+            "alternatives": [a.to_dict() for a in self.alternatives],
+            "smallest": self.smallest.to_dict() if self.smallest else None,
+            "suggestions": list(self.suggestions), "evaluated": self.evaluated,
+        }
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- candidates
+
+def _precisions(technique: str, bf16: bool) -> tuple[str, ...]:
+    """Per technique, in quality order. Pure fp16 weights are never trained in full (fp16 weight updates underflow;
+    Trainer refuses to unscale fp16 gradients); QLoRA computes in bf16/fp16 over its 4-bit base."""
+    half = "bf16" if bf16 else "fp16"
+    if technique == "qlora":
+        return (half,)
+    if technique in ("full", "freeze"):
+        return (f"{half}-mixed", "fp32") + (("bf16",) if bf16 else ())
+    return (f"{half}-mixed", "fp32", half)
+
+
+def candidate_fields(bf16: bool, pinned: dict) -> list[dict]:
+    """Every combination of the searched fields (batch aside), pins applied, deduplicated, in quality order."""
+    out: list[dict] = []
+    seen: set = set()
+    techniques = (pinned["technique"],) if "technique" in pinned else TECHNIQUE_ORDER
+    if "technique" not in pinned and pinned.keys() & {"lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant"}:
+        techniques = ("lora", "qlora")  # a LoRA or quantization pin implies an adapter technique
+    if "technique" not in pinned and "trainable" in pinned:
+        techniques = ("freeze",)
+    for tech in techniques:
+        lora = tech in ("lora", "qlora")
+        for prec in _precisions(tech, bf16):
+            for r in RANKS if lora else (None,):
+                for targets in TARGET_ORDER if lora else (None,):
+                    for optim in OPTIMIZER_ORDER:
+                        for ckpt in (False, True):
+                            f = {"technique": tech, "precision": prec, "optimizer": optim, "grad_ckpt": ckpt}
+                            if lora:  # alpha = 2r: a common scaling choice; no memory effect
+                                f.update(lora_r=r, lora_targets=targets, lora_alpha=2 * r)
+                            if tech == "qlora":
+                                f.update(quant="nf4", double_quant=True)
+                            f.update({k: v for k, v in pinned.items() if k not in ("batch_size", "grad_accum")})
+                            sig = tuple(sorted((k, repr(v)) for k, v in f.items()))
+                            if sig not in seen:
+                                seen.add(sig)
+                                out.append(f)
+    return out
+
+
+def quality_key(s: Setup) -> tuple:
+    """Smaller is better: technique, precision class, wider LoRA targets, optimizer, larger rank.
+
+    Targets before rank: "the most critical LoRA hyperparameter is how many LoRA adapters are used in total ...
+    LoRA r is unrelated to final performance if LoRA is used on all layers" (QLoRA, arXiv:2305.14314 sec. 4).
+    8-bit AdamW matches 32-bit AdamW's results (arXiv:2110.02861) but ranks after it, paged after unpaged (same
+    math, slower when paging), Adafactor (factored second moment, arXiv:1804.04235) last."""
+    prec = 0 if s.mixed else (1 if s.precision == "fp32" else 2)
+    lora = s.technique in ("lora", "qlora")
+    targets = (0 if s.lora_targets == "all-linear" else 1) if lora else 0
+    optim = OPTIMIZER_ORDER.index(s.optimizer) if s.optimizer in OPTIMIZER_ORDER else len(OPTIMIZER_ORDER)
+    tech = TECHNIQUE_ORDER.index(s.technique)
+    return (tech, prec, targets, optim, -(s.lora_r if lora else 0), s.quant is not None)
+
+
+def speed_score(s: Setup, trainable_fraction: float, tokens_per_sample: int) -> float:
+    """Relative throughput (higher is faster); see the module docstring for the model."""
+    eff = min(s.batch_size * tokens_per_sample, SATURATING_TOKENS) / SATURATING_TOKENS
+    cost = 2.0 + trainable_fraction + (1.0 if s.grad_ckpt else 0.0)
+    return eff / cost
+
+
+# ---------------------------------------------------------------------------------------------------- the search
+
+def _budget(gpu: Gpu, headroom: float, context_bytes: int) -> tuple[int, int, int]:
+    usable = max(0, gpu.memory_bytes - context_bytes)
+    reserve = int(usable * headroom)
+    return usable, reserve, gpu.memory_bytes - reserve
+
+
+def split_batch(effective: int, max_micro: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) for an effective batch: the largest divisor of `effective` not above
+    max_micro when that loses at most half of max_micro (the effective batch is then exact), else max_micro with
+    enough steps to reach at least `effective`."""
+    max_micro = max(1, max_micro)
+    best = max(d for d in range(1, min(effective, max_micro) + 1) if effective % d == 0)
+    if best * 2 >= min(max_micro, effective):
+        return best, effective // best
+    return max_micro, math.ceil(effective / max_micro)
+
+
+class _Search:
+    def __init__(self, spec, gpu: Gpu, seq_len: int, effective: int, prefer: str, pinned: dict,
+                 estimator: Callable, budget: int):
+        self.spec, self.gpu, self.seq_len, self.effective = spec, gpu, seq_len, effective
+        self.prefer, self.pinned, self.estimator, self.budget = prefer, pinned, estimator, budget
+        self.evaluated = 0
+        self.total_params = max(1, spec.numel_total)
+        arch = spec.arch
+        self.tokens = seq_len + ((pinned.get("target_len") or seq_len) if arch.kind == "seq2seq" else 0)
+
+    def estimate(self, setup: Setup):
+        self.evaluated += 1
+        return self.estimator(self.spec, setup)
+
+    def trainable_fraction(self, setup: Setup, est) -> float:
+        return min(1.0, est.params_trainable / self.total_params) if setup.technique in ("full", "freeze") else 0.0
+
+    def key(self, setup: Setup, frac: float, batch1_total: int = 0) -> tuple:
+        q = quality_key(setup)
+        score = -round(speed_score(setup, frac, self.tokens), 6)
+        if self.prefer == "quality":
+            return q + (score, setup.grad_accum)
+        if self.prefer == "speed":
+            return (score,) + q + (setup.grad_accum,)
+        return (batch1_total,) + q + (score, setup.grad_accum)
+
+    def optimistic_key(self, setup: Setup) -> tuple:
+        """A key no evaluation of this candidate can beat (speed at the largest useful micro-batch, full-model
+        weight gradients counted only for full fine-tuning)."""
+        b = self.pinned.get("batch_size") or self.effective
+        best = dataclasses.replace(setup, batch_size=b, grad_accum=1)
+        frac = 1.0 if setup.technique == "full" else 0.0
+        return self.key(best, frac, 0)
+
+    def accum_for(self, batch: int) -> int:
+        """Accumulation steps a micro-batch implies (memory only sees whether it is > 1: gradients then persist
+        across micro-steps)."""
+        return self.pinned.get("grad_accum") or max(1, math.ceil(self.effective / batch))
+
+    def evaluate(self, setup: Setup) -> Candidate:
+        """The candidate at its best micro-batch (or at batch 1 when nothing fits).
+
+        Memory is monotone in the micro-batch at a fixed accumulation, but accumulating (any grad_accum > 1) keeps
+        the gradients alive through the next micro-steps: the whole effective batch in one micro-batch can fit
+        where a smaller micro-batch with accumulation does not. Both sides are searched."""
+        cache: dict[tuple[int, int], object] = {}
+
+        def est(b: int, ga: int):
+            if (b, ga) not in cache:
+                cache[b, ga] = self.estimate(dataclasses.replace(setup, batch_size=b, grad_accum=ga))
+            return cache[b, ga]
+
+        def fits(b: int) -> bool:
+            return est(b, self.accum_for(b)).device_total_bytes <= self.budget
+
+        pinned_b, pinned_ga = self.pinned.get("batch_size"), self.pinned.get("grad_accum")
+        smallest = est(pinned_b or 1, pinned_ga or 1)  # the least memory this candidate can take
+        if smallest.device_total_bytes > self.budget:
+            return Candidate(dataclasses.replace(setup, batch_size=pinned_b or 1, grad_accum=pinned_ga or 1),
+                             smallest, False, 0, ())
+        if pinned_b:
+            b, ga = pinned_b, self.accum_for(pinned_b)
+        elif self.prefer == "memory":
+            b, ga = 1, self.accum_for(1)
+        elif pinned_ga:
+            b = largest_fitting(fits, math.ceil(self.effective / pinned_ga)) or 1
+            ga = pinned_ga
+        else:
+            b, ga = split_batch(self.effective, largest_fitting(fits, self.effective - 1) or 1)
+            if b * ga != self.effective or not fits(b):  # try the whole batch at once (no accumulation)
+                if est(self.effective, 1).device_total_bytes <= self.budget:
+                    b, ga = self.effective, 1
+        e = est(b, ga)
+        first = est(1, self.accum_for(1)) if not pinned_b else e
+        chosen = dataclasses.replace(setup, batch_size=b, grad_accum=ga)
+        if e.device_total_bytes > self.budget:
+            return Candidate(chosen, e, False, 0, ())
+        frac = self.trainable_fraction(setup, e)
+        return Candidate(chosen, e, True, b, self.key(chosen, frac, first.device_total_bytes))
+
+
+def _setups(spec, seq_len: int, bf16: bool, pinned: dict) -> list[Setup]:
+    base = {k: v for k, v in pinned.items() if k in ("seq_len", "target_len", "lora_alpha", "lora_dropout",
+                                                      "trainable", "attn_impl", "added_tokens")}
+    base.setdefault("seq_len", seq_len)
+    out, errors = [], []
+    for f in candidate_fields(bf16, pinned):
+        try:
+            out.append(Setup(mode="train", batch_size=pinned.get("batch_size", 1),
+                             grad_accum=pinned.get("grad_accum", 1), **{**base, **f}))
+        except SetupError as e:
+            errors.append(e)
+    if not out:
+        raise errors[0] if errors else BadInput("no candidate setup")
+    return out
+
+
+def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch: int = DEFAULT_EFFECTIVE_BATCH,
+         prefer: str = "quality", headroom: float = DEFAULT_HEADROOM, estimator: Callable | None = None,
+         alternatives: int = 4, memory: int | str | None = None, **pinned) -> Plan:
+    """Search the best training setup of `spec` that fits `gpu` with `headroom` of its usable memory spare.
+
+    spec: a ModelSpec or anything load_spec takes (catalog id, config.json). gpu: a Gpu, a catalog name, or None
+    with `memory` (a size such as "12GiB") or neither (the detected GPU). pinned: Setup fields fixed by the user
+    (e.g. technique="lora", lora_r=16). Raises BadInput for a bad preference, a pin that is not a Setup field, or
+    pins that contradict each other.
+    """
+    if isinstance(spec, str):
+        from memplan.models import load_spec
+        spec = load_spec(spec)
+    if not isinstance(gpu, Gpu):
+        from memplan.gpus import resolve_gpu
+        gpu = resolve_gpu(gpu, memory)
+    if estimator is None:
+        from memplan.estimate import estimate as estimator
+    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
+
+    problems = []
+    if prefer not in PREFERENCES:
+        problems.append(f"prefer={prefer!r} is not one of {', '.join(PREFERENCES)}")
+    if not isinstance(effective_batch, int) or effective_batch < 1:
+        problems.append(f"effective batch must be an integer >= 1, got {effective_batch!r}")
+    if not 0 <= headroom < 1:
+        problems.append(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+    names = {f.name for f in dataclasses.fields(Setup)}
+    problems += [f"{k!r} is not a Setup field" for k in pinned if k not in names]
+    if pinned.get("mode", "train") != "train":
+        problems.append("plan searches training setups; for inference use `memplan fit` or `memplan estimate "
+                        "--mode infer`")
+    if problems:
+        raise BadInput("cannot plan:\n" + "\n".join(f"  - {p}" for p in problems))
+    pinned = {k: v for k, v in pinned.items() if v is not None and k != "mode"}
+    seq_len = pinned.pop("seq_len", seq_len)
+    usable, reserve, budget = _budget(gpu, headroom, CUDA_CONTEXT_BYTES)
+    search = _Search(spec, gpu, seq_len, effective_batch, prefer, pinned, estimator, budget)
+    setups = _setups(spec, seq_len, gpu.bf16, pinned)
+    common = dict(model=spec.model_id, gpu=gpu, prefer=prefer, effective_batch=effective_batch, headroom=headroom,
+                  usable_bytes=usable, headroom_bytes=reserve, budget_bytes=budget, pinned=dict(pinned, seq_len=seq_len))
+
+    order = sorted(range(len(setups)), key=lambda i: (search.optimistic_key(setups[i]), i))
+    if prefer == "memory":  # the key needs each candidate's batch-1 total: no bound to prune with
+        order = list(range(len(setups)))
+    results: dict[int, Candidate] = {}
+    model_errors: list[str] = []
+    best: Candidate | None = None
+    best_i = -1
+    for i in order:
+        if best is not None and prefer != "memory" and search.optimistic_key(setups[i]) > best.key:
+            break
+        try:
+            c = search.evaluate(setups[i])
+        except MemplanError as e:  # a model-dependent problem (e.g. no sdpa): the candidate does not apply
+            model_errors.append(str(e))
+            continue
+        results[i] = c
+        if c.fits and (best is None or c.key < best.key):
+            best, best_i = c, i
+    if not results:
+        raise BadInput(model_errors[0] if model_errors else "no candidate setup applies to this model")
+    if best is None:
+        return _nothing_fits(search, setups, results, common)
+    if prefer == "memory":
+        order = sorted(results, key=lambda i: (not results[i].fits, results[i].key, i))
+    alts = _alternatives(search, setups, results, best_i, order, alternatives)
+    return Plan(setup=best.setup, estimate=best.estimate, alternatives=alts, evaluated=search.evaluated, **common)
+
+
+# ---------------------------------------------------------------------------------------------------- explaining
+
+def describe(s: Setup) -> str:
+    """A short human label: 'LoRA r=64 all-linear, bf16, adamw-fused, checkpointing, micro-batch 4 x 8'."""
+    tech = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA", "freeze": "freeze"}[s.technique]
+    parts = [tech]
+    if s.technique in ("lora", "qlora"):
+        parts[0] += f" r={s.lora_r} " + ("all-linear" if s.lora_targets == "all-linear" else
+                                          ",".join(s.lora_targets) if s.lora_targets else "default targets")
+    if s.quant:
+        parts.append(s.quant + (" + double quant" if s.double_quant else ""))
+    if s.technique == "freeze":
+        parts.append(f"trainable {s.trainable or 1}")
+    parts += [s.precision, s.optimizer]
+    if s.grad_ckpt:
+        parts.append("checkpointing")
+    parts.append(f"micro-batch {s.batch_size} x {s.grad_accum}")
+    return ", ".join(parts)
+
+
+def _speed_reason(s: Setup, best: Setup) -> str:
+    what = "recomputes the forward in backward, " if s.grad_ckpt else ""
+    if s.technique == "full" and best.technique != "full":
+        what += "weight gradients for every parameter, "
+    return f"slower: {what}micro-batch {s.batch_size} x {s.grad_accum} steps"
+
+
+def _lost_reason(c: Candidate, best: Candidate, prefer: str) -> str:
+    """Why a fitting candidate ranks below the chosen one, in the terms of the preference."""
+    s, b = c.setup, best.setup
+    if prefer == "memory" and c.device_total_bytes != best.device_total_bytes:
+        return f"needs {_gib(c.device_total_bytes - best.device_total_bytes)} more"
+    if prefer == "speed" and c.key[:1] != best.key[:1]:
+        return _speed_reason(s, b)
+    if s.technique != b.technique:
+        return f"{s.technique} ranks below {b.technique} for quality"
+    if s.precision != b.precision:
+        return f"precision {s.precision} ranks below {b.precision}"
+    if s.lora_targets != b.lora_targets:
+        return "fewer LoRA targets (peft's default, attention only)"
+    if s.optimizer != b.optimizer:
+        return f"{s.optimizer} ranks below {b.optimizer}"
+    if s.lora_r != b.lora_r and s.technique in ("lora", "qlora"):
+        return f"rank {s.lora_r} instead of {b.lora_r}"
+    return _speed_reason(s, b)
+
+
+def _alternatives(search: _Search, setups, results, best_i: int, order, limit: int) -> tuple[Alternative, ...]:
+    """What the choice beat: the most preferred candidate that does not fit and the one just above the choice
+    (what more memory would buy), then the runner-up in preference order and the best fitting candidate of each
+    other technique, each with the reason it lost."""
+    best = results[best_i]
+    out: list[Alternative] = []
+    pos = order.index(best_i)
+    failing = [results[i] for i in order[:pos] if i in results and not results[i].fits]
+    for c in failing[:1] + failing[-1:] if len(failing) > 1 else failing:
+        out.append(Alternative(c.setup, False, c.device_total_bytes,
+                               f"does not fit: needs {_gib(c.device_total_bytes)} at micro-batch "
+                               f"{c.setup.batch_size}, budget {_gib(search.budget)}"))
+
+    def first_fitting(indices) -> Candidate | None:
+        for i in indices:
+            if i == best_i:
+                continue
+            if i not in results:
+                try:
+                    results[i] = search.evaluate(setups[i])
+                except MemplanError:
+                    continue
+            if results[i].fits:
+                return results[i]
+        return None
+
+    runners = [first_fitting(order[pos + 1:])]
+    for tech in TECHNIQUE_ORDER:
+        if tech != best.setup.technique:
+            runners.append(first_fitting(i for i in order if setups[i].technique == tech))
+    seen = set()
+    for c in runners:
+        if c is not None and c.setup not in seen and len(out) < limit + 2:
+            seen.add(c.setup)
+            out.append(Alternative(c.setup, True, c.device_total_bytes, _lost_reason(c, best, search.prefer)))
+    return tuple(out)
+
+
+def _gib(n: int) -> str:
+    from memplan.units import fmt_gib
+    return fmt_gib(n)
+
+
+def _nothing_fits(search: _Search, setups, results, common) -> Plan:
+    """Nothing fits: the setup needing least memory at micro-batch 1, and what would make it fit."""
+    smallest = min(results.values(), key=lambda c: c.device_total_bytes)
+    need = smallest.device_total_bytes
+    s = smallest.setup
+    tips = []
+    from memplan.gpus import load_gpus
+    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
+    headroom = common["headroom"]
+    bigger = sorted((g for g in load_gpus() if _budget(g, headroom, CUDA_CONTEXT_BYTES)[2] >= need),
+                    key=lambda g: g.memory_bytes)
+    if bigger:
+        tips.append(f"a larger GPU: {bigger[0].name} ({_gib(bigger[0].memory_bytes)}) fits {describe(s)}")
+    shorter = _largest_seq_len(search, s)
+    if shorter:
+        tips.append(f"a shorter sequence: --seq-len {shorter} fits on this GPU ({describe(dataclasses.replace(s, seq_len=shorter))})")
+    tips.append("more GPUs: sharding the model (DeepSpeed ZeRO-3 / FSDP) splits weights and optimizer state; "
+                "memplan does not plan multi-GPU setups yet")
+    alt = Alternative(s, False, need, f"needs {_gib(need)} at micro-batch 1; budget {_gib(search.budget)}")
+    return Plan(setup=None, estimate=None, evaluated=search.evaluated, smallest=alt, suggestions=tuple(tips), **common)
+
+
+def _largest_seq_len(search: _Search, s: Setup) -> int:
+    """Largest seq_len below the current one at which `s` fits at micro-batch 1 (0 if none >= 16)."""
+    def fits(n: int) -> bool:
+        try:
+            return search.estimate(dataclasses.replace(s, seq_len=n)).device_total_bytes <= search.budget
+        except MemplanError:
+            return False
+
+    lo, hi = 16, s.seq_len  # invariant once checked: lo fits, hi does not
+    if not fits(lo):
+        return 0
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo // 16 * 16 if lo >= 32 else lo
