@@ -93,7 +93,8 @@ def _resident(ctx: Ctx) -> dict[str, int]:
 def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     """forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
     the loss gradients, or (checkpointing) the last block's recompute. lm_head_backward: the logits gradient
-    and the head's weight gradient. backward_end: all gradients. In between,
+    and the head's weight gradient. backward_end: all gradients. embedding_backward: a tied embedding's two gradient
+    contributions summed (lg.tied_accumulation_bytes). In between,
     backward frees the activations of block i as it allocates the gradients of block i, so the live bytes move
     linearly from the start to the end and the two ends bound the whole backward. optimizer_step: grads + state +
     step temporaries."""
@@ -116,6 +117,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "lm_head_backward": {**common, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
+        "embedding_backward": {**res, "gradients": grads, "backward_temporaries": lg.tied_accumulation_bytes(ctx)},
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
 

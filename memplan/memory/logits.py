@@ -72,6 +72,22 @@ def head_grad_bytes(ctx: Ctx) -> int:
     return 0
 
 
+def tied_accumulation_bytes(ctx: Ctx) -> int:
+    """A trainable tied embedding gets two gradient contributions: lm_head's weight grad (computed first and held
+    by the autograd engine's input buffer) and the embedding's dense backward (at the very end). The engine sums
+    them out of place (torch/csrc/autograd/input_buffer.cpp; seen as an aten::add allocation of [V, H] with
+    torch.profiler on plain CPU autograd, and by the tracer), so both contributions and their sum are alive at once:
+    two extra copies beyond the gradient itself; with accumulation the sum is then added into the held .grad
+    (three extra)."""
+    tied = dict(ctx.spec.tied)
+    for m in ctx.spec.linears:
+        target = tied.get(m.name + ".weight")
+        if m.is_output and target in ctx.trainable:
+            copies = 3 if ctx.setup.grad_accum > 1 else 2
+            return copies * m.in_features * m.out_features * ctx.weight_bytes
+    return 0
+
+
 def inference_logits_bytes(ctx: Ctx) -> int:
     """generate(): the prefill computes logits for the last position only (logits_to_keep=1, transformers 5.x
     GenerationMixin) and copies them to fp32; encoders (no generation) compute all positions."""

@@ -1,0 +1,599 @@
+"""Trace: run the real training step (transformers + peft + torch.optim) and record every storage's lifetime.
+
+Ground truth without a GPU. The model is the real transformers class built from the config, LoRA is real peft,
+checkpointing is transformers' own (non-reentrant torch.utils.checkpoint), the optimizer is torch's or
+transformers' own. Tensors are fake (torch._subclasses.fake_tensor.FakeTensorMode on the "cpu" device: shapes and
+dtypes, no data), or real for small models (fake=False) so tests can check the accounting against real tensors.
+
+A TorchDispatchMode sees every op's outputs; each new storage is counted (rounded up to 512 B like the CUDA caching
+allocator's smallest block, c10/cuda/CUDACachingAllocator.cpp kMinBlockSize) until a weakref callback reports its
+release. The peak live bytes are recorded per phase (forward, backward, optimizer, zero_grad) over several steps,
+with the bytes per category at the peak:
+  weights          parameters and buffers (quantized storages included)
+  gradients        .grad of trainable parameters
+  optimizer_state  what the optimizer keeps between steps
+  activations      saved for backward (autograd's saved-tensor hooks), or allocated in the forward and still alive
+  temporaries      everything else alive at the peak (workspaces, casts, gradient intermediates)
+
+CUDA emulations (where the CPU code path differs from the CUDA one; one place, EMULATIONS below):
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import weakref
+from dataclasses import dataclass, field
+
+from memplan.errors import BadInput
+from memplan.setup import Setup
+
+BLOCK = 512
+CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+#: Where the CPU path differs from CUDA, what the tracer does instead (documented once, applied in _cuda_like()).
+EMULATIONS = {
+    "adamw": "torch.optim.AdamW(foreach=True): CUDA's default (torch.optim.optimizer._default_to_fused_or_foreach "
+             "picks foreach only for CUDA tensors; on CPU it would pick the per-tensor loop)",
+    "adamw-fused": "torch.optim.AdamW(fused=True) (Trainer's adamw_torch_fused); the fused kernel also exists on CPU",
+    "dropout": "F.dropout -> torch.native_dropout: the CUDA path (one bool mask saved); the CPU path draws a float "
+               "mask with bernoulli_",
+    "bitsandbytes": "bnb Linear4bit/Linear8bitLt do not run on fake tensors: stand-in layers hold exactly the "
+                    "storages bnb allocates and dequantize to the compute dtype in forward and backward",
+    "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
+                           "fp32 absmax per 256 elements; fp32 below 4096 elements); paged state lives outside the "
+                           "allocator (cudaMallocManaged) and is excluded from the allocated peak",
+    "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
+                "matches CUDA's for matmuls; some fp32-listed ops differ",
+    "sdpa": "the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu) saves output + logsumexp like "
+            "CUDA's flash/efficient kernels",
+}
+__doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
+
+
+def _round(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK if n else 0
+
+
+@dataclass
+class TraceResult:
+    """Peak live bytes of the traced step, per phase and per category at the peak. Sizes in bytes."""
+
+    model: str
+    setup: Setup
+    peak_allocated_bytes: int
+    peak_phase: str
+    components: dict[str, int]
+    phases: dict[str, int]
+    params_total: int
+    params_trainable: int
+    layers_traced: int | None = None
+    layers_total: int | None = None
+    paged_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "setup": self.setup.to_dict(), "components": dict(self.components),
+                "phases": dict(self.phases), "peak_phase": self.peak_phase,
+                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": None,
+                "device_total_bytes": None, "paged_optimizer_state": self.paged_bytes,
+                "params_total": self.params_total, "params_trainable": self.params_trainable,
+                "layers_traced": self.layers_traced, "layers_total": self.layers_total, "notes": list(self.notes)}
+
+
+# ---------------------------------------------------------------------------------------------------- tracker
+
+class StorageTracker:
+    """Live storages keyed by their C pointer; serial numbers identify allocations across pointer reuse."""
+
+    def __init__(self):
+        self.live: dict[int, tuple[int, int]] = {}  # key -> (serial, bytes)
+        self.serials = itertools.count()
+        self.born: dict[int, str] = {}  # serial -> phase allocated in
+        self.origin: dict[int, str] = {}  # serial -> the op that allocated it (for --detail and debugging)
+        self.op = ""
+        self.tags: dict[int, str] = {}  # serial -> category decided by the caller (weights, gradients, ...)
+        self.saved: set[int] = set()
+        self.excluded: set[int] = set()  # serials outside the allocator (paged optimizer state)
+        self.current = 0
+        self.phase = "setup"
+        self.peak = 0
+        self.peak_phase = ""
+        self.peak_snapshot: dict[int, int] = {}
+        self.phase_peaks: dict[str, int] = {}
+
+    def serial_of(self, t) -> int | None:
+        import torch
+        if not isinstance(t, torch.Tensor):
+            return None
+        st = t.untyped_storage()
+        key = st._cdata
+        hit = self.live.get(key)
+        if hit is not None:
+            return hit[0]
+        n = _round(st.nbytes())
+        if n == 0:
+            return None
+        serial = next(self.serials)
+        self.live[key] = (serial, n)
+        self.born[serial] = self.phase
+        self.origin[serial] = self.op
+        weakref.finalize(st, self._release, key, serial)
+        self.current += n
+        self._update()
+        return serial
+
+    def _release(self, key: int, serial: int) -> None:
+        hit = self.live.get(key)
+        if hit is not None and hit[0] == serial:
+            del self.live[key]
+            if serial not in self.excluded:
+                self.current -= hit[1]
+
+    def exclude(self, t) -> None:
+        """Count this storage outside the allocator (paged memory)."""
+        s = self.serial_of(t)
+        if s is not None and s not in self.excluded:
+            self.excluded.add(s)
+            self.current -= self.live[t.untyped_storage()._cdata][1]
+
+    def tag(self, t, category: str) -> None:
+        s = self.serial_of(t)
+        if s is not None:
+            self.tags.setdefault(s, category)
+
+    def _update(self) -> None:
+        if self.phase in PHASES:
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_phase = self.phase
+                self.peak_snapshot = {s: n for s, n in self.live.values() if s not in self.excluded}
+
+    def category(self, serial: int, at_phase: str) -> str:
+        if serial in self.tags:
+            return self.tags[serial]
+        if serial in self.saved or (self.born.get(serial) == "forward" and at_phase != "forward"):
+            return "activations"
+        return "temporaries"
+
+    def breakdown(self) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for serial, n in self.peak_snapshot.items():
+            out[self.category(serial, self.peak_phase)] += n
+        return out
+
+    def excluded_bytes(self) -> int:
+        return sum(n for s, n in self.live.values() if s in self.excluded)
+
+
+def _dispatch_mode(tracker: StorageTracker):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tracker.op = func.__name__
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    tracker.serial_of(t)
+            return out
+
+    return _Mode()
+
+
+# ---------------------------------------------------------------------------------------------------- stand-ins
+
+def _standin_linear_classes():
+    """nn.Linear subclasses holding bitsandbytes' storages (bnb 0.50: Params4bit packed uint8 [n/2, 1], absmax
+    fp32 per 64 weights, or with compress_statistics uint8 absmax + fp32 absmax per 256 blocks + fp32 offset;
+    Int8Params int8 [out, in] + fp32 SCB [out]). tests/test_trace.py checks the sizes against real bnb objects."""
+    import torch
+
+    class _Dequant4(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):
+            w = layer.dequantize(x.dtype)  # bnb dequantize_4bit: a [out, in] tensor in the compute dtype
+            ctx.layer = layer
+            return torch.nn.functional.linear(x, w)
+
+        @staticmethod
+        def backward(ctx, grad):
+            w = ctx.layer.dequantize(grad.dtype)  # bnb MatMul4Bit.backward dequantizes again
+            return grad @ w, None
+
+    class StandIn4bit(torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear, quant_type: str, double_quant: bool, compute_dtype):
+            torch.nn.Module.__init__(self)
+            self.in_features, self.out_features = src.in_features, src.out_features
+            n = src.in_features * src.out_features
+            dev = src.weight.device
+            self.weight = torch.nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=dev),
+                                             requires_grad=False)
+            blocks = math.ceil(n / 64)
+            if double_quant:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=dev))
+                self.register_buffer("absmax2", torch.empty(math.ceil(blocks / 256), dtype=torch.float32,
+                                                            device=dev))
+                self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=dev))
+            else:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, device=dev))
+            self.bias = src.bias
+            self.compute_dtype = compute_dtype
+            self.double_quant = double_quant
+
+        def dequantize(self, dtype):
+            if self.double_quant:  # nested absmax dequantized to fp32 first
+                _ = torch.empty(self.absmax.shape, dtype=torch.float32, device=self.weight.device)
+            return torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
+
+        def forward(self, x):
+            x = x.to(self.compute_dtype)
+            out = _Dequant4.apply(x, self)
+            return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    class _Int8(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):
+            t = x.numel() // x.shape[-1]
+            _qa = torch.empty(t, x.shape[-1], dtype=torch.int8, device=x.device)  # int8 quantized input
+            _stats = torch.empty(t, dtype=torch.float32, device=x.device)  # row absmax
+            _acc = torch.empty(t, layer.out_features, dtype=torch.int32, device=x.device)  # int8 matmul result
+            ctx.layer = layer
+            return torch.empty(*x.shape[:-1], layer.out_features, dtype=x.dtype, device=x.device)
+
+        @staticmethod
+        def backward(ctx, grad):
+            layer = ctx.layer
+            w = torch.empty(layer.out_features, layer.in_features, dtype=grad.dtype, device=grad.device)
+            return grad @ w, None
+
+    class StandIn8bit(torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear, compute_dtype):
+            torch.nn.Module.__init__(self)
+            self.in_features, self.out_features = src.in_features, src.out_features
+            dev = src.weight.device
+            self.weight = torch.nn.Parameter(torch.empty(src.out_features, src.in_features, dtype=torch.int8,
+                                                         device=dev), requires_grad=False)
+            self.register_buffer("SCB", torch.empty(src.out_features, dtype=torch.float32, device=dev))
+            self.bias = src.bias
+            self.compute_dtype = compute_dtype
+
+        def forward(self, x):
+            x = x.to(self.compute_dtype)
+            out = _Int8.apply(x, self)
+            return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    return StandIn4bit, StandIn8bit
+
+
+def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
+    """Replace the named nn.Linear/Conv1D modules by bitsandbytes stand-ins (4-bit or int8)."""
+    import torch
+    StandIn4bit, StandIn8bit = _standin_linear_classes()
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        src = getattr(parent, child)
+        if type(src).__name__ == "Conv1D":  # GPT-2: weight [in, out]; bnb replaces it by a Linear [out, in]
+            lin = torch.nn.Linear(src.weight.shape[0], src.weight.shape[1], bias=src.bias is not None,
+                                  device="meta")
+            lin.bias = src.bias
+            src = lin
+        if setup.quant == "int8":
+            new = StandIn8bit(src, compute_dtype)
+        else:
+            new = StandIn4bit(src, setup.quant, setup.double_quant, compute_dtype)
+        setattr(parent, child, new)
+
+
+class StandIn8bitAdam:
+    """bitsandbytes AdamW8bit / PagedAdamW8bit state (Optimizer2State.init_state, bnb 0.50): uint8 state1 and state2
+    plus one fp32 absmax per 256 elements each, fp32 states for tensors below 4096 elements; the blockwise update
+    is one fused kernel (no temporaries). Paged state is allocated in unified memory, outside torch's allocator."""
+
+    def __init__(self, params, tracker: StorageTracker, paged: bool):
+        self.params = [p for p in params if p.requires_grad]
+        self.state: dict = {}
+        self.tracker, self.paged = tracker, paged
+
+    def step(self):
+        import torch
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if p not in self.state:
+                n = p.numel()
+                if n < 4096:
+                    st = [torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)]
+                else:
+                    blocks = math.ceil(n / 256)
+                    st = [torch.zeros(n, dtype=torch.uint8, device=p.device),
+                          torch.zeros(n, dtype=torch.uint8, device=p.device),
+                          torch.zeros(blocks, dtype=torch.float32, device=p.device),
+                          torch.zeros(blocks, dtype=torch.float32, device=p.device)]
+                for t in st:
+                    if self.paged:
+                        self.tracker.exclude(t)
+                    self.tracker.tag(t, "optimizer_state")
+                self.state[p] = st
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(setup: Setup, params, tracker: StorageTracker):
+    import torch
+    params = [p for p in params if p.requires_grad]
+    opt = setup.optimizer
+    if opt == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if opt == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        return StandIn8bitAdam(params, tracker, paged=opt.startswith("paged"))
+    if opt == "adafactor":  # what Trainer's optim="adafactor" builds
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
+    if opt == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    raise BadInput(f"optimizer {opt!r} cannot be traced")
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
+               "num_decoder_layers")
+
+
+def cut_config(d: dict, layers: int) -> dict:
+    """The config with every layer count set to `layers` (per-layer lists truncated)."""
+    d = dict(d)
+    for k in _LAYER_KEYS:
+        if isinstance(d.get(k), int):
+            d[k] = min(d[k], layers)
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][:layers]
+    return d
+
+
+@contextlib.contextmanager
+def _cuda_like():
+    """The CUDA code paths the CPU would not take (EMULATIONS): native_dropout for dropout."""
+    import torch
+    import torch.nn.functional as F
+
+    original = F.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if training and p > 0:
+            return torch.native_dropout(x, p, True)[0]
+        return x
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
+
+
+def build_model(spec, setup: Setup, layers: int | None, d: dict):
+    """The real transformers model for the setup on the meta device: dtype, bnb stand-ins, k-bit preparation,
+    freezing, LoRA, checkpointing. materialize() then gives it fake (or real) storage. Built on meta because
+    module.to()/peft's adapter moves swap fake parameters, which torch refuses while the fake mode holds weakrefs."""
+    import accelerate
+    import peft
+    import torch
+    import transformers
+
+    from memplan import select
+    from memplan.memory.context import resolve
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    ctx = resolve(spec, setup)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items()
+                                                  if k not in ("auto_map", "transformers_version")})
+    cls = getattr(transformers, spec.arch.auto_class)
+    weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
+    with accelerate.init_empty_weights(include_buffers=True):
+        model = cls.from_config(config, attn_implementation=ctx.attn_impl, dtype=weight_dtype)
+    if setup.quant:
+        names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
+        quantize_standins(model, names, setup, dtypes[setup.compute_dtype])
+    if setup.mode == "train" and setup.quant:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
+                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif setup.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if setup.technique == "freeze":
+        keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in keep)
+        if setup.grad_ckpt:
+            model.enable_input_require_grads()
+    if setup.uses_lora:
+        targets = setup.lora_targets
+        if targets is None:
+            targets = list(spec.arch.lora_default_targets)
+        cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+                              target_modules=list(targets) if isinstance(targets, tuple) else targets)
+        model = peft.get_peft_model(model, cfg)
+    model.train()
+    return model
+
+
+def materialize(model, fake: bool) -> None:
+    """Give every meta parameter and buffer storage on the CPU (fake, or real and randomly initialised), keeping
+    shared (tied) tensors shared and requires_grad as built."""
+    import torch
+    done: dict[int, torch.Tensor] = {}
+
+    def make(t):
+        if id(t) in done:
+            return done[id(t)]
+        new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        if not fake:
+            if new.is_floating_point():
+                new.normal_(0, 0.02)
+            else:
+                new.zero_()
+        if isinstance(t, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        done[id(t)] = new
+        return new
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = make(p)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = make(b)
+
+
+def _exists(model, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def cut_spec(spec, layers: int | None):
+    """The spec restricted to blocks < layers (for freezing's 'last N blocks' on a cut model)."""
+    if not layers:
+        return spec
+    from memplan.spec import ModelSpec
+    params = tuple(p for p in spec.params if p.block is None or p.block < layers)
+    linears = tuple(m for m in spec.linears if m.block is None or m.block < layers)
+    return ModelSpec(spec.model_id, spec.arch, params, linears, spec.tied, spec.config_file,
+                     spec.transformers_version)
+
+
+def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
+    import torch
+    b, s = setup.batch_size, setup.seq_len
+    ids = torch.randint(0, vocab, (b, s), device=device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long, device=device)}
+    if spec.arch.kind == "seq2seq":
+        batch["labels"] = torch.randint(0, vocab, (b, setup.target_len or s), device=device)
+    else:
+        batch["labels"] = ids.clone()
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool) -> StorageTracker:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = StorageTracker()
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    pack_ctx = torch.autograd.graph.saved_tensors_hooks(_pack(tracker), lambda t: t)
+    model = build_model(spec, setup, layers, d)
+    with fake_mode, _dispatch_mode(tracker), _cuda_like():
+        materialize(model, fake)
+        for p in model.parameters():
+            tracker.tag(p, "weights")
+        for b in model.buffers():  # quantization metadata of the stand-ins included
+            tracker.tag(b, "weights")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(setup, params, tracker)
+        vocab = model.get_input_embeddings().num_embeddings
+        accum = min(setup.grad_accum, 2)  # any accumulation > 1 keeps the gradients alive the same way
+        autocast = (torch.autocast("cpu", dtype=dtypes[setup.compute_dtype]) if setup.mixed
+                    else contextlib.nullcontext())
+        for _ in range(steps):
+            for _ in range(accum):
+                batch = make_batch(spec, setup, vocab)
+                tracker.phase = "forward"
+                with autocast, pack_ctx:
+                    loss = model(**batch).loss
+                tracker.phase = "backward"
+                loss.backward()
+                del loss, batch
+                for p in params:  # tagged after the fact: touching .grad inside backward would change
+                    tracker.tag(p.grad, "gradients")  # AccumulateGrad's in-place decision
+            tracker.phase = "optimizer"
+            opt.step()
+            if hasattr(opt, "state") and not isinstance(opt, StandIn8bitAdam):
+                for st in opt.state.values():
+                    for t in st.values():
+                        tracker.tag(t, "optimizer_state")
+            tracker.phase = "zero_grad"
+            opt.zero_grad(set_to_none=True)
+            tracker.phase = "between"
+        tracker.trainable = sum(p.numel() for p in params)
+        tracker.total = sum(p.numel() for p in model.parameters())
+    return tracker
+
+
+def _pack(tracker: StorageTracker):
+    def pack(t):
+        s = tracker.serial_of(t)
+        if s is not None:
+            tracker.saved.add(s)
+        return t
+    return pack
+
+
+def trace(model, setup: Setup | None = None, layers: int | None = None, steps: int = 2, fake: bool = True,
+          **fields) -> TraceResult:
+    """Trace `steps` training steps of `setup` on `model` (catalog id, config.json or ModelSpec).
+
+    layers: trace the model cut to `layers` blocks and to `layers + 1`, and extrapolate every per-phase and
+    per-category figure linearly to the full depth (the blocks are identical; stated in the result's notes).
+    """
+    from memplan.memory.context import resolve
+    from memplan.models import config_dict, load_spec
+
+    spec = load_spec(model)
+    setup = setup or Setup(**fields)
+    if setup.mode != "train":
+        raise BadInput("trace runs training steps; use --mode train")
+    if steps < 2:
+        raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
+    resolve(spec, setup)  # model-dependent setup problems, with their messages
+    d = config_dict(spec)
+    total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
+    if not layers or layers >= total_layers:
+        t = _run(spec, setup, d, None, steps, fake)
+        return _result(spec, setup, t, None, total_layers)
+    a = _run(spec, setup, cut_config(d, layers), layers, steps, fake)
+    b = _run(spec, setup, cut_config(d, layers + 1), layers + 1, steps, fake)
+    return _extrapolate(spec, setup, a, b, layers, total_layers)
+
+
+def _result(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
+    return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=t.peak, peak_phase=t.peak_phase,
+                       components=t.breakdown(), phases=dict(t.phase_peaks), params_total=t.total,
+                       params_trainable=t.trainable, layers_traced=traced, layers_total=total,
+                       paged_bytes=t.excluded_bytes())
+
+
+def _extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, total: int) -> TraceResult:
+    k = total - n
+
+    def lin(x: int, y: int) -> int:
+        return x + k * (y - x)
+
+    phases = {p: lin(a.phase_peaks.get(p, 0), b.phase_peaks.get(p, 0)) for p in PHASES if p in a.phase_peaks}
+    peak_phase = max(phases, key=phases.get)
+    ca, cb = a.breakdown(), b.breakdown()
+    comps = {c: lin(ca[c], cb[c]) for c in CATEGORIES}
+    note = (f"extrapolated: traced {n} and {n + 1} of {total} blocks; every figure = trace({n}) + {k} x "
+            f"(trace({n + 1}) - trace({n}))")
+    if a.peak_phase != b.peak_phase:
+        note += f"; the peak phase moved from {a.peak_phase} to {b.peak_phase} between the two traces"
+    return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=phases[peak_phase],
+                       peak_phase=peak_phase, components=comps, phases=phases,
+                       params_total=lin(a.total, b.total), params_trainable=lin(a.trainable, b.trainable),
+                       layers_traced=n, layers_total=total,
+                       paged_bytes=lin(a.excluded_bytes(), b.excluded_bytes()), notes=[note])
