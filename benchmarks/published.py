@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     summary = summarize(done)
     text = render(done, skipped, summary)
     sys.path.insert(0, str(ROOT))
-    from memplan.inventory import write_text_atomic
+    from memplan.fileio import write_text_atomic
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "published.md", text)
     write_text_atomic(args.out / "published.csv", pd.DataFrame(done + skipped).to_csv(index=False))
