@@ -189,6 +189,36 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, output, fmt
     sys.exit(0 if result.fits else 1)
 
 
+@main.command("trace")
+@click.argument("model")
+@setup_options
+@click.option("--layers", type=click.IntRange(min=1), help="trace N and N+1 blocks and extrapolate to the full depth")
+@click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="training steps to run")
+@click.option("--compare/--no-compare", default=True, show_default=True, help="also show memplan's estimate")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (the estimate's keys)")
+@handle_errors
+def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **options):
+    """Run the real training step on fake tensors (no GPU) and report the measured peak: ground truth for the
+    estimate."""
+    from memplan.models import load_spec
+    from memplan.trace import compare as compare_fn
+    from memplan.trace import trace
+
+    setup = setup_from_options(options)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    result = trace(spec, setup, layers=layers, steps=steps)
+    cmp = None
+    if compare:
+        from memplan.estimate import estimate
+        cmp = compare_fn(result, estimate(spec, setup))
+    if as_json:
+        _emit_json(dict(result.to_dict(), comparison=cmp))
+    else:
+        from memplan.report import print_trace
+        print_trace(result, cmp)
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors

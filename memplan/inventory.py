@@ -231,6 +231,7 @@ def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
         supports_flash=bool(getattr(model, "_supports_flash_attn", False)),
         default_attn_impl="sdpa" if getattr(model, "_supports_sdpa", False) else "eager",
         lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
+        keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
     )
 
 

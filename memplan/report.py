@@ -111,3 +111,35 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
         console.print(t)
     if written:
         console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")
+
+
+def print_trace(result, comparison=None, console: Console | None = None) -> None:
+    """Traced categories at the peak and per-phase peaks; with the estimate beside them when compared."""
+    console = console or Console()
+    s = result.setup
+    t = Table(title=f"trace: {result.model} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
+              + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""),
+              title_justify="left")
+    t.add_column("at the peak")
+    t.add_column("traced GiB", justify="right")
+    if comparison:
+        t.add_column("estimated GiB", justify="right")
+    for name, value in result.components.items():
+        row = [name.replace("_", " "), _gib(value)]
+        if comparison:
+            row.append(_gib(comparison["estimated_components"][name]))
+        t.add_row(*row)
+    t.add_section()
+    row = [f"peak allocated ({result.peak_phase})", _gib(result.peak_allocated_bytes)]
+    if comparison:
+        row.append(f"{_gib(comparison['estimated_bytes'])} ({comparison['estimated_phase']})")
+    t.add_row(*row, style="bold")
+    console.print(t)
+    console.print("phase peaks (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in result.phases.items()))
+    if comparison:
+        console.print(f"estimate vs trace: {100 * comparison['rel_error']:+.2f}% (the estimate without the cuBLAS "
+                      "workspace, which only CUDA allocates)")
+    if result.paged_bytes:
+        console.print(f"paged optimizer state outside the allocator: {_gib(result.paged_bytes)} GiB")
+    for note in result.notes:
+        console.print(note)

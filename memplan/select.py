@@ -102,7 +102,10 @@ def trainable_params(spec: ModelSpec, setup) -> tuple[Param, ...]:
 def quantized_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     """Linears bitsandbytes replaces through transformers' BitsAndBytesConfig (integrations/bitsandbytes.py
     replace_with_bnb_linear: nn.Linear and Conv1D) minus quantizers/base.py get_keys_to_not_convert: the output
-    embedding, tied weights and the module of the model's last parameter."""
+    embedding, tied weights and the module of the model's last parameter; plus the model's _keep_in_fp32_modules
+    (quantizer_bnb_4bit.py / quantizer_bnb_8bit.py pass them to get_modules_to_not_convert: T5's "wo")."""
     tied = {name.removesuffix(".weight") for pair in spec.tied for name in pair}
     last = spec.params[-1].name.rsplit(".", 1)[0] if spec.params else ""
-    return tuple(m for m in spec.linears if not m.is_output and m.name not in tied and m.name != last)
+    keep = spec.arch.keep_in_fp32
+    return tuple(m for m in spec.linears if not m.is_output and m.name not in tied and m.name != last
+                 and not any(_matches(m.name, k) or ("." + k + ".") in ("." + m.name + ".") for k in keep))

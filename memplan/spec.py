@@ -91,6 +91,9 @@ class Arch:
     supports_flash: bool = False
     default_attn_impl: str = "sdpa"
     lora_default_targets: tuple[str, ...] = ()
+    #: modules transformers keeps out of bitsandbytes quantization (and in fp32 when loading in fp16):
+    #: PreTrainedModel._keep_in_fp32_modules, e.g. T5's "wo"
+    keep_in_fp32: tuple[str, ...] = ()
     needs_remote_code: bool = False
 
     @property
@@ -119,6 +122,7 @@ class ModelSpec:
         arch_keys = {f.name for f in fields(Arch)}
         arch = dict(d["arch"])
         arch["lora_default_targets"] = tuple(arch.get("lora_default_targets", ()))
+        arch["keep_in_fp32"] = tuple(arch.get("keep_in_fp32", ()))
         return cls(
             model_id=d["model_id"],
             arch=Arch(**{k: v for k, v in arch.items() if k in arch_keys}),
@@ -132,6 +136,7 @@ class ModelSpec:
     def to_dict(self) -> dict:
         arch = asdict(self.arch)
         arch["lora_default_targets"] = list(self.arch.lora_default_targets)
+        arch["keep_in_fp32"] = list(self.arch.keep_in_fp32)
         return {
             "format": INVENTORY_FORMAT,
             "model_id": self.model_id,

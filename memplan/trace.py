@@ -231,15 +231,20 @@ def _standin_linear_classes():
                 _ = torch.empty(self.absmax.shape, dtype=torch.float32, device=self.weight.device)
             return torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
 
-        def forward(self, x):
+        def forward(self, x):  # bnb Linear4bit.forward: compute in compute_dtype, return in the input's dtype
+            inp_dtype = x.dtype
             x = x.to(self.compute_dtype)
+            if self.bias is not None and self.bias.dtype != x.dtype:
+                self.bias.data = self.bias.data.to(x.dtype)  # bnb casts the bias in place, once
             out = _Dequant4.apply(x, self)
-            return out + self.bias.to(out.dtype) if self.bias is not None else out
+            out = out + self.bias if self.bias is not None else out
+            return out.to(inp_dtype)
 
     class _Int8(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, layer):
+        def forward(ctx, x, layer):  # bnb MatMul8bitLt: A.to(fp16), int8 row quantization, int32 matmul
             t = x.numel() // x.shape[-1]
+            _a16 = x.to(torch.float16)
             _qa = torch.empty(t, x.shape[-1], dtype=torch.int8, device=x.device)  # int8 quantized input
             _stats = torch.empty(t, dtype=torch.float32, device=x.device)  # row absmax
             _acc = torch.empty(t, layer.out_features, dtype=torch.int32, device=x.device)  # int8 matmul result
@@ -263,10 +268,11 @@ def _standin_linear_classes():
             self.bias = src.bias
             self.compute_dtype = compute_dtype
 
-        def forward(self, x):
-            x = x.to(self.compute_dtype)
+        def forward(self, x):  # bnb Linear8bitLt.forward: output in the input's dtype, bias cast once in place
+            if self.bias is not None and self.bias.dtype != x.dtype:
+                self.bias.data = self.bias.data.to(x.dtype)
             out = _Int8.apply(x, self)
-            return out + self.bias.to(out.dtype) if self.bias is not None else out
+            return out + self.bias if self.bias is not None else out
 
     return StandIn4bit, StandIn8bit
 
@@ -489,7 +495,8 @@ def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
 
 # ---------------------------------------------------------------------------------------------------- run
 
-def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool) -> StorageTracker:
+def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
+         on_step_end=None) -> StorageTracker:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -508,8 +515,10 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
         opt = make_optimizer(setup, params, tracker)
         vocab = model.get_input_embeddings().num_embeddings
         accum = min(setup.grad_accum, 2)  # any accumulation > 1 keeps the gradients alive the same way
-        autocast = (torch.autocast("cpu", dtype=dtypes[setup.compute_dtype]) if setup.mixed
-                    else contextlib.nullcontext())
+        # Trainer runs autocast with bf16=True/fp16=True: mixed precision, and quantized bases (the QLoRA recipe
+        # and the plan files set bf16/fp16 there; the estimate assumes it)
+        autocast = (torch.autocast("cpu", dtype=dtypes[setup.compute_dtype])
+                    if setup.mixed or (setup.quant and setup.compute_dtype != "fp32") else contextlib.nullcontext())
         for _ in range(steps):
             for _ in range(accum):
                 batch = make_batch(spec, setup, vocab)
@@ -530,6 +539,8 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
             tracker.phase = "zero_grad"
             opt.zero_grad(set_to_none=True)
             tracker.phase = "between"
+            if on_step_end is not None:  # tests: compare the live bytes with the tensors really alive
+                on_step_end(model, opt, tracker)
         tracker.trainable = sum(p.numel() for p in params)
         tracker.total = sum(p.numel() for p in model.parameters())
     return tracker
@@ -597,3 +608,33 @@ def _extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, tota
                        params_total=lin(a.total, b.total), params_trainable=lin(a.trainable, b.trainable),
                        layers_traced=n, layers_total=total,
                        paged_bytes=lin(a.excluded_bytes(), b.excluded_bytes()), notes=[note])
+
+
+# ---------------------------------------------------------------------------------------------------- comparison
+
+#: estimator component -> tracer category (logits, masks and autocast copies are forward-born: "activations")
+ESTIMATE_CATEGORY = {
+    "weights": "weights", "quant_state": "weights", "lora_adapters": "weights", "gradients": "gradients",
+    "optimizer_state": "optimizer_state", "activations": "activations", "logits": "activations",
+    "autocast_weight_copies": "activations", "attention_mask": "activations",
+    "backward_temporaries": "temporaries", "optimizer_temporaries": "temporaries",
+    "dequant_temporaries": "temporaries", "kv_cache": "activations",
+}
+
+
+def comparable_estimate_bytes(est) -> int:
+    """The estimate's allocated peak without what only CUDA allocates (the cuBLAS workspace)."""
+    return est.peak_allocated_bytes - est.components.get("cublas_workspace", 0)
+
+
+def compare(result: TraceResult, est) -> dict:
+    """Estimate vs trace: the peaks (relative error of the estimate) and the categories at each one's peak."""
+    predicted = comparable_estimate_bytes(est)
+    cats = dict.fromkeys(CATEGORIES, 0)
+    for name, value in est.components.items():
+        if name in ESTIMATE_CATEGORY:
+            cats[ESTIMATE_CATEGORY[name]] += value
+    return {"traced_bytes": result.peak_allocated_bytes, "estimated_bytes": predicted,
+            "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
+            "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
+            "traced_components": dict(result.components), "estimated_components": cats}

@@ -30,7 +30,10 @@ class Ctx:
 
     @property
     def mixed(self) -> bool:
-        return self.setup.mixed
+        """Autocast is on: mixed precision, and training a quantized base in 16-bit compute (the QLoRA recipe:
+        Trainer bf16=True/fp16=True over peft.prepare_model_for_kbit_training's fp32 non-quantized weights; memplan's
+        plan files set it). Weights stay fp32 (weight_bytes) and matmuls run in compute_bytes either way."""
+        return self.setup.mixed or (bool(self.quantized) and self.training and self.compute_bytes < 4)
 
     @property
     def training(self) -> bool:

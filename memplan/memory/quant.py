@@ -19,8 +19,9 @@ def autocast_copy_bytes(ctx: Ctx) -> int:
     """Autocast weight copies kept from forward to backward in mixed precision: every Linear weight (and the
     lm_head) is cast to the compute dtype and the matmul saves the cast for the input gradient; trainable leaves
     are also held in autocast's cache until the autocast region exits (torch/csrc/autograd ... autocast_mode.cpp
-    cached_cast). With checkpointing, frozen weights' casts are dropped and re-made in recompute; trainable ones
-    stay cached through the forward. Quantized weights are not cast (bitsandbytes dequantizes instead)."""
+    cached_cast). With checkpointing, frozen weights' casts inside the checkpointed blocks are dropped and re-made in
+    recompute; trainable ones stay cached through the forward, and Linears outside the blocks (the lm_head) are not
+    checkpointed (found by the tracer). Quantized weights are not cast (bitsandbytes dequantizes instead)."""
     if not (ctx.mixed and ctx.training):
         return 0
     n = 0
@@ -28,6 +29,6 @@ def autocast_copy_bytes(ctx: Ctx) -> int:
         if m.name in ctx.quantized:
             continue
         trains = m.name + ".weight" in ctx.trainable
-        if trains or not ctx.setup.grad_ckpt:
+        if trains or not ctx.setup.grad_ckpt or m.block is None:
             n += m.in_features * m.out_features
     return n * ctx.compute_bytes

@@ -1,0 +1,149 @@
+"""Estimate vs tracer (real transformers/peft/torch step on fake tensors) over a matrix of setups.
+
+    python benchmarks/trace_vs_estimate.py [--quick]
+
+Writes benchmarks/results/trace_vs_estimate.{md,csv}: per row the traced and estimated peak allocated bytes,
+the relative error, the peak phases and the bytes per category. The tracer is the ground truth; a row off by more
+than 3% points at an effect the estimator misses (docs/MODEL.md lists the ones found this way).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# (model, setup fields, layers) - layers=None traces the whole model
+MATRIX: list[tuple[str, dict, int | None]] = []
+
+
+def _add(model, layers=None, **kw):
+    MATRIX.append((model, kw, layers))
+
+
+# GPT-2: tied embeddings, Conv1D, dropout 0.1, learned positions
+_add("openai-community/gpt2", technique="full", precision="fp32", optimizer="adamw", batch_size=2, seq_len=128, attn_impl="eager")
+_add("openai-community/gpt2", technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=4, seq_len=128, attn_impl="sdpa")
+_add("openai-community/gpt2", technique="full", precision="fp32", optimizer="adafactor", batch_size=2, seq_len=256, attn_impl="sdpa", grad_ckpt=True)
+_add("openai-community/gpt2", technique="lora", precision="fp32", batch_size=4, seq_len=128, attn_impl="eager")
+_add("openai-community/gpt2", technique="lora", precision="bf16", lora_targets="all-linear", lora_r=16, batch_size=2, seq_len=256, attn_impl="sdpa", grad_ckpt=True)
+_add("openai-community/gpt2", technique="freeze", precision="fp32", trainable=2, batch_size=4, seq_len=128, attn_impl="eager")
+_add("openai-community/gpt2", technique="qlora", precision="bf16", double_quant=True, batch_size=2, seq_len=128, attn_impl="sdpa")
+_add("openai-community/gpt2", technique="full", precision="fp32", optimizer="adamw-8bit", batch_size=2, seq_len=64, attn_impl="eager", grad_accum=4)
+# Llama-3.2-1B: GQA, RMSNorm, SwiGLU, tied, 128k vocabulary
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="lora", precision="bf16", lora_targets="all-linear", lora_r=64, batch_size=1, seq_len=256, grad_ckpt=True)
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="qlora", precision="bf16", double_quant=True, optimizer="paged-adamw-8bit", batch_size=2, seq_len=128, grad_ckpt=True)
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="qlora", precision="bf16", lora_targets="all-linear", batch_size=1, seq_len=256, attn_impl="eager")
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=1, seq_len=128)
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="full", precision="bf16", optimizer="adafactor", batch_size=2, seq_len=128, grad_ckpt=True)
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="freeze", precision="bf16-mixed", optimizer="adamw-8bit", batch_size=2, seq_len=128)
+_add("meta-llama/Llama-3.2-1B", layers=2, technique="lora", precision="bf16", quant="int8", batch_size=1, seq_len=128)
+# Qwen2.5-0.5B: GQA with q/k/v bias, tied
+_add("Qwen/Qwen2.5-0.5B", layers=2, technique="lora", precision="bf16", batch_size=4, seq_len=128, attn_impl="eager")
+_add("Qwen/Qwen2.5-0.5B", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw", batch_size=2, seq_len=128, attn_impl="sdpa")
+_add("Qwen/Qwen2.5-0.5B", layers=2, technique="qlora", precision="bf16", batch_size=2, seq_len=256, grad_ckpt=True)
+_add("Qwen/Qwen2.5-0.5B", layers=2, technique="full", precision="fp32", optimizer="adamw-fused", batch_size=1, seq_len=64, grad_ckpt=True)
+# SmolLM2-135M: small Llama, whole model
+_add("HuggingFaceTB/SmolLM2-135M", technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=4, seq_len=128)
+_add("HuggingFaceTB/SmolLM2-135M", technique="lora", precision="fp32", lora_targets="all-linear", batch_size=2, seq_len=256, attn_impl="eager")
+_add("HuggingFaceTB/SmolLM2-135M", technique="freeze", precision="fp32", trainable=3, batch_size=2, seq_len=128, grad_ckpt=True)
+# Pythia-1B (GPT-NeoX: parallel block, two LayerNorms, untied)
+_add("EleutherAI/pythia-1b", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
+_add("EleutherAI/pythia-1b", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=1, seq_len=128, attn_impl="eager")
+_add("EleutherAI/pythia-1b", layers=2, technique="qlora", precision="bf16", batch_size=2, seq_len=128, grad_ckpt=True)
+# T5 (encoder-decoder, relative position bias, dropout)
+_add("google-t5/t5-small", technique="full", precision="fp32", optimizer="adamw", batch_size=4, seq_len=128, target_len=32, attn_impl="eager")
+_add("google-t5/t5-small", technique="full", precision="bf16-mixed", optimizer="adafactor", batch_size=4, seq_len=128, target_len=64, attn_impl="eager")
+_add("google-t5/t5-small", technique="lora", precision="fp32", batch_size=4, seq_len=128, target_len=32, attn_impl="eager")
+_add("google-t5/t5-small", technique="freeze", precision="fp32", batch_size=4, seq_len=64, target_len=32, attn_impl="eager")
+_add("google-t5/t5-base", layers=2, technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256, target_len=64, attn_impl="eager", grad_ckpt=True)
+_add("google-t5/t5-base", layers=2, technique="qlora", precision="bf16", batch_size=2, seq_len=128, target_len=32, attn_impl="eager")
+# BART (post-LN encoder-decoder, learned positions)
+_add("facebook/bart-base", technique="full", precision="fp32", optimizer="adamw-fused", batch_size=2, seq_len=128, target_len=64, attn_impl="eager")
+_add("facebook/bart-base", technique="lora", precision="bf16", batch_size=4, seq_len=128, target_len=64, attn_impl="sdpa")
+_add("facebook/bart-base", technique="full", precision="bf16-mixed", optimizer="adamw-8bit", batch_size=2, seq_len=256, target_len=64, attn_impl="sdpa", grad_ckpt=True)
+# BERT (encoder, post-LN, masked-LM head)
+_add("google-bert/bert-base-uncased", technique="full", precision="fp32", optimizer="adamw", batch_size=4, seq_len=128, attn_impl="eager")
+_add("google-bert/bert-base-uncased", technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=8, seq_len=128, attn_impl="sdpa")
+_add("google-bert/bert-base-uncased", technique="lora", precision="fp32", batch_size=8, seq_len=128, attn_impl="eager")
+_add("google-bert/bert-base-uncased", technique="freeze", precision="fp32", trainable=2, batch_size=8, seq_len=64, attn_impl="sdpa", grad_ckpt=True)
+_add("google-bert/bert-base-uncased", technique="qlora", precision="bf16", batch_size=8, seq_len=128, attn_impl="sdpa")
+# Mistral-7B-shaped (sliding window config, 32k vocabulary) and Llama-2-7B, cut to 2 blocks
+_add("mistralai/Mistral-7B-v0.1", layers=2, technique="qlora", precision="bf16", double_quant=True, optimizer="paged-adamw-8bit", batch_size=1, seq_len=512, grad_ckpt=True)
+_add("meta-llama/Llama-2-7b-hf", layers=2, technique="lora", precision="bf16", batch_size=1, seq_len=512, grad_ckpt=True)
+_add("meta-llama/Llama-2-7b-hf", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=256, grad_ckpt=True)
+
+QUICK = [0, 3, 6, 8, 10, 16, 21, 26, 28, 33, 36, 40]  # the CI subset (tests/test_trace.py)
+
+
+def run_row(model: str, fields: dict, layers):
+    from memplan.estimate import estimate
+    from memplan.setup import Setup
+    from memplan.trace import compare, trace
+
+    setup = Setup(**fields)
+    t0 = time.perf_counter()
+    result = trace(model, setup, layers=layers)
+    seconds = time.perf_counter() - t0
+    c = compare(result, estimate(model, setup))
+    return setup, result, c, seconds
+
+
+def label(fields: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the CI subset only")
+    args = ap.parse_args(argv)
+    rows = [MATRIX[i] for i in QUICK] if args.quick else MATRIX
+    out = []
+    for i, (model, fields, layers) in enumerate(rows):
+        setup, r, c, sec = run_row(model, fields, layers)
+        out.append({"model": model, "setup": label(fields), "layers": layers or "all",
+                    "traced_mib": c["traced_bytes"] / 2**20, "estimated_mib": c["estimated_bytes"] / 2**20,
+                    "rel_error_pct": 100 * c["rel_error"], "traced_phase": c["traced_phase"],
+                    "estimated_phase": c["estimated_phase"], "seconds": sec,
+                    **{f"traced_{k}_mib": v / 2**20 for k, v in c["traced_components"].items()},
+                    **{f"estimated_{k}_mib": v / 2**20 for k, v in c["estimated_components"].items()}})
+        print(f"[{i + 1}/{len(rows)}] {model} {label(fields)}: {out[-1]['rel_error_pct']:+.2f}% ({sec:.1f} s)",
+              flush=True)
+    errs = [abs(r["rel_error_pct"]) for r in out]
+    import torch
+    import transformers
+
+    import memplan
+    head = (f"{datetime.date.today()} · memplan {memplan.__version__} · torch {torch.__version__} · transformers "
+            f"{transformers.__version__} · {len(out)} setups · median |error| {statistics.median(errs):.2f}% · "
+            f"max |error| {max(errs):.2f}% · within 3%: {sum(e <= 3 for e in errs)}/{len(errs)}")
+    lines = ["# Estimate vs trace (peak allocated)", "", head, "",
+             "| model | setup | layers | traced MiB | estimated MiB | error | traced phase | estimated phase |",
+             "|---|---|---|---:|---:|---:|---|---|"]
+    for r in sorted(out, key=lambda r: -abs(r["rel_error_pct"])):
+        lines.append(f"| {r['model']} | {r['setup']} | {r['layers']} | {r['traced_mib']:,.1f} | "
+                     f"{r['estimated_mib']:,.1f} | {r['rel_error_pct']:+.2f}% | {r['traced_phase']} | "
+                     f"{r['estimated_phase']} |")
+    from memplan.fileio import write_text_atomic
+    res = ROOT / "benchmarks" / "results"
+    suffix = "_quick" if args.quick else ""
+    write_text_atomic(res / f"trace_vs_estimate{suffix}.md", "\n".join(lines) + "\n")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(out[0]))
+    w.writeheader()
+    w.writerows({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in out)
+    write_text_atomic(res / f"trace_vs_estimate{suffix}.csv", buf.getvalue())
+    print(head)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Tracer: stand-ins hold bitsandbytes' exact storages, the accounting equals the tensors really alive, every
+technique traces, and the estimate is within 3% of the trace on a representative subset (benchmarks matrix)."""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import memplan.trace as T
+from memplan.cli import main
+from memplan.models import config_dict, load_spec
+from memplan.setup import Setup
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import trace_vs_estimate as TV  # noqa: E402
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def _nbytes(t) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("out_f,in_f", [(384, 256), (1000, 333), (2048, 512)])
+@pytest.mark.parametrize("double", [False, True])
+def test_4bit_standin_holds_bnb_storages(out_f, in_f, double):
+    """Packed weight, absmax and (double quant) nested absmax + offset: same bytes as bnb.functional.quantize_4bit
+    on the CPU (the code tables are shared per dtype and not counted per layer)."""
+    import bitsandbytes.functional as F
+    w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
+    packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=double, quant_type="nf4")
+    real = _nbytes(packed) + _nbytes(qs.absmax)
+    if double:
+        real += _nbytes(qs.state2.absmax) + _nbytes(qs.offset)
+    StandIn4bit, _ = T._standin_linear_classes()
+    s = StandIn4bit(torch.nn.Linear(in_f, out_f, bias=False), "nf4", double, torch.bfloat16)
+    ours = _nbytes(s.weight) + sum(_nbytes(b) for b in s.buffers())
+    assert ours == real
+    assert s.weight.dtype == packed.dtype and s.absmax.dtype == qs.absmax.dtype
+
+
+def test_int8_standin_holds_bnb_storages():
+    lin = bnb.nn.Linear8bitLt(256, 384, has_fp16_weights=False, bias=False)
+    lin.weight = bnb.nn.Int8Params(torch.randn(384, 256, dtype=torch.float16), requires_grad=False,
+                                   has_fp16_weights=False)
+    lin.weight._quantize("cpu")
+    real = _nbytes(lin.weight) + _nbytes(lin.weight.SCB)
+    _, StandIn8bit = T._standin_linear_classes()
+    s = StandIn8bit(torch.nn.Linear(256, 384, bias=False), torch.bfloat16)
+    assert _nbytes(s.weight) + _nbytes(s.SCB) == real and s.weight.dtype == lin.weight.dtype
+
+
+@pytest.mark.parametrize("fields", [
+    dict(technique="full", precision="fp32", optimizer="adamw"),
+    dict(technique="lora", precision="bf16", optimizer="adamw-fused", grad_ckpt=True),
+    dict(technique="freeze", precision="bf16-mixed", optimizer="adafactor"),
+])
+def test_real_tensor_accounting_equals_live_tensors(fields):
+    """Real CPU tensors: after each step the tracer's live bytes equal the storages of the parameters, buffers and
+    optimizer state (rounded to 512 B), and everything is released when the run ends."""
+    spec = load_spec("openai-community/gpt2")
+    setup = Setup(batch_size=2, seq_len=32, attn_impl="eager", **fields)
+    seen = []
+
+    def check(model, opt, tracker):
+        storages = {}
+        tensors = list(model.parameters()) + list(model.buffers())
+        for st in getattr(opt, "state", {}).values():
+            tensors += [t for t in (st.values() if isinstance(st, dict) else st) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            storages[t.untyped_storage()._cdata] = T._round(t.untyped_storage().nbytes())
+        seen.append((tracker.current, sum(storages.values())))
+
+    tracker = T._run(spec, setup, T.cut_config(config_dict(spec), 2), 2, 2, fake=False, on_step_end=check)
+    assert len(seen) == 2 and all(a == b for a, b in seen), seen
+    gc.collect()
+    assert tracker.current == 0 and tracker.peak > seen[-1][0]
+
+
+@pytest.mark.parametrize("i", TV.QUICK)
+def test_estimate_within_3_percent_of_trace(i):
+    model, fields, layers = TV.MATRIX[i]
+    _, result, c, _ = TV.run_row(model, fields, layers)
+    assert abs(c["rel_error"]) <= 0.03, (model, fields, c)
+
+
+def test_layers_extrapolation_is_stated_and_close_to_the_full_trace():
+    setup = Setup(technique="lora", precision="bf16", batch_size=2, seq_len=64)
+    full = T.trace("HuggingFaceTB/SmolLM2-135M", setup)
+    cut = T.trace("HuggingFaceTB/SmolLM2-135M", setup, layers=2)
+    assert cut.layers_traced == 2 and cut.layers_total == 30 and "extrapolated" in cut.notes[0]
+    assert cut.peak_allocated_bytes == pytest.approx(full.peak_allocated_bytes, rel=0.01)
+
+
+def test_cli_trace_json_has_the_estimate_keys():
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--technique", "qlora", "--precision", "bf16", "--batch-size", "1",
+                                  "--seq-len", "32", "--layers", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    for key in ("components", "peak_allocated_bytes", "phases", "peak_phase", "comparison"):
+        assert key in d
+    assert d["comparison"]["traced_bytes"] == d["peak_allocated_bytes"]
+
+
+def test_cli_trace_bad_input_exit_2():
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer"])
+    assert r.exit_code == 2 and "training" in r.output
