@@ -47,8 +47,10 @@ EMULATIONS = {
                            "allocator (cudaMallocManaged) and is excluded from the allocated peak",
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
                 "matches CUDA's for matmuls; some fp32-listed ops differ",
-    "sdpa": "the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu) saves output + logsumexp like "
-            "CUDA's flash/efficient kernels",
+    "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
+            "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
+            "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
+            "output + logsumexp saved) with the mask and without dropout",
 }
 __doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
 
@@ -381,11 +383,28 @@ def _cuda_like():
             return torch.native_dropout(x, p, True)[0]
         return x
 
+    original_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
+            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa)
+        if key.shape[-3] != query.shape[-3]:  # grouped-query attention: expand like enable_gqa
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attn_mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
     F.dropout = dropout
+    F.scaled_dot_product_attention = sdpa
     try:
         yield
     finally:
         F.dropout = original
+        F.scaled_dot_product_attention = original_sdpa
 
 
 def build_model(spec, setup: Setup, layers: int | None, d: dict):
@@ -411,6 +430,10 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict):
     if setup.quant:
         names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
         quantize_standins(model, names, setup, dtypes[setup.compute_dtype])
+        # what transformers' bnb quantizer sets; peft's prepare_model_for_kbit_training only enables gradient
+        # checkpointing on models flagged as loaded in k-bit
+        model.is_loaded_in_4bit = setup.quant in ("nf4", "fp4")
+        model.is_loaded_in_8bit = setup.quant == "int8"
     if setup.mode == "train" and setup.quant:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
                                                      gradient_checkpointing_kwargs={"use_reentrant": False})

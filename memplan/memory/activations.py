@@ -39,7 +39,7 @@ SAVES_OUTPUT = {"relu"}
 
 def _act_bytes(ctx: Ctx) -> float:
     pure, mixed = ACT_SAVED.get(ctx.spec.arch.hidden_act, ACT_SAVED["default"])
-    return (mixed if ctx.mixed else pure)(ctx.compute_bytes)
+    return (mixed if ctx.mixed else pure)(ctx.act_bytes)
 
 
 def _trains(ctx: Ctx, name: str) -> bool:
@@ -49,7 +49,7 @@ def _trains(ctx: Ctx, name: str) -> bool:
 def _input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
     """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements: the trained
     Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA branch."""
-    c = ctx.compute_bytes
+    c = ctx.act_bytes
     cast = in_bytes != c
     trained = sum(1 for m in members if _trains(ctx, m.name))
     shared_saved = trained > 0 and not cast
@@ -72,7 +72,7 @@ def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
     saved as is (shared by all branches on that input). lora_B saves [t, r]. Dropout > 0 adds a 1-byte mask and
     a dropped copy per branch."""
     s = ctx.setup
-    xb = ctx.compute_bytes if ctx.mixed else 4
+    xb = ctx.act_bytes if ctx.mixed else 4
     own_copy = ctx.mixed or in_bytes != 4 or s.lora_dropout > 0
     x = in_dim * xb if own_copy else 0.0
     if s.lora_dropout > 0:
@@ -110,7 +110,7 @@ def _attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, eager:
     probabilities are one fp32 softmax output plus a compute-dtype copy, or with dropout a mask and a dropped copy.
     """
     a = ctx.spec.arch
-    c = ctx.compute_bytes
+    c = ctx.act_bytes
     ratio = k_tok / q_tok
     if not eager:
         return (2 * q_dim + 2 * kv_dim * ratio) * c + a.num_heads * 4, 0.0
@@ -133,7 +133,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     cross-attention over the encoder output.
     """
     a = ctx.spec.arch
-    c, r, h = ctx.compute_bytes, ctx.residual_bytes, a.hidden_size
+    c, r, h = ctx.act_bytes, ctx.residual_bytes, a.hidden_size
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     eager = ctx.attn_impl == "eager"
     by_slot: dict[str, list] = {}
@@ -173,7 +173,7 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     activation's inputs (ACT_SAVED) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
     experts) and adds the gathered expert inputs/outputs."""
     a = ctx.spec.arch
-    c, I = ctx.compute_bytes, a.intermediate_size
+    c, I = ctx.act_bytes, a.intermediate_size
     k = a.experts_per_token if a.num_experts else 1
     outs = by_slot.get("mlp_out", [])
     down_trains = any(_trains(ctx, m.name) for m in outs)
@@ -213,6 +213,28 @@ def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
     return b * ctx.src_len, (ctx.src_len, ctx.src_len)
 
 
+def _block_training(ctx: Ctx) -> tuple[set, set, bool]:
+    """(blocks with LoRA adapters, blocks with trainable base params, whether the embeddings train)."""
+    lora_blocks = {(m.stack, m.block) for m in ctx.lora}
+    trained_blocks = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
+    live = any(p.block is None and p.role in ("embedding", "pos_embedding") and p.name in ctx.trainable
+               for p in ctx.spec.params)
+    return lora_blocks, trained_blocks, live
+
+
+def graph_blocks(ctx: Ctx) -> set[tuple]:
+    """(stack, index) of the blocks autograd records: from the first block with anything trainable on (in execution
+    order), or all of them when the embeddings train. Below it no tensor requires grad, so nothing is saved."""
+    lora_blocks, trained_blocks, live = _block_training(ctx)
+    out = set()
+    for blk in blocks(ctx.spec):
+        key = (blk.stack, blk.index)
+        live = live or key in trained_blocks or key in lora_blocks
+        if live:
+            out.add(key)
+    return out
+
+
 def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     """[(full saved bytes, checkpointed bytes)] for every block, in execution order. A checkpointed block keeps
     only its input (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses).
@@ -222,10 +244,7 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     pre-LN model the input norm runs before any adapter.
     """
     lora_names = {m.name for m in ctx.lora}
-    lora_blocks = {(m.stack, m.block) for m in ctx.lora}
-    trained_blocks = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
-    live = any(p.block is None and p.role in ("embedding", "pos_embedding") and p.name in ctx.trainable
-               for p in ctx.spec.params)
+    lora_blocks, trained_blocks, live = _block_training(ctx)
     h = ctx.spec.arch.hidden_size
     out = []
     same: dict[tuple, float] = {}  # blocks of identical structure save identical bytes (speed: 80-layer models)
@@ -265,7 +284,7 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     a = ctx.spec.arch
     if not ctx.trainable and not ctx.lora:
         return 0.0
-    h, c = a.hidden_size, ctx.compute_bytes
+    h, c = a.hidden_size, ctx.act_bytes
     embeds_train = any(p.role in ("embedding", "pos_embedding") and p.block is None and p.name in ctx.trainable
                        for p in ctx.spec.params)
     total = 0.0

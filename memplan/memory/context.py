@@ -27,6 +27,7 @@ class Ctx:
     vocab: int  # embedding rows incl. added tokens
     src_len: int  # tokens per sample through the encoder (seq2seq/encoder) or the decoder (causal)
     tgt_len: int  # decoder tokens (seq2seq); == src_len for causal
+    act_bytes: int = 0  # bytes of the block-internal activations (0: compute_bytes); see resolve()
 
     @property
     def mixed(self) -> bool:
@@ -55,7 +56,11 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
     src = setup.seq_len if setup.mode == "train" else (setup.prompt_len or setup.seq_len)
     tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
-    return Ctx(spec=spec, setup=setup, attn_impl=_attn_impl(spec, setup), compute_bytes=compute,
+    # bitsandbytes Linear4bit/8bitLt return their output in the input's dtype (nn/modules.py `.to(inp_dtype)`): after
+    # k-bit preparation the normed inputs are fp32, so projections and the activations computed from them are fp32
+    # even under autocast (found by the tracer); autocast still runs the attention matmuls in the compute dtype.
+    act = 4 if (quant_train and setup.quant) else compute
+    return Ctx(spec=spec, setup=setup, attn_impl=_attn_impl(spec, setup), compute_bytes=compute, act_bytes=act,
                residual_bytes=weight_bytes, weight_bytes=weight_bytes, trainable=trainable, lora=lora,
                quantized=quantized, vocab=spec.arch.vocab_size + setup.added_tokens, src_len=src, tgt_len=tgt)
 

@@ -90,14 +90,17 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
       param-sized buffer (plus the in-place ops); we count 1x the trainable bytes.
     - adamw-fused: one fused kernel per tensor list, no param-sized intermediates (torch/optim/_fused.py).
     - bnb 8-bit: per-tensor CUDA kernels update in place: nothing param-sized.
-    - adafactor: per tensor, update = grad**2 + eps and the row/col factors: about 3 temporaries the size of the
-      largest trainable tensor, in fp32 (transformers Adafactor.step upcasts 16-bit params/grads to fp32).
+    - adafactor (transformers.optimization.Adafactor.step, per tensor): `update = grad**2 + eps`, then
+      `_approx_sq_grad(row, col)` (a full-size product) and `p_data_fp32.add_(-update * lr)` (another): two fp32
+      tensors the size of the largest trainable tensor are alive at once; 16-bit params add their fp32 grad copy and
+      fp32 param copy (`grad.float()`, `p.float()`): four. Measured by the tracer (GPT-2 fp32: 2x the tied
+      embedding; Llama-3.2-1B bf16: 4x).
     - sgd (foreach, no momentum): in-place _foreach_add_: nothing.
     """
     opt = ctx.setup.optimizer
     if opt == "adamw":
         return trainable_bytes(ctx)
     if opt == "adafactor":
-        largest = max((_numel(s) for s, _ in trainable_tensors(ctx)), default=0)
-        return 3 * largest * 4
+        largest, pbytes = max(((_numel(s), b) for s, b in trainable_tensors(ctx)), default=(0, 4))
+        return (2 if pbytes == 4 else 4) * largest * 4
     return 0

@@ -21,12 +21,16 @@ def autocast_copy_bytes(ctx: Ctx) -> int:
     are also held in autocast's cache until the autocast region exits (torch/csrc/autograd ... autocast_mode.cpp
     cached_cast). With checkpointing, frozen weights' casts inside the checkpointed blocks are dropped and re-made in
     recompute; trainable ones stay cached through the forward, and Linears outside the blocks (the lm_head) are not
-    checkpointed (found by the tracer). Quantized weights are not cast (bitsandbytes dequantizes instead)."""
+    checkpointed (found by the tracer). Quantized weights are not cast (bitsandbytes dequantizes instead). Blocks
+    below the first trainable one record no graph: their casts are freed at once (act.graph_blocks)."""
     if not (ctx.mixed and ctx.training):
         return 0
+    from memplan.memory.activations import graph_blocks
+
+    recorded = graph_blocks(ctx)
     n = 0
     for m in ctx.spec.linears:
-        if m.name in ctx.quantized:
+        if m.name in ctx.quantized or (m.block is not None and (m.stack, m.block) not in recorded):
             continue
         trains = m.name + ".weight" in ctx.trainable
         if trains or not ctx.setup.grad_ckpt or m.block is None:
