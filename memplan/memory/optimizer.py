@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 
 from memplan.memory.context import Ctx
@@ -73,7 +74,8 @@ STATE_FN = {
 def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
     fn = STATE_FN[ctx.setup.optimizer]
-    return sum(fn(shape, pbytes) for shape, pbytes in trainable_tensors(ctx))
+    counts = Counter(trainable_tensors(ctx))  # identical blocks repeat the same shapes: one call per distinct shape
+    return sum(n * fn(shape, pbytes) for (shape, pbytes), n in counts.items())
 
 
 def is_paged(ctx: Ctx) -> bool:
