@@ -23,7 +23,7 @@ import memplan
 import memplan.models
 
 
-def pad_collator(max_length: int, pad_id: int, multiple: int | None, seq2seq: bool, mlm: bool):
+def pad_collator(max_length: int, pad_id: int, multiple: int | None, mlm: bool):
     """Dynamic padding without a tokenizer: pad to the longest sample (rounded up to `multiple`, never beyond
     max_length); labels are -100 on padding so the loss ignores it."""
     def round_up(n: int) -> int:
@@ -119,7 +119,7 @@ def main(argv=None):
         vocab = model.get_input_embeddings().num_embeddings
         pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         train_data = synthetic_dataset(args.synthetic, vocab, data, seq2seq)
-        collator = pad_collator(data["max_length"], pad_id, data.get("pad_to_multiple_of"), seq2seq, mlm)
+        collator = pad_collator(data["max_length"], pad_id, data.get("pad_to_multiple_of"), mlm)
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(plan.model_id)
         if tokenizer.pad_token is None:

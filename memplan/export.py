@@ -20,13 +20,12 @@ from pathlib import Path
 
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
-from memplan.setup import Setup
+from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
 
 #: Setup.optimizer -> TrainingArguments.optim (transformers OptimizerNames)
 OPTIM_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit",
                "paged-adamw-8bit": "paged_adamw_8bit", "adafactor": "adafactor", "sgd": "sgd"}
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PLAN_FORMAT = 1
 
 
@@ -37,13 +36,13 @@ def _gib(n: int) -> float:
 def model_section(spec, s: Setup) -> dict:
     """from_pretrained kwargs. Mixed precision keeps fp32 weights (autocast computes in 16 bit); QLoRA/int8 bases
     are loaded through BitsAndBytesConfig with the compute dtype of the setup."""
-    out = {"id": spec.model_id, "auto_class": spec.arch.auto_class, "dtype": DTYPE_NAMES[s.weight_dtype],
+    out = {"id": spec.model_id, "auto_class": spec.arch.auto_class, "dtype": TORCH_DTYPE_NAMES[s.weight_dtype],
            "attn_implementation": s.attn_impl or spec.arch.default_attn_impl, "quantization_config": None,
            "prepare_for_kbit_training": False}
     if s.quant in ("nf4", "fp4"):
         out["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": s.quant,
                                       "bnb_4bit_use_double_quant": s.double_quant,
-                                      "bnb_4bit_compute_dtype": DTYPE_NAMES[s.compute_dtype]}
+                                      "bnb_4bit_compute_dtype": TORCH_DTYPE_NAMES[s.compute_dtype]}
     elif s.quant == "int8":
         out["quantization_config"] = {"load_in_8bit": True}
     if s.quant and s.mode == "train":
@@ -121,7 +120,7 @@ def plan_document(plan, spec) -> dict:
 
 
 def _label(s: Setup) -> str:
-    from memplan.search import describe
+    from memplan.explain import describe
     return describe(s)
 
 
@@ -192,13 +191,11 @@ def read_plan_document(path: str | Path) -> dict:
         text = path.read_text()
     except OSError as e:
         raise BadInput(f"cannot read plan file {str(path)!r}: {e.strerror}") from None
+    import yaml
+
     try:
-        if path.suffix.lower() == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-            doc = yaml.safe_load(text)
-    except (ValueError, Exception) as e:  # yaml.YAMLError, json.JSONDecodeError
+        doc = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise BadInput(f"{path} is not a valid plan file: {e}") from None
     missing = [k for k in ("model", "training_arguments", "data", "memplan") if not isinstance(doc, dict) or k not in doc]
     if missing:

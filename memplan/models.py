@@ -145,13 +145,18 @@ def config_dict(model) -> dict:
     return read_config(path if path.is_absolute() else DATA / path)
 
 
-def hf_config(model, **overrides):
-    """A transformers PretrainedConfig for `model` (see config_dict), with `overrides` applied."""
+def config_from_dict(d: dict, **overrides):
+    """A transformers PretrainedConfig from config.json content (never remote code: auto_map is dropped)."""
     from transformers import AutoConfig
 
-    d = {k: v for k, v in config_dict(model).items() if k not in ("auto_map", "transformers_version")}
+    d = {k: v for k, v in d.items() if k not in ("auto_map", "transformers_version")}
     d.update(overrides)
     return AutoConfig.for_model(**d)
+
+
+def hf_config(model, **overrides):
+    """A transformers PretrainedConfig for `model` (see config_dict), with `overrides` applied."""
+    return config_from_dict(config_dict(model), **overrides)
 
 
 def refresh_catalog(echo=print) -> int:

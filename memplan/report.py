@@ -81,7 +81,7 @@ def print_gpus(gpus, console: Console | None = None) -> None:
 
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
     """The chosen setup with its breakdown, the budget, and the alternatives with why each lost."""
-    from memplan.search import describe
+    from memplan.explain import describe
 
     console = console or Console()
     g = plan.gpu

@@ -37,6 +37,9 @@ PRECISION_DTYPES: dict[str, tuple[str, str]] = {
     "bf16": ("bf16", "bf16"),  # model.to(torch.bfloat16)
 }
 
+#: memplan dtype name -> torch dtype attribute name (torch.float32, ...): plan files, the tracer
+TORCH_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Setup:

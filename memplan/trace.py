@@ -20,14 +20,13 @@ CUDA emulations (where the CPU code path differs from the CUDA one; one place, E
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import math
 import weakref
 from dataclasses import dataclass, field
 
 from memplan.errors import BadInput
-from memplan.setup import Setup
+from memplan.setup import TORCH_DTYPE_NAMES, Setup
+from memplan.standins import StandIn8bitAdam, quantize_standins
 
 BLOCK = 512
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
@@ -188,153 +187,6 @@ def _dispatch_mode(tracker: StorageTracker):
     return _Mode()
 
 
-# ---------------------------------------------------------------------------------------------------- stand-ins
-
-def _standin_linear_classes():
-    """nn.Linear subclasses holding bitsandbytes' storages (bnb 0.50: Params4bit packed uint8 [n/2, 1], absmax
-    fp32 per 64 weights, or with compress_statistics uint8 absmax + fp32 absmax per 256 blocks + fp32 offset;
-    Int8Params int8 [out, in] + fp32 SCB [out]). tests/test_trace.py checks the sizes against real bnb objects."""
-    import torch
-
-    class _Dequant4(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, layer):
-            w = layer.dequantize(x.dtype)  # bnb dequantize_4bit: a [out, in] tensor in the compute dtype
-            ctx.layer = layer
-            return torch.nn.functional.linear(x, w)
-
-        @staticmethod
-        def backward(ctx, grad):
-            w = ctx.layer.dequantize(grad.dtype)  # bnb MatMul4Bit.backward dequantizes again
-            return grad @ w, None
-
-    class StandIn4bit(torch.nn.Linear):
-        def __init__(self, src: torch.nn.Linear, quant_type: str, double_quant: bool, compute_dtype):
-            torch.nn.Module.__init__(self)
-            self.in_features, self.out_features = src.in_features, src.out_features
-            n = src.in_features * src.out_features
-            dev = src.weight.device
-            self.weight = torch.nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=dev),
-                                             requires_grad=False)
-            blocks = math.ceil(n / 64)
-            if double_quant:
-                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=dev))
-                self.register_buffer("absmax2", torch.empty(math.ceil(blocks / 256), dtype=torch.float32,
-                                                            device=dev))
-                self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=dev))
-            else:
-                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, device=dev))
-            self.bias = src.bias
-            self.compute_dtype = compute_dtype
-            self.double_quant = double_quant
-
-        def dequantize(self, dtype):
-            if self.double_quant:  # nested absmax dequantized to fp32 first
-                _ = torch.empty(self.absmax.shape, dtype=torch.float32, device=self.weight.device)
-            return torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
-
-        def forward(self, x):  # bnb Linear4bit.forward: compute in compute_dtype, return in the input's dtype
-            inp_dtype = x.dtype
-            x = x.to(self.compute_dtype)
-            if self.bias is not None and self.bias.dtype != x.dtype:
-                self.bias.data = self.bias.data.to(x.dtype)  # bnb casts the bias in place, once
-            out = _Dequant4.apply(x, self)
-            out = out + self.bias if self.bias is not None else out
-            return out.to(inp_dtype)
-
-    class _Int8(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, layer):  # bnb MatMul8bitLt: A.to(fp16), int8 row quantization, int32 matmul
-            t = x.numel() // x.shape[-1]
-            _a16 = x.to(torch.float16)
-            _qa = torch.empty(t, x.shape[-1], dtype=torch.int8, device=x.device)  # int8 quantized input
-            _stats = torch.empty(t, dtype=torch.float32, device=x.device)  # row absmax
-            _acc = torch.empty(t, layer.out_features, dtype=torch.int32, device=x.device)  # int8 matmul result
-            ctx.layer = layer
-            return torch.empty(*x.shape[:-1], layer.out_features, dtype=x.dtype, device=x.device)
-
-        @staticmethod
-        def backward(ctx, grad):
-            layer = ctx.layer
-            w = torch.empty(layer.out_features, layer.in_features, dtype=grad.dtype, device=grad.device)
-            return grad @ w, None
-
-    class StandIn8bit(torch.nn.Linear):
-        def __init__(self, src: torch.nn.Linear, compute_dtype):
-            torch.nn.Module.__init__(self)
-            self.in_features, self.out_features = src.in_features, src.out_features
-            dev = src.weight.device
-            self.weight = torch.nn.Parameter(torch.empty(src.out_features, src.in_features, dtype=torch.int8,
-                                                         device=dev), requires_grad=False)
-            self.register_buffer("SCB", torch.empty(src.out_features, dtype=torch.float32, device=dev))
-            self.bias = src.bias
-            self.compute_dtype = compute_dtype
-
-        def forward(self, x):  # bnb Linear8bitLt.forward: output in the input's dtype, bias cast once in place
-            if self.bias is not None and self.bias.dtype != x.dtype:
-                self.bias.data = self.bias.data.to(x.dtype)
-            out = _Int8.apply(x, self)
-            return out + self.bias if self.bias is not None else out
-
-    return StandIn4bit, StandIn8bit
-
-
-def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
-    """Replace the named nn.Linear/Conv1D modules by bitsandbytes stand-ins (4-bit or int8)."""
-    import torch
-    StandIn4bit, StandIn8bit = _standin_linear_classes()
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        src = getattr(parent, child)
-        if type(src).__name__ == "Conv1D":  # GPT-2: weight [in, out]; bnb replaces it by a Linear [out, in]
-            lin = torch.nn.Linear(src.weight.shape[0], src.weight.shape[1], bias=src.bias is not None,
-                                  device="meta")
-            lin.bias = src.bias
-            src = lin
-        if setup.quant == "int8":
-            new = StandIn8bit(src, compute_dtype)
-        else:
-            new = StandIn4bit(src, setup.quant, setup.double_quant, compute_dtype)
-        setattr(parent, child, new)
-
-
-class StandIn8bitAdam:
-    """bitsandbytes AdamW8bit / PagedAdamW8bit state (Optimizer2State.init_state, bnb 0.50): uint8 state1 and state2
-    plus one fp32 absmax per 256 elements each, fp32 states for tensors below 4096 elements; the blockwise update
-    is one fused kernel (no temporaries). Paged state is allocated in unified memory, outside torch's allocator."""
-
-    def __init__(self, params, tracker: StorageTracker, paged: bool):
-        self.params = [p for p in params if p.requires_grad]
-        self.state: dict = {}
-        self.tracker, self.paged = tracker, paged
-
-    def step(self):
-        import torch
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if p not in self.state:
-                n = p.numel()
-                if n < 4096:
-                    st = [torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)]
-                else:
-                    blocks = math.ceil(n / 256)
-                    st = [torch.zeros(n, dtype=torch.uint8, device=p.device),
-                          torch.zeros(n, dtype=torch.uint8, device=p.device),
-                          torch.zeros(blocks, dtype=torch.float32, device=p.device),
-                          torch.zeros(blocks, dtype=torch.float32, device=p.device)]
-                for t in st:
-                    if self.paged:
-                        self.tracker.exclude(t)
-                    self.tracker.tag(t, "optimizer_state")
-                self.state[p] = st
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-
 def make_optimizer(setup: Setup, params, tracker: StorageTracker):
     import torch
     params = [p for p in params if p.requires_grad]
@@ -354,6 +206,11 @@ def make_optimizer(setup: Setup, params, tracker: StorageTracker):
 
 
 # ---------------------------------------------------------------------------------------------------- model
+
+def _torch_dtypes() -> dict:
+    import torch
+    return {k: getattr(torch, v) for k, v in TORCH_DTYPE_NAMES.items()}
+
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers")
@@ -413,16 +270,15 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict):
     module.to()/peft's adapter moves swap fake parameters, which torch refuses while the fake mode holds weakrefs."""
     import accelerate
     import peft
-    import torch
     import transformers
 
     from memplan import select
     from memplan.memory.context import resolve
+    from memplan.models import config_from_dict
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtypes = _torch_dtypes()
     ctx = resolve(spec, setup)
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items()
-                                                  if k not in ("auto_map", "transformers_version")})
+    config = config_from_dict(d)
     cls = getattr(transformers, spec.arch.auto_class)
     weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
     with accelerate.init_empty_weights(include_buffers=True):
@@ -524,7 +380,7 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracker = StorageTracker()
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtypes = _torch_dtypes()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     pack_ctx = torch.autograd.graph.saved_tensors_hooks(_pack(tracker), lambda t: t)
     model = build_model(spec, setup, layers, d)

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import memplan.trace as T
+from memplan.standins import standin_linear_classes
 from memplan.cli import main
 from memplan.models import config_dict, load_spec
 from memplan.setup import Setup
@@ -37,7 +38,7 @@ def test_4bit_standin_holds_bnb_storages(out_f, in_f, double):
     real = _nbytes(packed) + _nbytes(qs.absmax)
     if double:
         real += _nbytes(qs.state2.absmax) + _nbytes(qs.offset)
-    StandIn4bit, _ = T._standin_linear_classes()
+    StandIn4bit, _ = standin_linear_classes()
     s = StandIn4bit(torch.nn.Linear(in_f, out_f, bias=False), "nf4", double, torch.bfloat16)
     ours = _nbytes(s.weight) + sum(_nbytes(b) for b in s.buffers())
     assert ours == real
@@ -50,7 +51,7 @@ def test_int8_standin_holds_bnb_storages():
                                    has_fp16_weights=False)
     lin.weight._quantize("cpu")
     real = _nbytes(lin.weight) + _nbytes(lin.weight.SCB)
-    _, StandIn8bit = T._standin_linear_classes()
+    _, StandIn8bit = standin_linear_classes()
     s = StandIn8bit(torch.nn.Linear(256, 384, bias=False), torch.bfloat16)
     assert _nbytes(s.weight) + _nbytes(s.SCB) == real and s.weight.dtype == lin.weight.dtype
 
