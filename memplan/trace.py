@@ -25,14 +25,16 @@ import weakref
 from dataclasses import dataclass, field
 
 from memplan.errors import BadInput
-from memplan.setup import TORCH_DTYPE_NAMES, Setup
-from memplan.standins import StandIn8bitAdam, quantize_standins
+from memplan.setup import Setup
+from memplan.standins import StandIn8bitAdam
+from memplan.steps import (build_model, cut_config, cuda_like, make_optimizer, materialize,  # noqa: F401
+                           training_loop, TRAIN_PHASES)
 
 BLOCK = 512
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
-PHASES = ("forward", "backward", "optimizer", "zero_grad")
+PHASES = TRAIN_PHASES
 
-#: Where the CPU path differs from CUDA, what the tracer does instead (documented once, applied in _cuda_like()).
+#: Where the CPU path differs from CUDA, what the tracer does instead (documented once, applied in memplan.steps.cuda_like()).
 EMULATIONS = {
     "adamw": "torch.optim.AdamW(foreach=True): CUDA's default (torch.optim.optimizer._default_to_fused_or_foreach "
              "picks foreach only for CUDA tensors; on CPU it would pick the per-tensor loop)",
@@ -187,191 +189,6 @@ def _dispatch_mode(tracker: StorageTracker):
     return _Mode()
 
 
-def make_optimizer(setup: Setup, params, tracker: StorageTracker):
-    import torch
-    params = [p for p in params if p.requires_grad]
-    opt = setup.optimizer
-    if opt == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    if opt == "adamw-fused":
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    if opt in ("adamw-8bit", "paged-adamw-8bit"):
-        return StandIn8bitAdam(params, tracker, paged=opt.startswith("paged"))
-    if opt == "adafactor":  # what Trainer's optim="adafactor" builds
-        from transformers.optimization import Adafactor
-        return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
-    if opt == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, foreach=True)
-    raise BadInput(f"optimizer {opt!r} cannot be traced")
-
-
-# ---------------------------------------------------------------------------------------------------- model
-
-def _torch_dtypes() -> dict:
-    import torch
-    return {k: getattr(torch, v) for k, v in TORCH_DTYPE_NAMES.items()}
-
-
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
-               "num_decoder_layers")
-
-
-def cut_config(d: dict, layers: int) -> dict:
-    """The config with every layer count set to `layers` (per-layer lists truncated)."""
-    d = dict(d)
-    for k in _LAYER_KEYS:
-        if isinstance(d.get(k), int):
-            d[k] = min(d[k], layers)
-    if isinstance(d.get("layer_types"), list):
-        d["layer_types"] = d["layer_types"][:layers]
-    return d
-
-
-@contextlib.contextmanager
-def _cuda_like():
-    """The CUDA code paths the CPU would not take (EMULATIONS): native_dropout for dropout."""
-    import torch
-    import torch.nn.functional as F
-
-    original = F.dropout
-
-    def dropout(x, p=0.5, training=True, inplace=False):
-        if training and p > 0:
-            return torch.native_dropout(x, p, True)[0]
-        return x
-
-    original_sdpa = F.scaled_dot_product_attention
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
-            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 scale=scale, enable_gqa=enable_gqa)
-        if key.shape[-3] != query.shape[-3]:  # grouped-query attention: expand like enable_gqa
-            rep = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~attn_mask, float("-inf"))
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-    F.dropout = dropout
-    F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        F.dropout = original
-        F.scaled_dot_product_attention = original_sdpa
-
-
-def build_model(spec, setup: Setup, layers: int | None, d: dict):
-    """The real transformers model for the setup on the meta device: dtype, bnb stand-ins, k-bit preparation,
-    freezing, LoRA, checkpointing. materialize() then gives it fake (or real) storage. Built on meta because
-    module.to()/peft's adapter moves swap fake parameters, which torch refuses while the fake mode holds weakrefs."""
-    import accelerate
-    import peft
-    import transformers
-
-    from memplan import select
-    from memplan.memory.context import resolve
-    from memplan.models import config_from_dict
-
-    dtypes = _torch_dtypes()
-    ctx = resolve(spec, setup)
-    config = config_from_dict(d)
-    cls = getattr(transformers, spec.arch.auto_class)
-    weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
-    with accelerate.init_empty_weights(include_buffers=True):
-        model = cls.from_config(config, attn_implementation=ctx.attn_impl, dtype=weight_dtype)
-    if setup.quant:
-        names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
-        quantize_standins(model, names, setup, dtypes[setup.compute_dtype])
-        # what transformers' bnb quantizer sets; peft's prepare_model_for_kbit_training only enables gradient
-        # checkpointing on models flagged as loaded in k-bit
-        model.is_loaded_in_4bit = setup.quant in ("nf4", "fp4")
-        model.is_loaded_in_8bit = setup.quant == "int8"
-    if setup.mode == "train" and setup.quant:
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
-                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif setup.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if setup.technique == "freeze":
-        keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}
-        for name, p in model.named_parameters():
-            p.requires_grad_(name in keep)
-        if setup.grad_ckpt:
-            model.enable_input_require_grads()
-    if setup.uses_lora:
-        targets = setup.lora_targets
-        if targets is None:
-            targets = list(spec.arch.lora_default_targets)
-        cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                              target_modules=list(targets) if isinstance(targets, tuple) else targets)
-        model = peft.get_peft_model(model, cfg)
-    model.train()
-    return model
-
-
-def materialize(model, fake: bool) -> None:
-    """Give every meta parameter and buffer storage on the CPU (fake, or real and randomly initialised), keeping
-    shared (tied) tensors shared and requires_grad as built."""
-    import torch
-    done: dict[int, torch.Tensor] = {}
-
-    def make(t):
-        if id(t) in done:
-            return done[id(t)]
-        new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        if not fake:
-            if new.is_floating_point():
-                new.normal_(0, 0.02)
-            else:
-                new.zero_()
-        if isinstance(t, torch.nn.Parameter):
-            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-        done[id(t)] = new
-        return new
-
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[name] = make(p)
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                mod._buffers[name] = make(b)
-
-
-def _exists(model, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
-
-
-def cut_spec(spec, layers: int | None):
-    """The spec restricted to blocks < layers (for freezing's 'last N blocks' on a cut model)."""
-    if not layers:
-        return spec
-    from memplan.spec import ModelSpec
-    params = tuple(p for p in spec.params if p.block is None or p.block < layers)
-    linears = tuple(m for m in spec.linears if m.block is None or m.block < layers)
-    return ModelSpec(spec.model_id, spec.arch, params, linears, spec.tied, spec.config_file,
-                     spec.transformers_version)
-
-
-def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
-    import torch
-    b, s = setup.batch_size, setup.seq_len
-    ids = torch.randint(0, vocab, (b, s), device=device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long, device=device)}
-    if spec.arch.kind == "seq2seq":
-        batch["labels"] = torch.randint(0, vocab, (b, setup.target_len or s), device=device)
-    else:
-        batch["labels"] = ids.clone()
-    return batch
-
-
 # ---------------------------------------------------------------------------------------------------- run
 
 def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
@@ -380,46 +197,35 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracker = StorageTracker()
-    dtypes = _torch_dtypes()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    pack_ctx = torch.autograd.graph.saved_tensors_hooks(_pack(tracker), lambda t: t)
     model = build_model(spec, setup, layers, d)
-    with fake_mode, _dispatch_mode(tracker), _cuda_like():
+    with fake_mode, _dispatch_mode(tracker), cuda_like():
         materialize(model, fake)
         for p in model.parameters():
             tracker.tag(p, "weights")
         for b in model.buffers():  # quantization metadata of the stand-ins included
             tracker.tag(b, "weights")
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(setup, params, tracker)
-        vocab = model.get_input_embeddings().num_embeddings
-        accum = min(setup.grad_accum, 2)  # any accumulation > 1 keeps the gradients alive the same way
-        # Trainer runs autocast with bf16=True/fp16=True: mixed precision, and quantized bases (the QLoRA recipe
-        # and the plan files set bf16/fp16 there; the estimate assumes it)
-        autocast = (torch.autocast("cpu", dtype=dtypes[setup.compute_dtype])
-                    if setup.mixed or (setup.quant and setup.compute_dtype != "fp32") else contextlib.nullcontext())
-        for _ in range(steps):
-            for _ in range(accum):
-                batch = make_batch(spec, setup, vocab)
-                tracker.phase = "forward"
-                with autocast, pack_ctx:
-                    loss = model(**batch).loss
-                tracker.phase = "backward"
-                loss.backward()
-                del loss, batch
-                for p in params:  # tagged after the fact: touching .grad inside backward would change
-                    tracker.tag(p.grad, "gradients")  # AccumulateGrad's in-place decision
-            tracker.phase = "optimizer"
-            opt.step()
+        opt = make_optimizer(setup, params, standin_tracker=tracker)
+
+        def enter(phase: str) -> None:
+            tracker.phase = phase
+
+        def tag_grads() -> None:  # tagged after the fact: touching .grad inside backward would change
+            for p in params:  # AccumulateGrad's in-place decision
+                tracker.tag(p.grad, "gradients")
+
+        def tag_state() -> None:
             if hasattr(opt, "state") and not isinstance(opt, StandIn8bitAdam):
                 for st in opt.state.values():
                     for t in st.values():
                         tracker.tag(t, "optimizer_state")
-            tracker.phase = "zero_grad"
-            opt.zero_grad(set_to_none=True)
-            tracker.phase = "between"
             if on_step_end is not None:  # tests: compare the live bytes with the tensors really alive
                 on_step_end(model, opt, tracker)
+
+        training_loop(model, opt, spec, setup, steps, "cpu", enter,
+                      forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(_pack(tracker), lambda t: t),
+                      after_backward=tag_grads, after_step=tag_state)
         tracker.trainable = sum(p.numel() for p in params)
         tracker.total = sum(p.numel() for p in model.parameters())
     return tracker
