@@ -143,3 +143,47 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
         console.print(f"paged optimizer state outside the allocator: {_gib(result.paged_bytes)} GiB")
     for note in result.notes:
         console.print(note)
+
+
+def validation_rows(m, est) -> list[dict]:
+    """Predicted vs measured for each quantity the measurement has (CPU: allocated less the cuBLAS workspace)."""
+    from memplan.trace import comparable_estimate_bytes
+    pairs = [("peak allocated", comparable_estimate_bytes(est) if m.device == "cpu" else est.peak_allocated_bytes,
+              m.allocated_bytes),
+             ("peak reserved", est.peak_reserved_bytes, m.reserved_bytes),
+             ("device total (NVML)", est.device_total_bytes, m.device_bytes),
+             ("CUDA context", est.components.get("cuda_context", 0), m.cuda_context_bytes)]
+    return [{"quantity": q, "predicted_bytes": p, "measured_bytes": v,
+             "rel_error": (p - v) / v if v else None} for q, p, v in pairs if v is not None]
+
+
+def print_validation(model: str, setup, m, rows, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"{model} · {setup.mode} · {setup.technique} · {setup.precision} · batch {setup.batch_size} x "
+                    f"seq {setup.seq_len} · measured on {m.environment.get('gpu') or m.device}", title_justify="left")
+    for col in ("quantity", "predicted GiB", "measured GiB", "error"):
+        t.add_column(col, justify="left" if col == "quantity" else "right")
+    for r in rows:
+        err = "" if r["rel_error"] is None else f"{r['rel_error']:+.1%}"
+        t.add_row(r["quantity"], _gib(r["predicted_bytes"]), _gib(r["measured_bytes"]), err)
+    console.print(t)
+    if m.status != "ok":
+        console.print(f"[red]{m.status}[/]: {m.error}")
+    elif m.phase_allocated:
+        console.print("measured peak per phase (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in m.phase_allocated.items()))
+
+
+def print_check(result, report_path: str, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"memplan check: {'PASS' if result.ok else 'FAIL'} ({len(result.rows)} rows)",
+              title_justify="left")
+    for col in ("verdict", "model", "setup", "quantity", "measured GiB", "predicted GiB", "error", "tol", "note"):
+        t.add_column(col, justify="right" if "GiB" in col or col in ("error", "tol") else "left")
+    style = {"fail": "red", "pass": "green", "info": "yellow", "skip": "dim"}
+    for r in result.worst_first():
+        err = "" if r.rel_error is None else f"{r.rel_error:+.1%}"
+        t.add_row(f"[{style[r.verdict]}]{r.verdict}[/]", r.model, r.label, r.quantity,
+                  "" if r.measured_bytes is None else _gib(r.measured_bytes),
+                  "" if r.predicted_bytes is None else _gib(r.predicted_bytes), err, f"{r.tolerance:.0%}", r.reason)
+    console.print(t)
+    console.print(f"report written to {report_path}")

@@ -148,7 +148,7 @@ class StorageTracker:
             self.tags.setdefault(s, category)
 
     def _update(self) -> None:
-        if self.phase in PHASES:
+        if self.phase not in ("setup", "between"):  # training phases, or prefill/decode (validate --device cpu)
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
             if self.current > self.peak:
                 self.peak = self.current

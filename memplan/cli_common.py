@@ -1,0 +1,89 @@
+"""Shared pieces of the command line: one --flag per Setup field, error handling, JSON output.
+
+Kept apart from memplan.cli so command modules (memplan.cli_measure, memplan.doctor, memplan.plots) import them
+without importing the click group that registers them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import typing
+
+import click
+
+from memplan.errors import MemplanError
+from memplan.setup import ATTN_IMPLS, MODES, OPTIMIZERS, PRECISIONS, QUANTS, TECHNIQUES, Setup
+
+_CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
+            "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS}
+_HELP = {
+    "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
+    "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
+}
+
+
+def _parse_targets(value):
+    if value is None:
+        return None
+    return value if value.lower() == "all-linear" else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _parse_trainable(value):
+    if value is None:
+        return None
+    return int(value) if value.strip().isdigit() else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def setup_options(func):
+    """Add one --flag per Setup field (names with dashes; choices from the Literal vocabularies)."""
+    hints = typing.get_type_hints(Setup)
+    for f in reversed(dataclasses.fields(Setup)):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        kw = {"default": None, "help": _HELP.get(f.name, f"Setup.{f.name} (default {f.default!r})")}
+        if f.name in _CHOICES:
+            opt = click.option(flag, type=click.Choice(_CHOICES[f.name]), **kw)
+        elif hint is bool:
+            opt = click.option(f"{flag}/--no-{flag[2:]}", **kw)
+        elif f.name in ("lora_targets", "trainable"):
+            opt = click.option(flag, type=str, **kw)
+        elif float in typing.get_args(hint) or hint is float:
+            opt = click.option(flag, type=float, **kw)
+        else:
+            opt = click.option(flag, type=int, **kw)
+        func = opt(func)
+    return func
+
+
+def given_setup_fields(options: dict) -> dict:
+    """The Setup fields the user set on the command line, parsed (lists split, block counts as ints)."""
+    names = {f.name for f in dataclasses.fields(Setup)}
+    given = {k: v for k, v in options.items() if k in names and v is not None}
+    if "lora_targets" in given:
+        given["lora_targets"] = _parse_targets(given["lora_targets"])
+    if "trainable" in given:
+        given["trainable"] = _parse_trainable(given["trainable"])
+    return given
+
+
+def setup_from_options(options: dict) -> Setup:
+    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems."""
+    return Setup(**given_setup_fields(options))
+
+
+def handle_errors(func):
+    """MemplanError -> 'error: ...' on stderr and its exit code; never a traceback."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except MemplanError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+    return wrapper
+
+
+def emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2))

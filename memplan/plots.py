@@ -1,0 +1,343 @@
+"""Pictures: the per-phase breakdown of one estimate (`memplan estimate --plot`) and memory against one knob
+(`memplan plot --x batch_size|seq_len|lora_r`). matplotlib (Agg, imported lazily), GiB on the axes, atomic writes.
+
+The click command `plot_command` is built on first access (module __getattr__) so that memplan.cli and this module
+can import each other in either order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from memplan.errors import BadInput
+from memplan.fit import largest_fitting
+from memplan.units import GiB
+
+KNOBS = ("batch_size", "seq_len", "lora_r")
+FORMATS = (".png", ".svg", ".pdf")
+DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "cuda_context")  # estimate._DEVICE_ONLY
+_AXIS = {"batch_size": "micro-batch size", "seq_len": "sequence length", "lora_r": "LoRA rank r"}
+_SHORT = {"batch_size": "batch {}", "seq_len": "seq_len {}", "lora_r": "r={}"}
+_CAPS = {"batch_size": 4096, "seq_len": 131072}
+#: one colour per component, the same in every picture: weights blue, training state green/orange,
+#: per-token tensors warm, device-only terms grey (and hatched: not in torch.cuda.memory_allocated).
+COLOURS = {
+    "weights": "#4c72b0", "quant_state": "#9bb7e0", "lora_adapters": "#17becf", "gradients": "#dd8452",
+    "optimizer_state": "#55a868", "optimizer_temporaries": "#a6d96a", "activations": "#c44e52",
+    "autocast_weight_copies": "#f2a7a9", "logits": "#8172b3", "attention_mask": "#c5b0d5",
+    "dequant_temporaries": "#ffbe7d", "backward_temporaries": "#937860", "kv_cache": "#da8bc3",
+    "cublas_workspace": "#ccb974", "allocator_reserve": "#c7c7c7", "paged_optimizer_state": "#a0a0a0",
+    "cuda_context": "#6b6b6b",
+}
+
+
+def phase_breakdown(spec, setup) -> dict[str, dict[str, int]]:
+    """Phase -> component -> bytes (COMPONENTS order): the estimator's phases plus the device-only terms the
+    Estimate reports at its peak (reserve, paged optimizer state, CUDA context). The allocated components of a
+    phase sum to Estimate.phases[phase]; the peak phase's bar sums to Estimate.device_total_bytes."""
+    from memplan.estimate import COMPONENTS, estimate, inference_phases, training_phases
+    from memplan.memory.context import resolve
+
+    ctx = resolve(spec, setup)
+    phases = training_phases(ctx) if setup.mode == "train" else inference_phases(ctx)
+    device = {k: v for k, v in estimate(spec, setup).components.items() if k in DEVICE_ONLY}
+    return {phase: {k: int({**parts, **device}.get(k, 0)) for k in COMPONENTS} for phase, parts in phases.items()}
+
+
+def describe(setup, skip: str | None = None) -> str:
+    """Short one-line setup, e.g. 'train · lora r=8 · bf16 · batch 4 × seq 1024 · grad ckpt' (`skip` one knob)."""
+    s = setup
+    tech = s.technique + (f" r={s.lora_r}" if s.uses_lora and skip != "lora_r" else "")
+    parts = [s.mode, tech if s.mode == "train" else "", s.precision + (f" + {s.quant}" if s.quant else "")]
+    shape = [f"batch {s.batch_size}" if skip != "batch_size" else "", f"seq {s.seq_len}" if skip != "seq_len" else ""]
+    parts += [" × ".join(p for p in shape if p), "grad ckpt" if s.grad_ckpt and s.mode == "train" else ""]
+    return " · ".join(p for p in parts if p)
+
+
+def _figure(size: tuple[float, float]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=size, layout="constrained")
+
+
+def _card_name(gpu) -> str:
+    return "memory budget" if gpu.source == "--memory" else gpu.name
+
+
+def _card_line(ax, gpu, right: bool = True) -> None:
+    ax.axhline(gpu.memory_bytes / GiB, color="black", linestyle="--", linewidth=1.3, zorder=3)
+    ax.annotate(f"{_card_name(gpu)}: {gpu.memory_bytes / GiB:.1f} GiB", (int(right), gpu.memory_bytes / GiB),
+                xycoords=("axes fraction", "data"), xytext=(-4 if right else 4, 4), textcoords="offset points",
+                ha="right" if right else "left", va="bottom", fontsize=9, fontweight="bold")
+
+
+def breakdown_figure(est, phases: dict[str, dict[str, int]], gpu=None):
+    """One stacked bar per phase (GiB), a stable colour per component, the total on each bar, the peak phase
+    marked, and the card's memory as a dashed line when `gpu` is given."""
+    fig = _figure((10, 5.6))
+    ax = fig.add_subplot()
+    names = list(phases)
+    used = [c for c in COLOURS if any(p.get(c, 0) for p in phases.values())]
+    bottoms = [0.0] * len(names)
+    for comp in used:
+        heights = [phases[p].get(comp, 0) / GiB for p in names]
+        at_peak = phases[est.peak_phase].get(comp, 0)
+        label = f"{comp.replace('_', ' ')}  " + (f"{at_peak / GiB:.2f}" if at_peak else "-")
+        ax.bar(range(len(names)), heights, 0.62, bottom=bottoms, color=COLOURS[comp], edgecolor="white",
+               linewidth=0.6, hatch="///" if comp in DEVICE_ONLY else None, label=label, zorder=2)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for i, (name, top) in enumerate(zip(names, bottoms)):
+        peak = name == est.peak_phase
+        ax.annotate(f"{top:.2f}" + ("\npeak" if peak else ""), (i, top), xytext=(0, 3), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=9, fontweight="bold" if peak else "normal")
+    top = max(bottoms + [gpu.memory_bytes / GiB if gpu else 0])
+    ax.set_ylim(0, top * 1.15)
+    if gpu:
+        _card_line(ax, gpu)
+    ax.set_xticks(range(len(names)), ["\n".join(n.rsplit("_", 1)) for n in names])
+    ax.set_ylabel("GiB")
+    ax.set_xlabel("phase (hatched: device-only terms, not allocated tensors)")
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    ax.set_title(f"{est.model}\n{describe(est.setup)}", loc="left", fontsize=11)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False,
+              title=f"GiB at the peak ({est.peak_phase})", title_fontsize=9, alignment="left")
+    return fig
+
+
+def _check_knob(knob: str, setup) -> None:
+    if knob not in KNOBS:
+        raise BadInput(f"cannot plot against {knob!r}; choose one of {', '.join(KNOBS)}")
+    if knob == "lora_r" and not setup.uses_lora:
+        raise BadInput(f"--x lora_r varies the LoRA rank, but this setup is {setup.mode} / {setup.technique}: "
+                       "pass --technique lora (or qlora)")
+    if knob == "seq_len" and setup.mode == "infer" and setup.prompt_len is not None:
+        raise BadInput("--x seq_len varies the prompt length, but --prompt-len pins it: drop --prompt-len")
+
+
+def default_values(knob: str, spec, setup) -> list[int]:
+    """Doubling values: batch 1..256, seq_len 128..the model's max positions (itself included), lora_r 4..512."""
+    _check_knob(knob, setup)
+    if knob == "batch_size":
+        return [2**i for i in range(9)]
+    if knob == "lora_r":
+        return [2**i for i in range(2, 10)]
+    top = spec.arch.max_positions or 8192
+    values = [v for v in (2**i for i in range(7, 18)) if v <= top]
+    return values if top in values else values + [top]  # a non-power-of-two maximum is plotted too
+
+
+def _estimator(estimator):
+    if estimator is None:
+        from memplan.estimate import estimate as estimator
+    return estimator
+
+
+def sweep(spec, setup, knob: str, values: Sequence[int], estimator: Callable | None = None) -> list[tuple]:
+    """[(value, Estimate or None)] with `knob` set to each value; None where that value makes the setup invalid
+    (e.g. a sequence beyond the model's positions)."""
+    _check_knob(knob, setup)
+    run = _estimator(estimator)
+    out = []
+    for v in values:
+        try:
+            out.append((v, run(spec, dataclasses.replace(setup, **{knob: v}))))
+        except BadInput:
+            out.append((v, None))
+    return out
+
+
+def trim(points: Sequence[tuple], budget_bytes: int, beyond: int = 2) -> list[tuple]:
+    """The points up to the `beyond`-th valid one over the budget: keeps the y axis on the region near the card."""
+    out, over = [], 0
+    for v, e in points:
+        if over >= beyond:
+            break
+        out.append((v, e))
+        over += e is not None and e.device_total_bytes > budget_bytes
+    return out
+
+
+def largest_fitting_value(spec, setup, knob: str, budget_bytes: int, estimator: Callable | None = None) -> int:
+    """Largest integer value of `knob` whose device total fits `budget_bytes` (0 if 1 does not), by
+    fit.largest_fitting. Caps: batch 4096, seq_len the model's max positions, lora_r the hidden size."""
+    _check_knob(knob, setup)
+    run = _estimator(estimator)
+    cap = spec.arch.hidden_size if knob == "lora_r" else _CAPS[knob]
+    if knob == "seq_len" and spec.arch.max_positions:
+        cap = spec.arch.max_positions
+
+    def fits(v: int) -> bool:
+        try:
+            return run(spec, dataclasses.replace(setup, **{knob: v})).device_total_bytes <= budget_bytes
+        except BadInput:
+            return False
+
+    return largest_fitting(fits, cap)
+
+
+def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | None = None):
+    """Peak allocated, peak reserved and device total (GiB) against `knob` (log2 axis when the values span 3+
+    doublings); with `gpu`: the card's limit, the range that fits shaded and the largest fitting value marked
+    (`largest`, exact from largest_fitting_value; else the largest plotted value that fits)."""
+    valid = [(v, e) for v, e in points if e is not None]
+    if not valid:
+        raise BadInput(f"no value of {knob} gives a valid setup; nothing to plot")
+    xs = [v for v, _ in valid]
+    fig = _figure((9, 5.4))
+    ax = fig.add_subplot()
+    for attr, label, colour in (("peak_allocated_bytes", "peak allocated", "#4c72b0"),
+                                ("peak_reserved_bytes", "peak reserved", "#dd8452"),
+                                ("device_total_bytes", "device total (nvidia-smi)", "#c44e52")):
+        ax.plot(xs, [getattr(e, attr) / GiB for _, e in valid], marker="o", markersize=4, label=label,
+                color=colour, linewidth=2 if attr == "device_total_bytes" else 1.4, zorder=3)
+    log2 = len(xs) > 2 and xs[-1] >= 8 * xs[0]  # spans 3+ doublings: a log2 axis
+    if log2:
+        ax.set_xscale("log", base=2)
+    ticks = xs if len(xs) <= 12 else [2**i for i in range(20) if xs[0] <= 2**i <= xs[-1]] if log2 else None
+    if ticks:
+        ax.set_xticks(ticks, [str(v) for v in ticks])
+    ax.minorticks_off()
+    lo, hi = xs[0], max(xs[-1], largest or 0)
+    pad = 2 ** 0.25 if log2 else max((hi - lo) * 0.03, 0.5)
+    ax.set_xlim(lo / pad if log2 else lo - pad, hi * pad if log2 else hi + pad)
+    top = max(e.device_total_bytes for _, e in valid) / GiB
+    if gpu:
+        limit = gpu.memory_bytes / GiB
+        ax.set_ylim(0, max(top, limit) * 1.12)
+        _card_line(ax, gpu, right=False)
+        exact = largest is not None
+        if not exact:
+            largest = max((v for v, e in valid if e.device_total_bytes <= gpu.memory_bytes), default=0)
+        left = ax.get_xlim()[0]
+        if largest:
+            ax.axvspan(left, largest, color="#55a868", alpha=0.13, zorder=0,
+                       label=f"fits: device total ≤ {limit:.1f} GiB")
+            ax.axvline(largest, color="#2d7a3e", linestyle=":", linewidth=1.5, zorder=2)
+            text = "largest that fits: " + _SHORT[knob].format(largest)
+            x0, x1 = ax.get_xlim()
+            frac = math.log(largest / x0, x1 / x0) if log2 else (largest - x0) / (x1 - x0)
+            left_of = frac > 0.4  # the text beside the line, on the side with room
+            ax.annotate(text, (largest, 0.97), xycoords=("data", "axes fraction"), xytext=(-6 if left_of else 6, 0),
+                        textcoords="offset points", ha="right" if left_of else "left", va="top",
+                        fontsize=10, fontweight="bold", color="#2d7a3e",
+                        bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#2d7a3e", "alpha": 0.9})
+        else:
+            what = f"even {_SHORT[knob].format(1)}" if exact else _SHORT[knob].format(xs[0])
+            ax.text(0.02, 0.95, f"{what} does not fit: over {limit:.1f} GiB", transform=ax.transAxes,
+                    color="#c44e52", fontweight="bold", va="top")
+    else:
+        ax.set_ylim(0, top * 1.12)
+    model = valid[0][1].model
+    ax.set_title(f"{model}: memory vs {_AXIS[knob]}\n{describe(valid[0][1].setup, skip=knob)}", loc="left",
+                 fontsize=11)
+    notes = ["tokens" if knob == "seq_len" else "", "log2 scale" if log2 else ""]
+    ax.set_xlabel(_AXIS[knob] + (f" ({', '.join(n for n in notes if n)})" if any(notes) else ""))
+    ax.set_ylabel("GiB")
+    ax.grid(alpha=0.3, zorder=0)
+    ax.legend(loc="lower right", fontsize=9, framealpha=0.95)
+    return fig
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to a temp file beside `path`, then rename it over `path` (as fileio.write_text_atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_figure(fig, path) -> Path:
+    """Render `fig` (PNG at 120 dpi, or SVG/PDF by the extension) and write it atomically; returns the path."""
+    path = Path(path)
+    ext = path.suffix.lower()
+    if ext not in FORMATS:
+        raise BadInput(f"cannot write a picture to {str(path)!r}: the name must end in {', '.join(FORMATS)}")
+    buf = io.BytesIO()
+    fig.savefig(buf, format=ext[1:], dpi=120, facecolor="white")
+    try:
+        write_bytes_atomic(path, buf.getvalue())
+    except OSError as e:
+        raise BadInput(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
+def write_breakdown_png(spec, setup, est, path, gpu=None) -> Path:
+    """`memplan estimate --plot PATH`: the per-phase breakdown of `est` (of spec, setup) against `gpu`."""
+    return save_figure(breakdown_figure(est, phase_breakdown(spec, setup), gpu), path)
+
+
+def _parse_values(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise BadInput(f"--values {text!r}: give whole numbers separated by commas, e.g. 1,2,4,8") from None
+    if not values or values[0] < 1:
+        raise BadInput(f"--values {text!r}: give whole numbers >= 1, e.g. 1,2,4,8")
+    return values
+
+
+def _build_plot_command():
+    import click
+
+    from memplan.cli import handle_errors, setup_from_options, setup_options
+
+    @click.command("plot")
+    @click.argument("model")
+    @click.option("--x", "knob", type=click.Choice(KNOBS), required=True, help="the setup field on the x axis")
+    @click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060"; default: the detected GPU, if any')
+    @click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
+    @click.option("--values", help="comma-separated values of --x (default: doubling values)")
+    @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="picture: .png/.svg/.pdf")
+    @setup_options
+    @click.option("--trust-remote-code", is_flag=True)
+    @handle_errors
+    def plot(model, knob, gpu_name, memory, values, output, trust_remote_code, **options):
+        """Peak allocated / reserved / device total against batch_size, seq_len or lora_r, with the card's limit,
+        the range that fits shaded and the largest value that fits."""
+        from memplan.gpus import detect_gpus, resolve_gpu
+        from memplan.models import load_spec
+
+        setup = setup_from_options(options)
+        spec = load_spec(model, trust_remote_code=trust_remote_code)
+        xs = _parse_values(values) if values else default_values(knob, spec, setup)
+        gpu = resolve_gpu(gpu_name, memory) if gpu_name or memory else next(iter(detect_gpus()), None)
+        points = sweep(spec, setup, knob, xs)
+        if gpu and not values:
+            points = trim(points, gpu.memory_bytes)
+        if all(e is None for _, e in points):  # re-run one to raise the estimator's own reason
+            from memplan.estimate import estimate
+            estimate(spec, dataclasses.replace(setup, **{knob: xs[0]}))
+        best = largest_fitting_value(spec, setup, knob, gpu.memory_bytes) if gpu else None
+        written = save_figure(curve_figure(points, knob, gpu, best), output)
+        click.echo(f"wrote {written}")
+        if gpu is None:
+            click.echo("no GPU given (--gpu/--memory) or detected: drawn without a card limit")
+        else:
+            card = f"{_card_name(gpu)} ({gpu.memory_bytes / GiB:.2f} GiB)"
+            click.echo(f"largest {knob} that fits on {card}: {best}" if best
+                       else f"even {knob}=1 does not fit on {card}")
+
+    return plot
+
+
+def __getattr__(name: str):
+    if name == "plot_command":  # built lazily: memplan.cli imports this module at its end
+        globals()[name] = _build_plot_command()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,296 @@
+"""validate: run a setup for real and measure its memory - on CUDA the ground truth, on the CPU a code-path check.
+
+Each setup runs in its own Python subprocess (`python -m memplan.validate '<json>'`), so the caching allocator's
+fragmentation, a leaked tensor or an out-of-memory error cannot affect the next one; an OOM is a recorded result
+(status "oom"), a crash of the subprocess an "error" row, never an exception in the caller.
+
+CUDA (the model built with random weights directly on the GPU, bitsandbytes quantizing random weights for real):
+  cuda_context_bytes   NVML used after torch.cuda.init(), minus NVML used before it (other processes excluded)
+  allocated/reserved   torch.cuda.max_memory_allocated / max_memory_reserved over the steps (reset after the build,
+                       so the peak covers the steps with the weights resident), and per phase
+  device               the highest NVML used sample (taken at every phase change) minus the pre-init baseline
+  alloc_retries, num_ooms   from torch.cuda.memory_stats()
+A memory cap (`memory_fraction`, or `emulate` a catalog GPU) is applied with torch.cuda.set_per_process_memory_fraction:
+the allocator may reserve at most the emulated card's memory less the measured CUDA context.
+CPU (`device="cpu"`): the same steps with real tensors under the tracer's storage accounting (memplan.trace's
+StorageTracker, bnb stand-ins) - allocated only; never process RSS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+from memplan.errors import BadInput
+from memplan.setup import Setup
+
+DEFAULT_STEPS = 3
+_MARK = "MEMPLAN-VALIDATE-RESULT "
+
+
+@dataclass
+class Measurement:
+    """What one run measured. Bytes; None where not measured (reserved/device on the CPU)."""
+
+    status: str  # ok | oom | error
+    device: str
+    steps: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    device_bytes: int | None = None
+    cuda_context_bytes: int | None = None
+    phase_allocated: dict[str, int] = field(default_factory=dict)
+    peak_phase: str = ""
+    alloc_retries: int | None = None
+    num_ooms: int | None = None
+    memory_fraction: float | None = None
+    memory_limit_bytes: int | None = None
+    error: str = ""
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def row_values(self) -> dict:
+        """The measured-row columns (memplan.measured.COLUMNS) this measurement fills."""
+        return {"status": self.status, "error": self.error, "device": self.device, "steps": self.steps,
+                "measured_allocated_bytes": self.allocated_bytes, "measured_reserved_bytes": self.reserved_bytes,
+                "measured_device_bytes": self.device_bytes, "cuda_context_bytes": self.cuda_context_bytes,
+                "peak_phase": self.peak_phase, "phase_allocated": self.phase_allocated or None,
+                "alloc_retries": self.alloc_retries, "num_ooms": self.num_ooms,
+                "memory_fraction": self.memory_fraction, "memory_limit_bytes": self.memory_limit_bytes,
+                **self.environment}
+
+
+# ---------------------------------------------------------------------------------------------------- meters
+
+class CudaMeter:
+    """Per-phase peaks from torch.cuda's allocator statistics and NVML device samples."""
+
+    def __init__(self, memory_fraction: float | None = None, emulate_bytes: int | None = None):
+        import torch
+        self.torch = torch
+        self.nvml = _nvml_handle()
+        baseline = self._nvml_used()
+        torch.cuda.init()
+        torch.cuda.set_device(0)
+        self.baseline = baseline
+        self.context = (self._nvml_used() - baseline) if baseline is not None else None
+        self.total = torch.cuda.get_device_properties(0).total_memory
+        self.fraction, self.limit = memory_fraction, None
+        if emulate_bytes is not None:
+            self.limit = emulate_bytes - (self.context or 0)
+            if self.limit <= 0:
+                raise BadInput("the emulated memory is smaller than the CUDA context")
+            self.fraction = min(1.0, self.limit / self.total)
+        elif memory_fraction is not None:
+            self.limit = int(memory_fraction * self.total)
+        if self.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self.fraction, 0)
+        self.phase = "setup"
+        self.phase_peaks: dict[str, int] = {}
+        self.reserved_peak = 0
+        self.device_peak = 0
+
+    def _nvml_used(self) -> int | None:
+        if self.nvml is None:
+            return None
+        import pynvml
+        return int(pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used)
+
+    def start(self) -> None:
+        """After the build: drop the build's cached blocks and start the peaks from the resident weights."""
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()
+        self.torch.cuda.reset_peak_memory_stats()
+
+    def enter(self, phase: str) -> None:
+        cuda = self.torch.cuda
+        if self.phase not in ("setup", "between"):
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), cuda.max_memory_allocated())
+        self.reserved_peak = max(self.reserved_peak, cuda.max_memory_reserved())
+        used = self._nvml_used()
+        if used is not None and self.baseline is not None:
+            self.device_peak = max(self.device_peak, used - self.baseline)
+        cuda.reset_peak_memory_stats()
+        self.phase = phase
+
+    def result(self, status: str, steps: int, error: str = "") -> Measurement:
+        self.enter("between")
+        stats = self.torch.cuda.memory_stats()
+        peak_phase = max(self.phase_peaks, key=self.phase_peaks.get) if self.phase_peaks else ""
+        return Measurement(status=status, device="cuda", steps=steps,
+                           allocated_bytes=max(self.phase_peaks.values(), default=None),
+                           reserved_bytes=self.reserved_peak, device_bytes=self.device_peak or None,
+                           cuda_context_bytes=self.context, phase_allocated=dict(self.phase_peaks),
+                           peak_phase=peak_phase, alloc_retries=stats.get("num_alloc_retries"),
+                           num_ooms=stats.get("num_ooms"), memory_fraction=self.fraction,
+                           memory_limit_bytes=self.limit, error=error)
+
+
+def _nvml_handle():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # NVML missing or the index is a UUID: no device-level figures
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- one run
+
+def quantize_bnb(device: str):
+    """A build_model quantizer: real bitsandbytes Linear4bit / Linear8bitLt from random weights, quantized on
+    `device` the way transformers' bnb loader does (Params4bit / Int8Params quantize when moved to the GPU)."""
+    def quantize(model, names, setup: Setup, compute_dtype) -> None:
+        import bitsandbytes as bnb
+        import torch
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            src = getattr(parent, child)
+            if type(src).__name__ == "Conv1D":  # GPT-2: weight [in, out]
+                in_f, out_f = src.weight.shape
+            else:
+                in_f, out_f = src.in_features, src.out_features
+            bias = src.bias is not None
+            if setup.quant == "int8":
+                new = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias, has_fp16_weights=False, threshold=6.0,
+                                          device="meta")
+                w = torch.empty(out_f, in_f, dtype=torch.float16).normal_(0, 0.02)
+                new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+            else:
+                new = bnb.nn.Linear4bit(in_f, out_f, bias=bias, compute_dtype=compute_dtype,
+                                        compress_statistics=setup.double_quant, quant_type=setup.quant,
+                                        quant_storage=torch.uint8, device="meta")
+                w = torch.empty(out_f, in_f, dtype=compute_dtype).normal_(0, 0.02)
+                new.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=setup.double_quant,
+                                               quant_type=setup.quant, quant_storage=torch.uint8, module=new)
+            if bias:
+                new.bias = torch.nn.Parameter(torch.zeros(out_f, dtype=compute_dtype), requires_grad=False)
+            new.to(device)
+            setattr(parent, child, new)
+    return quantize
+
+
+def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFAULT_STEPS,
+            memory_fraction: float | None = None, emulate_bytes: int | None = None) -> Measurement:
+    """Run `setup` on `model_id` in this process and measure it (validate() runs this in a subprocess)."""
+    from memplan.measured import environment
+    from memplan.memory.context import resolve
+    from memplan.models import config_dict, load_spec
+
+    spec = load_spec(model_id)
+    resolve(spec, setup)  # model-dependent setup problems, with their messages
+    env = environment(device)
+    if device == "cpu":
+        m = _measure_cpu(spec, setup, steps)
+    else:
+        m = _measure_cuda(spec, setup, config_dict(spec), steps, memory_fraction, emulate_bytes)
+    m.environment = env
+    return m
+
+
+def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes) -> Measurement:
+    import torch
+
+    from memplan.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+    meter = CudaMeter(memory_fraction, emulate_bytes)
+    try:
+        model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"))
+        materialize(model, fake=False, device="cuda")
+        opt = make_optimizer(setup, model.parameters()) if setup.mode == "train" else None
+        meter.start()
+        if opt is None:
+            inference_loop(model, spec, setup, "cuda", meter.enter)
+        else:
+            training_loop(model, opt, spec, setup, steps, "cuda", meter.enter)
+        return meter.result("ok", steps)
+    except torch.OutOfMemoryError as e:
+        return meter.result("oom", steps, str(e).splitlines()[0])
+
+
+def _measure_cpu(spec, setup, steps) -> Measurement:
+    """The tracer's real-tensor accounting (storages rounded to 512 B like the CUDA allocator's smallest block)."""
+    import contextlib
+
+    from memplan.models import config_dict
+    from memplan.steps import build_model, cuda_like, inference_loop, make_optimizer, materialize, training_loop
+    from memplan.trace import StorageTracker, _dispatch_mode
+
+    tracker = StorageTracker()
+    model = build_model(spec, setup, None, config_dict(spec))
+
+    def enter(phase: str) -> None:
+        tracker.phase = phase
+
+    with _dispatch_mode(tracker), cuda_like():
+        materialize(model, fake=False)
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.serial_of(t)
+        if setup.mode == "train":
+            opt = make_optimizer(setup, model.parameters(), standin_tracker=tracker)
+            training_loop(model, opt, spec, setup, steps, "cpu", enter)
+        else:
+            with contextlib.suppress(AttributeError):
+                model.generation_config.eos_token_id = None
+            inference_loop(model, spec, setup, "cpu", enter)
+    return Measurement(status="ok", device="cpu", steps=steps, allocated_bytes=tracker.peak,
+                       phase_allocated=dict(tracker.phase_peaks), peak_phase=tracker.peak_phase)
+
+
+# ---------------------------------------------------------------------------------------------------- isolation
+
+def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFAULT_STEPS,
+             memory_fraction: float | None = None, emulate: str | None = None, timeout: float | None = None
+             ) -> Measurement:
+    """Measure one setup in a fresh subprocess. Never raises for what happens inside it: an OOM is status "oom",
+    anything else (a crash, a timeout, a model that cannot be built) status "error" with the reason."""
+    if device not in ("cuda", "cpu"):
+        raise BadInput(f"device must be cuda or cpu, got {device!r}")
+    if steps < 2:
+        raise BadInput("validate needs at least 2 steps (optimizer state exists from the second on); default 3")
+    if device == "cuda":
+        require_cuda()
+    emulate_bytes = None
+    if emulate:
+        from memplan.gpus import find_gpu
+        emulate_bytes = find_gpu(emulate).memory_bytes
+    job = {"model": model_id, "setup": setup.to_dict(), "device": device, "steps": steps,
+           "memory_fraction": memory_fraction, "emulate_bytes": emulate_bytes}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "memplan.validate", json.dumps(job)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Measurement(status="error", device=device, steps=steps, error=f"timed out after {timeout} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            return Measurement(**json.loads(line[len(_MARK):]))
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return Measurement(status="error", device=device, steps=steps,
+                       error=f"subprocess exited {proc.returncode}: " + " | ".join(tail))
+
+
+def require_cuda() -> None:
+    """BadInput (exit 2) with what to do when no CUDA device is usable."""
+    import torch
+    if not torch.cuda.is_available():
+        raise BadInput("no CUDA device available: validate measures real GPU memory. Run it on a machine with an "
+                       "NVIDIA GPU and a CUDA build of torch, or pass --device cpu to run the same steps on the CPU "
+                       "(allocated bytes through the tracer's accounting)")
+
+
+def _worker(arg: str) -> None:
+    """Subprocess entry: run one job, print one marked JSON line (errors included)."""
+    job = json.loads(arg)
+    setup = Setup(**job["setup"])
+    try:
+        m = measure(job["model"], setup, job["device"], job["steps"], job["memory_fraction"], job["emulate_bytes"])
+    except Exception as e:  # reported as an "error" row by the parent, with the reason
+        m = Measurement(status="error", device=job["device"], steps=job["steps"],
+                        error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    print(_MARK + json.dumps(asdict(m)), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
