@@ -25,14 +25,24 @@ def main():
 @setup_options
 @click.option("--trust-remote-code", is_flag=True, help="allow configs whose code lives in the model repository")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="also draw the components per phase as stacked bars (PNG/SVG/PDF)")
+@click.option("--gpu", "gpu_name", help="--plot: draw this card's memory as a line")
+@click.option("--memory", help="--plot: draw this memory size as a line, e.g. 12GiB")
 @handle_errors
-def estimate(model, trust_remote_code, as_json, **options):
+def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **options):
     """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
     from memplan.estimate import estimate as run
     from memplan.models import load_spec
 
     setup = setup_from_options(options)
-    result = run(load_spec(model, trust_remote_code=trust_remote_code), setup)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    result = run(spec, setup)
+    if plot_path:
+        from memplan.gpus import resolve_gpu
+        from memplan.plots import write_breakdown_png
+        gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
+        click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=as_json)
     if as_json:
         _emit_json(result.to_dict())
     else:
@@ -184,9 +194,11 @@ def refresh_catalog():
 
 
 from memplan.cli_measure import check_cmd, validate_cmd  # noqa: E402  (command modules import cli_common only)
+from memplan.doctor import doctor_command  # noqa: E402
+from memplan.plots import plot_command  # noqa: E402
 
-main.add_command(validate_cmd)
-main.add_command(check_cmd)
+for _command in (validate_cmd, check_cmd, doctor_command, plot_command):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,11 @@ def cuda_like():
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~attn_mask, float("-inf"))
+        if attn_mask is not None and attn_mask.requires_grad and not _is_fake(query):
+            # a trainable bias as mask (T5's relative positions): the real CPU flash kernel refuses its gradient
+            # (fake tensors do not check); real CPU runs then take the math kernel, dropout mask included
+            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
@@ -105,6 +110,11 @@ def cuda_like():
     finally:
         F.dropout = original
         F.scaled_dot_product_attention = original_sdpa
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Callable | None = None):

@@ -51,7 +51,8 @@ EMULATIONS = {
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
-            "output + logsumexp saved) with the mask and without dropout",
+            "output + logsumexp saved) with the mask and without dropout (real CPU tensors with a trainable mask, T5's "
+            "position bias: the math kernel, which the CPU kernel's gradient rules require)",
 }
 __doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
 

@@ -288,7 +288,7 @@ def _worker(arg: str) -> None:
         m = measure(job["model"], setup, job["device"], job["steps"], job["memory_fraction"], job["emulate_bytes"])
     except Exception as e:  # reported as an "error" row by the parent, with the reason
         m = Measurement(status="error", device=job["device"], steps=job["steps"],
-                        error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                        error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
     print(_MARK + json.dumps(asdict(m)), flush=True)
 
 

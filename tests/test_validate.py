@@ -1,0 +1,276 @@
+"""validate (CPU path, subprocess isolation, CUDA refusal), sweeps (parsing, resume, atomic rows, kill-and-resume)
+and check (tolerance, OOM rule, gate, report; the repository's own data/measured and data/published)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memplan import measured
+from memplan.check import check
+from memplan.cli import main
+from memplan.estimate import estimate
+from memplan.setup import Setup
+from memplan.sweep import Job, load_sweep, run_sweep
+from memplan.validate import Measurement, validate
+
+ROOT = Path(__file__).parents[1]
+
+#: a 2-block Llama (hidden 64, vocab 512): real CPU steps take well under a second
+TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------- validate
+
+def test_cpu_validate_equals_the_trace(tiny_model):
+    """--device cpu measures real tensors with the tracer's accounting: the same peak as the fake-tensor trace."""
+    from memplan.trace import trace
+    s = Setup(technique="lora", precision="bf16-mixed", batch_size=2, seq_len=32)
+    m = validate(tiny_model, s, device="cpu", steps=3)
+    assert m.status == "ok", m.error
+    assert m.device == "cpu" and m.reserved_bytes is None
+    from memplan.models import config_dict, load_spec
+    from memplan.trace import _run
+    spec = load_spec(tiny_model)
+    real = _run(spec, s, config_dict(spec), None, 3, fake=False)
+    assert m.allocated_bytes == real.peak  # the tracer's real-tensor accounting, exactly
+    fake = trace(tiny_model, s, steps=3).peak_allocated_bytes
+    assert abs(m.allocated_bytes - fake) / fake < 0.03  # fake tensors: same within 3% (1.7% on this tiny model)
+    assert {"forward", "backward", "optimizer"} <= set(m.phase_allocated)
+    assert m.environment["torch"] and m.environment["transformers"]
+
+
+def test_cpu_validate_inference_runs_prefill_and_decode(tiny_model):
+    m = validate(tiny_model, Setup(mode="infer", batch_size=2, prompt_len=16, seq_len=16, new_tokens=4),
+                 device="cpu")
+    assert m.status == "ok", m.error
+    assert {"prefill", "decode"} <= set(m.phase_allocated)
+
+
+def test_failure_inside_the_subprocess_is_a_row_not_an_exception():
+    m = validate("openai-community/gpt2", Setup(seq_len=4096), device="cpu")  # longer than the model allows
+    assert m.status == "error" and "max_position_embeddings" in m.error
+
+
+def test_validate_without_cuda_exits_2_with_advice():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    r = CliRunner().invoke(main, ["validate", "gpt2"])
+    assert r.exit_code == 2
+    assert "no CUDA device" in r.output and "--device cpu" in r.output and "Traceback" not in r.output
+
+
+def test_validate_cli_cpu_prints_comparison_and_appends_row(tiny_model, tmp_path):
+    out = tmp_path / "rows.csv"
+    r = CliRunner().invoke(main, ["validate", tiny_model, "--device", "cpu", "--batch-size", "1", "--seq-len",
+                                  "16", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["comparison"][0]["quantity"] == "peak allocated"
+    rows = measured.read_rows(out)
+    assert len(rows) == 1 and rows[0]["status"] == "ok" and int(rows[0]["measured_allocated_bytes"]) > 0
+
+
+@pytest.mark.gpu
+def test_cuda_validate_measures_all_quantities():
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = validate("openai-community/gpt2", Setup(precision="bf16-mixed", batch_size=2, seq_len=128))
+    assert m.status == "ok", m.error
+    assert m.allocated_bytes <= m.reserved_bytes <= m.device_bytes
+    assert m.cuda_context_bytes > 0
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+
+def test_row_round_trips_the_setup():
+    s = Setup(technique="qlora", double_quant=True, lora_targets=("q_proj", "v_proj"), trainable=None,
+              precision="bf16", grad_ckpt=True, target_len=64, lora_dropout=0.05)
+    row = measured.make_row("gpt2", s, status="ok", measured_allocated_bytes=123)
+    assert measured.setup_from_row(row) == s
+    s2 = Setup(technique="freeze", trainable=2)
+    s3 = Setup(technique="lora", lora_targets="all-linear", mode="train")
+    assert measured.setup_from_row(measured.make_row("gpt2", s3)) == s3
+    assert measured.setup_from_row(measured.make_row("gpt2", s2)) == s2
+
+
+def test_append_is_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "rows.csv"
+    measured.append_row(out, measured.make_row("gpt2", Setup(), status="ok"))
+    before = out.read_text()
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt  # Ctrl-C at the worst moment: after the temp file is written, before the rename
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        measured.append_row(out, measured.make_row("gpt2", Setup(batch_size=2), status="ok"))
+    assert out.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]  # no temp file left behind
+
+
+# ---------------------------------------------------------------------------------------------------- sweeps
+
+def _sweep_file(tmp_path, text: str) -> Path:
+    p = tmp_path / "sweep.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_sweep_expands_matrix_include_exclude(tmp_path):
+    p = _sweep_file(tmp_path, """
+models: [gpt2, google-t5/t5-small]
+base: {seq_len: 64}
+matrix: {technique: [full, lora], batch_size: [1, 2]}
+include: [{technique: qlora, precision: bf16}, {double_quant: true}]
+exclude: [{technique: full, batch_size: 2}]
+""")
+    jobs, skipped, steps = load_sweep(p)
+    assert steps == 3
+    assert len(jobs) == 2 * (3 + 1)  # 4 combinations - 1 excluded + 1 include, per model
+    assert len(skipped) == 1 and "double_quant" in skipped[0]
+    assert all(j.setup.seq_len == 64 for j in jobs)
+
+
+@pytest.mark.parametrize("text,msg", [("models: [gpt2]\nmatrix: {bogus: [1]}", "unknown Setup field"),
+                                      ("base: {}", "names no model"), ("models: [gpt2]\nfoo: 1", "unknown key"),
+                                      (": :", "not valid YAML")])
+def test_bad_sweep_files_are_clean_errors(tmp_path, text, msg):
+    r = CliRunner().invoke(main, ["validate", "--sweep", str(_sweep_file(tmp_path, text)), "--out",
+                                  str(tmp_path / "o.csv"), "--device", "cpu"])
+    assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output
+
+
+def test_run_sweep_resumes_where_it_stopped(tmp_path):
+    jobs = [Job("gpt2", Setup(batch_size=b)) for b in (1, 2, 3)]
+    calls = []
+
+    def runner(model, setup, device, steps, emulate, timeout):
+        calls.append(setup.batch_size)
+        if setup.batch_size == 2 and len(calls) == 2:
+            raise KeyboardInterrupt
+        return Measurement(status="ok", device=device, steps=steps, allocated_bytes=1000 * setup.batch_size)
+
+    out = tmp_path / "rows.csv"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(jobs, out, device="cpu", runner=runner)
+    assert len(measured.read_rows(out)) == 1
+    counts = run_sweep(jobs, out, device="cpu", runner=runner)
+    assert counts == {"run": 2, "already_done": 1, "ok": 2, "oom": 0, "error": 0}
+    assert calls == [1, 2, 2, 3]
+    assert [r["batch_size"] for r in measured.read_rows(out)] == ["1", "2", "3"]
+
+
+def test_killed_sweep_resumes_with_complete_rows(tiny_model, tmp_path):
+    """SIGKILL a real `memplan validate --sweep` after its first row: the CSV holds only complete rows, and the
+    same command finishes the rest without repeating any."""
+    sweep = _sweep_file(tmp_path, f"models: ['{tiny_model}']\nbase: {{seq_len: 16}}\n"
+                                  "matrix: {batch_size: [1, 2, 3]}\n")
+    out = tmp_path / "rows.csv"
+    cmd = [sys.executable, "-m", "memplan", "validate", "--sweep", str(sweep), "--out", str(out), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(measured.done_keys(out)) < 1:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = measured.read_rows(out)
+    assert 1 <= len(first) <= 3
+    text = out.read_text()
+    assert len(list(csv.reader(io.StringIO(text)))) == len(first) + 1 and text.endswith("\n")
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    rows = measured.read_rows(out)
+    assert sorted(r["batch_size"] for r in rows) == ["1", "2", "3"]
+    assert len({r["key"] for r in rows}) == 3
+    assert rows[: len(first)] == first
+
+
+# ---------------------------------------------------------------------------------------------------- check
+
+def _row(setup: Setup, scale: float = 1.0, **values) -> dict:
+    est = estimate("openai-community/gpt2", setup)
+    values.setdefault("measured_allocated_bytes", int(est.peak_allocated_bytes / scale))
+    values.setdefault("status", "ok")
+    return measured.make_row("openai-community/gpt2", setup, device="cuda", **values)
+
+
+def _write(tmp_path, rows, name="m.csv") -> Path:
+    p = tmp_path / name
+    for r in rows:
+        measured.append_row(p, r)
+    return p
+
+
+def test_check_passes_within_tolerance_and_fails_outside(tmp_path):
+    s = Setup(batch_size=2, seq_len=128)
+    p = _write(tmp_path, [_row(s, 1.02), _row(Setup(batch_size=4, seq_len=128), 1.20)])
+    res = check([p], tolerance=0.05)
+    verdicts = sorted(r.verdict for r in res.rows)
+    assert verdicts == ["fail", "pass"] and not res.ok
+    assert res.worst_first()[0].verdict == "fail"
+    assert abs(res.worst_first()[0].rel_error - 0.20) < 1e-3
+    assert check([p], tolerance=0.25).ok
+
+
+def test_check_oom_rule(tmp_path):
+    s = Setup(batch_size=8, seq_len=512)
+    pred = estimate("openai-community/gpt2", s).peak_reserved_bytes
+    wrong = _row(s, status="oom", measured_allocated_bytes="", memory_limit_bytes=pred + 2**30, memory_fraction=0.1)
+    right = _row(Setup(batch_size=16, seq_len=512), status="oom", measured_allocated_bytes="",
+                 memory_limit_bytes=pred // 2, memory_fraction=0.05)
+    res = check([_write(tmp_path, [wrong, right])])
+    by = {r.label: r for r in res.rows}
+    assert [r.verdict for r in res.worst_first()] == ["fail", "pass"]
+    assert "predicted to fit" in res.worst_first()[0].reason
+    assert len(by) == 2
+
+
+def test_check_gate_no_errors_and_unknown_models(tmp_path):
+    s = Setup(batch_size=2, seq_len=128)
+    info = _row(s, 2.0, gate="no", tolerance="0.10")
+    err = _row(s, status="error", error="CUDA error: boom", measured_allocated_bytes="")
+    gone = dict(_row(s), model="nobody/no-such-model")
+    res = check([_write(tmp_path, [info, err])])
+    assert res.ok and sorted(r.verdict for r in res.rows) == ["info", "skip"]
+    res2 = check([_write(tmp_path, [gone], "gone.csv")])
+    assert not res2.ok and "cannot estimate" in res2.rows[0].reason
+
+
+def test_check_cli_exit_codes_and_report(tmp_path):
+    p = _write(tmp_path, [_row(Setup(batch_size=2, seq_len=128), 1.3)])
+    report = tmp_path / "report.md"
+    r = CliRunner().invoke(main, ["check", str(p), "--report", str(report)])
+    assert r.exit_code == 1
+    assert report.read_text().startswith("# memplan check: FAIL")
+    r = CliRunner().invoke(main, ["check", str(p), "--tolerance", "35%", "--report", str(report), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"]
+    r = CliRunner().invoke(main, ["check", str(tmp_path / "missing"), "--report", str(report)])
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_repository_measurements_pass_check(tmp_path):
+    """Our CI gate: every stored measurement (data/measured/, 5%) and published high-trust row (data/published/,
+    its own 10%) is within tolerance of the current estimator."""
+    for folder in ("data/measured", "data/published"):
+        r = CliRunner().invoke(main, ["check", str(ROOT / folder), "--report", str(tmp_path / "r.md")])
+        assert r.exit_code == 0, (folder, (tmp_path / "r.md").read_text())
+        assert "rows" in r.output
