@@ -1,7 +1,7 @@
 """memplan: GPU memory planning for fine-tuning and serving Hugging Face transformers.
 
 Public API (lazy imports keep `import memplan` torch-free and fast): estimate, Estimate, Setup, fit, load_spec,
-ModelSpec, find_gpu, resolve_gpu, plan, Plan, load_plan, write_plan.
+ModelSpec, find_gpu, resolve_gpu, plan, Plan, load_plan, write_plan, validate, check, diagnose, MemoryCallback.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ _EXPORTS = {
     "estimate": "memplan.estimate", "Estimate": "memplan.estimate", "Setup": "memplan.setup",
     "fit": "memplan.fit", "load_spec": "memplan.models", "ModelSpec": "memplan.spec",
     "find_gpu": "memplan.gpus", "resolve_gpu": "memplan.gpus", "plan": "memplan.search", "Plan": "memplan.search",
-    "load_plan": "memplan.export", "write_plan": "memplan.export",
+    "load_plan": "memplan.export", "write_plan": "memplan.export", "validate": "memplan.validate",
+    "check": "memplan.check", "diagnose": "memplan.doctor", "MemoryCallback": "memplan.callbacks",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
