@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from memplan.errors import BadInput
+from memplan.fileio import write_bytes_atomic
 from memplan.fit import largest_fitting
 from memplan.units import GiB
 
@@ -245,21 +244,6 @@ def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | No
     ax.grid(alpha=0.3, zorder=0)
     ax.legend(loc="lower right", fontsize=9, framealpha=0.95)
     return fig
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to a temp file beside `path`, then rename it over `path` (as fileio.write_text_atomic)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_figure(fig, path) -> Path:
