@@ -101,11 +101,12 @@ def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
 
 
 def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int = 3,
-              runner: Callable | None = None, on_done: Callable | None = None, timeout: float | None = None
-              ) -> dict[str, int]:
+              runner: Callable | None = None, on_done: Callable | None = None, timeout: float | None = None,
+              notes: str = "") -> dict[str, int]:
     """Run every job whose key is not yet in `out`, appending one row per run as it ends.
     runner(model, setup, device, steps, emulate, timeout) -> Measurement (default memplan.validate.validate).
-    on_done(job, measurement) after each row is written (progress). Returns counts: run, skipped_done, by status."""
+    on_done(job, measurement) after each row is written (progress); `notes` goes into every row's notes column.
+    Returns counts: run, skipped_done, by status."""
     if runner is None:
         from memplan.validate import validate
 
@@ -119,8 +120,8 @@ def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int
             counts["already_done"] += 1
             continue
         m = runner(job.model, job.setup, device, steps, job.emulate, timeout)
-        notes = f"emulating {job.emulate}" if job.emulate else ""
-        append_row(out, make_row(job.model, job.setup, key=key, source="memplan validate", notes=notes,
+        row_notes = "; ".join(n for n in (f"emulating {job.emulate}" if job.emulate else "", notes) if n)
+        append_row(out, make_row(job.model, job.setup, key=key, source="memplan validate", notes=row_notes,
                                  measured_at=_now(), **m.row_values()))
         done.add(key)
         counts["run"] += 1

@@ -66,10 +66,12 @@ class Measurement:
 class CudaMeter:
     """Per-phase peaks from torch.cuda's allocator statistics and NVML device samples."""
 
-    def __init__(self, memory_fraction: float | None = None, emulate_bytes: int | None = None):
+    def __init__(self, memory_fraction: float | None = None, emulate_bytes: int | None = None,
+                 shared_gpu: bool = False):
         import torch
         self.torch = torch
-        self.nvml = _nvml_handle()
+        # on a GPU shared with other runs NVML's used memory is everyone's: no device-level figures then
+        self.nvml = None if shared_gpu else _nvml_handle()
         baseline = self._nvml_used()
         torch.cuda.init()
         torch.cuda.set_device(0)
@@ -163,7 +165,9 @@ def quantize_bnb(device: str):
                 new = bnb.nn.Linear4bit(in_f, out_f, bias=bias, compute_dtype=compute_dtype,
                                         compress_statistics=setup.double_quant, quant_type=setup.quant,
                                         quant_storage=torch.uint8, device="meta")
-                w = torch.empty(out_f, in_f, dtype=compute_dtype).normal_(0, 0.02)
+                # made on the device (Params4bit quantizes on its first move there): a 14B model's weights never
+                # pass through host memory
+                w = torch.empty(out_f, in_f, dtype=compute_dtype, device=device).normal_(0, 0.02)
                 new.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=setup.double_quant,
                                                quant_type=setup.quant, quant_storage=torch.uint8, module=new)
             if bias:
@@ -174,7 +178,8 @@ def quantize_bnb(device: str):
 
 
 def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFAULT_STEPS,
-            memory_fraction: float | None = None, emulate_bytes: int | None = None) -> Measurement:
+            memory_fraction: float | None = None, emulate_bytes: int | None = None,
+            shared_gpu: bool = False) -> Measurement:
     """Run `setup` on `model_id` in this process and measure it (validate() runs this in a subprocess)."""
     from memplan.measured import environment
     from memplan.memory.context import resolve
@@ -186,16 +191,16 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
     if device == "cpu":
         m = _measure_cpu(spec, setup, steps)
     else:
-        m = _measure_cuda(spec, setup, config_dict(spec), steps, memory_fraction, emulate_bytes)
+        m = _measure_cuda(spec, setup, config_dict(spec), steps, memory_fraction, emulate_bytes, shared_gpu)
     m.environment = env
     return m
 
 
-def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes) -> Measurement:
+def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_gpu=False) -> Measurement:
     import torch
 
     from memplan.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
-    meter = CudaMeter(memory_fraction, emulate_bytes)
+    meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
     try:
         model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"))
         materialize(model, fake=False, device="cuda")
@@ -242,10 +247,12 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
 # ---------------------------------------------------------------------------------------------------- isolation
 
 def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFAULT_STEPS,
-             memory_fraction: float | None = None, emulate: str | None = None, timeout: float | None = None
-             ) -> Measurement:
+             memory_fraction: float | None = None, emulate: str | None = None, timeout: float | None = None,
+             shared_gpu: bool = False) -> Measurement:
     """Measure one setup in a fresh subprocess. Never raises for what happens inside it: an OOM is status "oom",
-    anything else (a crash, a timeout, a model that cannot be built) status "error" with the reason."""
+    anything else (a crash, a timeout, a model that cannot be built) status "error" with the reason.
+    shared_gpu: other runs use the GPU at the same time (benchmarks/gpu_pool.py): the allocator's peaks are still
+    this process's own, but NVML's device-level figures (device total, CUDA context) are not recorded."""
     if device not in ("cuda", "cpu"):
         raise BadInput(f"device must be cuda or cpu, got {device!r}")
     if steps < 2:
@@ -257,7 +264,7 @@ def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEF
         from memplan.gpus import find_gpu
         emulate_bytes = find_gpu(emulate).memory_bytes
     job = {"model": model_id, "setup": setup.to_dict(), "device": device, "steps": steps,
-           "memory_fraction": memory_fraction, "emulate_bytes": emulate_bytes}
+           "memory_fraction": memory_fraction, "emulate_bytes": emulate_bytes, "shared_gpu": shared_gpu}
     try:
         proc = subprocess.run([sys.executable, "-m", "memplan.validate", json.dumps(job)], capture_output=True,
                               text=True, timeout=timeout)
@@ -285,7 +292,8 @@ def _worker(arg: str) -> None:
     job = json.loads(arg)
     setup = Setup(**job["setup"])
     try:
-        m = measure(job["model"], setup, job["device"], job["steps"], job["memory_fraction"], job["emulate_bytes"])
+        m = measure(job["model"], setup, job["device"], job["steps"], job["memory_fraction"], job["emulate_bytes"],
+                    job.get("shared_gpu", False))
     except Exception as e:  # reported as an "error" row by the parent, with the reason
         m = Measurement(status="error", device=job["device"], steps=job["steps"],
                         error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device-machine call of issue 6's measurements: environment, smoke test, GPU tests, then sweeps until a
+# deadline. Rows are appended (resumably) to data/measured/gpu-h100.csv and copied to $OUT.
+#   bash benchmarks/gpu_session.sh SECONDS [smoke] [tests] [planner] [pool:--planner|pool:] SWEEP.yaml...
+# pool: every gpu-*.yaml sweep side by side (benchmarks/gpu_pool.py), until SECONDS; pool:--planner adds the
+# planner check pairs.
+set -u
+budget=$1; shift
+end=$(( $(date +%s) + budget ))
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
+csv=data/measured/gpu-h100.csv
+save() { cp -f data/measured/*.csv "$OUTDIR"/ 2>/dev/null; }
+trap save EXIT
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+python3 -c "import torch, transformers, peft, bitsandbytes, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'accelerate', accelerate.__version__)"
+for step in "$@"; do
+  left=$(( end - $(date +%s) ))
+  [ "$left" -le 20 ] && { echo "deadline reached before $step"; break; }
+  echo "=== $step ($left s left) $(date +%T)"
+  case $step in
+    smoke) timeout "$left" python3 -m memplan validate openai-community/gpt2 --precision bf16-mixed --batch-size 8 \
+             --seq-len 512 --attn-impl sdpa --out "$csv" ;;
+    tests) timeout "$left" python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 ;;
+    planner) timeout "$left" python3 benchmarks/planner_check.py run ;;
+    pool:*) timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" ${step#pool:} \
+             benchmarks/sweeps/gpu-*.yaml 2>&1 | grep -v Warning ;;
+    *.yaml) timeout "$left" python3 -m memplan validate --sweep "$step" --out "$csv" --timeout 300 2>&1 \
+             | grep -v "^\s*$" | tail -60 ;;
+  esac
+  save
+done
+python3 - <<'PY'
+import csv, glob
+for f in sorted(glob.glob("data/measured/gpu-*.csv") + glob.glob("data/measured/planner-check.csv")):
+    rows = list(csv.DictReader(open(f)))
+    print(f, len(rows), "rows;", {s: sum(r["status"] == s for r in rows) for s in ("ok", "oom", "error")})
+    for r in rows:
+        if r["status"] == "error":
+            print("  ERROR", r["model"], r["technique"], r["precision"], r["error"][:300])
+PY

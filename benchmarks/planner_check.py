@@ -1,0 +1,147 @@
+"""Planner check (issue 6): does `memplan plan`'s micro-batch fit, and does it reach >= 90% of the largest batch
+that really fits?
+
+For each (model, card, pinned setup) pair the planner picks the micro-batch (accumulation pinned to 1, so the
+micro-batch is the largest the planner believes fits with its headroom). On a real GPU, capped to the card's memory
+(`--emulate`: set_per_process_memory_fraction to the card's memory less the measured CUDA context), we run
+
+  planned      b                      must not OOM
+  next         b + 1                  tells whether the planner was tight
+  bound        floor(b / 0.9) + 1     only when b + 1 fits: if this OOMs, the largest fitting batch is below
+                                      b / 0.9, i.e. the planner reached >= 90% of it (memory is monotone in batch)
+
+Rows go to data/measured/planner-check.csv (validator format, resumable; `memplan check` gates them too).
+
+    python benchmarks/planner_check.py run      # on the GPU machine
+    python benchmarks/planner_check.py report   # anywhere: benchmarks/results/planner_check.md, exit 1 on failure
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "data" / "measured" / "planner-check.csv"
+REPORT = ROOT / "benchmarks" / "results" / "planner_check.md"
+EFFECTIVE = 512  # cap on the planned micro-batch; no pair below comes near it
+
+# (model, card, pinned Setup fields). Cards with bf16 (the H100 runs bf16 whatever card is emulated).
+PAIRS: list[tuple[str, str, dict]] = [
+    ("openai-community/gpt2", "RTX 3060", dict(technique="full", precision="bf16-mixed", seq_len=1024)),
+    ("google-bert/bert-large-uncased", "RTX 3060", dict(technique="full", precision="fp32", seq_len=512)),
+    ("google-t5/t5-base", "RTX 4080", dict(technique="full", precision="bf16-mixed", seq_len=512)),
+    ("facebook/bart-large", "RTX 3060", dict(technique="lora", precision="bf16-mixed", seq_len=512)),
+    ("meta-llama/Llama-3.2-1B", "RTX 4090", dict(technique="full", precision="bf16", optimizer="adamw-8bit",
+                                                 grad_ckpt=True, seq_len=2048)),
+    ("meta-llama/Llama-3.2-1B", "RTX 3070", dict(technique="lora", precision="bf16", seq_len=1024)),
+    ("Qwen/Qwen2.5-1.5B", "RTX 3060", dict(technique="qlora", precision="bf16", grad_ckpt=True, seq_len=1024)),
+    ("openai-community/gpt2-xl", "A10", dict(technique="full", precision="bf16", optimizer="adafactor",
+                                             grad_ckpt=True, seq_len=1024)),
+    ("meta-llama/Llama-2-7b-hf", "RTX 3060", dict(technique="qlora", precision="bf16", grad_ckpt=True, seq_len=512)),
+    ("mistralai/Mistral-7B-v0.1", "A100 40GB", dict(technique="lora", precision="bf16", grad_ckpt=True,
+                                                    seq_len=2048)),
+    ("meta-llama/Meta-Llama-3-8B", "RTX 4090", dict(technique="qlora", precision="bf16", grad_ckpt=True,
+                                                    seq_len=1024)),
+]
+BASE = dict(attn_impl="sdpa", grad_accum=1, grad_ckpt=False)
+
+
+def planned(model: str, card: str, pinned: dict):
+    """The planner's Setup for this pair (its micro-batch is the one under test)."""
+    from memplan.search import plan
+    p = plan(model, card, effective_batch=EFFECTIVE, **{**BASE, **pinned})
+    if p.setup is None:
+        raise SystemExit(f"planner found nothing that fits for {model} on {card}")
+    return p.setup
+
+
+def check_pair(model: str, card: str, pinned: dict, measure) -> dict[str, str]:
+    """Run the planned batch, the next one, and the 90% bound when the next one fits. measure(job, notes) runs one
+    Job (emulating `card`) and returns its status. Returns {role: status}."""
+    from memplan.sweep import Job
+    setup = planned(model, card, pinned)
+    b = setup.batch_size
+    tried: dict[str, str] = {}
+    for role, batch in (("planned", b), ("next", b + 1), ("bound", math.floor(b / 0.9) + 1)):
+        if role == "bound" and (tried.get("next") != "ok" or batch <= b + 1):
+            break
+        job = Job(model, dataclasses.replace(setup, batch_size=batch), card)
+        tried[role] = measure(job, f"planner check {role} (planned micro-batch {b})")
+        print(f"{model:32s} {card:10s} {role:8s} batch {batch:4d}: {tried[role]}", flush=True)
+    return tried
+
+
+def run() -> None:
+    """One pair after another, each run alone on the GPU (benchmarks/gpu_pool.py --planner runs them side by side)."""
+    from memplan.measured import read_rows
+    from memplan.sweep import run_sweep
+    from memplan.validate import require_cuda
+    require_cuda()
+
+    def measure(job, notes):
+        run_sweep([job], OUT, notes=notes)
+        return next(r["status"] for r in read_rows(OUT) if r["key"] == job.key("cuda"))
+    for model, card, pinned in PAIRS:
+        check_pair(model, card, pinned, measure)
+
+
+def report() -> int:
+    """Markdown table from the measured rows; 1 when a planned batch OOMed or the planner fell below 90%."""
+    import re
+
+    from memplan.fileio import write_text_atomic
+    from memplan.measured import read_rows
+    rows = read_rows(OUT) if OUT.exists() else []
+    lines = ["# Planner check (issue 6)", "",
+             "Planned micro-batch vs the largest that fits, on an H100 capped to each card's memory "
+             "(`python benchmarks/planner_check.py`; rows in data/measured/planner-check.csv).", "",
+             "| model | card | setup | planned b | planned | b+1 | bound | largest fitting | planner / largest | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    failed = 0
+    for model, card, pinned in PAIRS:
+        mine = [r for r in rows if r["model"] == model and f"emulating {card}" in r["notes"]
+                and "planner check" in r["notes"]]
+        if not mine:
+            lines.append(f"| {model} | {card} | | | not measured | | | | | MISSING |")
+            failed += 1
+            continue
+        b = int(re.search(r"planned micro-batch (\d+)", mine[0]["notes"]).group(1))
+        by_role = {re.search(r"planner check (\w+)", r["notes"]).group(1): r for r in mine}
+        status = {k: f"{v['status']} @ {v['batch_size']}" for k, v in by_role.items()}
+        ok = [int(r["batch_size"]) for r in mine if r["status"] == "ok"]
+        oom = [int(r["batch_size"]) for r in mine if r["status"] == "oom"]
+        largest_ok = max(ok, default=0)
+        smallest_oom = min(oom, default=None)
+        planned_ok = by_role.get("planned", {}).get("status") == "ok"
+        # the largest fitting batch is < smallest_oom; the ratio is a lower bound when b+1 fit
+        bound = b / (smallest_oom - 1) if smallest_oom else None
+        good = planned_ok and bound is not None and bound >= 0.9
+        failed += not good
+        desc = ", ".join(f"{k}={v}" for k, v in pinned.items())
+        lines.append(f"| {model} | {card} | {desc} | {b} | {status.get('planned', '')} | {status.get('next', '')} | "
+                     f"{status.get('bound', '')} | {largest_ok if smallest_oom == largest_ok + 1 else f'< {smallest_oom}' if smallest_oom else '?'} | "
+                     f"{'' if bound is None else f'>= {bound:.0%}'} | {'pass' if good else 'FAIL'} |")
+    lines += ["", f"{len(PAIRS) - failed} of {len(PAIRS)} pairs pass (planned batch fits, planner >= 90% of the "
+                  "largest fitting batch)."]
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(REPORT, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if failed else 0
+
+
+def show_plans() -> None:
+    for model, card, pinned in PAIRS:
+        s = planned(model, card, pinned)
+        print(f"{model:32s} {card:10s} b={s.batch_size} {s.technique} {s.precision} ckpt={s.grad_ckpt} opt={s.optimizer}")
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "report"
+    if cmd == "run":
+        run()
+    elif cmd == "plans":
+        show_plans()
+    else:
+        sys.exit(report())
