@@ -2,7 +2,7 @@
 
 Each setup still runs in its own subprocess (memplan.validate.validate), so its allocator peaks (allocated,
 reserved) are its own whatever runs beside it. What sharing the GPU changes is handled explicitly:
-- every run's allocator is capped (set_per_process_memory_fraction) to 1.3 x its predicted device total, and runs
+- every run's allocator is capped (set_per_process_memory_fraction) to 1.5 x its predicted device total, and runs
   are started only while the caps of the runs in flight add up to less than the GPU's memory, so one run cannot
   push another into an OOM;
 - NVML's device-level figures (device total, CUDA context) are everyone's memory, so they are not recorded
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-HEADROOM = 1.3  # cap = predicted device total x this (a run needing more is an OOM row, checked like any other)
+HEADROOM = 1.5  # cap = predicted device total x this (a run needing more is an OOM row, checked like any other)
 
 
 def gpu_total_bytes() -> int:
@@ -45,8 +45,10 @@ def alone_context_bytes() -> int:
 
 
 class Pool:
-    def __init__(self, out: Path, total: int, workers: int, deadline: float):
+    def __init__(self, out: Path, total: int, workers: int, deadline: float, device: int | None = None):
+        # total: the bytes the runs may share; device: the GPU's memory, what a memory fraction is a fraction of
         self.out, self.total, self.workers, self.deadline = out, total, workers, deadline
+        self.device = device or total
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.used = 0
@@ -105,6 +107,7 @@ class Pool:
 
 
 def sweep_tasks(pool: Pool, files: list[str]) -> list:
+    from memplan.errors import BadInput
     from memplan.estimate import estimate
     from memplan.measured import done_keys
     from memplan.models import load_spec
@@ -116,9 +119,13 @@ def sweep_tasks(pool: Pool, files: list[str]) -> list:
         for job in jobs:
             if job.key("cuda") in done:
                 continue
-            predicted = estimate(load_spec(job.model), job.setup).device_total_bytes
+            try:
+                predicted = estimate(load_spec(job.model), job.setup).device_total_bytes
+            except BadInput as e:  # a setup the model cannot take: say so, run the others
+                print(f"skipped {job.model} {job.setup.to_dict()}: {e}", flush=True)
+                continue
             need = min(pool.total, int(predicted * HEADROOM))
-            fraction = need / pool.total
+            fraction = need / pool.device
             notes = (f"shared GPU ({pool.workers} runs at most at a time); allocator capped to "
                      f"{need / 2**30:.1f} GiB; no NVML figures")
             tasks.append((need, lambda job=job, fraction=fraction, notes=notes: pool.measure(job, fraction, notes)))
@@ -139,7 +146,7 @@ def planner_tasks(pool: Pool) -> list:
             if job.key("cuda") in done:
                 return next(r["status"] for r in csv.DictReader(open(planner_check.OUT))
                             if r["key"] == job.key("cuda"))
-            return pool.measure(job, cap / pool.total, f"emulating {card} (cap = card - CUDA context measured "
+            return pool.measure(job, cap / pool.device, f"emulating {card} (cap = card - CUDA context measured "
                                 f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", planner_check.OUT)
         tasks.append((cap, lambda model=model, card=card, pinned=pinned, measure=measure:
                       planner_check.check_pair(model, card, pinned, measure)))
@@ -153,10 +160,11 @@ def main() -> None:
     ap.add_argument("sweeps", nargs="*")
     ap.add_argument("--workers", type=int, default=6)
     ap.add_argument("--planner", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # --planner may come before the sweep files
     from memplan.validate import require_cuda
     require_cuda()
-    pool = Pool(Path(a.out), int(gpu_total_bytes() * 0.92), a.workers, time.time() + a.seconds)
+    device = gpu_total_bytes()
+    pool = Pool(Path(a.out), int(device * 0.92), a.workers, time.time() + a.seconds, device)
     tasks = (planner_tasks(pool) if a.planner else []) + sweep_tasks(pool, a.sweeps)
     print(f"{len(tasks)} task(s), {a.workers} at a time, {pool.total / 2**30:.1f} GiB shared", flush=True)
     pool.run(tasks)

@@ -7,7 +7,7 @@ micro-batch is the largest the planner believes fits with its headroom). On a re
 
   planned      b                      must not OOM
   next         b + 1                  tells whether the planner was tight
-  bound        floor(b / 0.9) + 1     only when b + 1 fits: if this OOMs, the largest fitting batch is below
+  bound        max(b+2, floor(b/0.9)+1)  only when b + 1 fits: if this OOMs, the largest fitting batch is below
                                       b / 0.9, i.e. the planner reached >= 90% of it (memory is monotone in batch)
 
 Rows go to data/measured/planner-check.csv (validator format, resumable; `memplan check` gates them too).
@@ -64,8 +64,8 @@ def check_pair(model: str, card: str, pinned: dict, measure) -> dict[str, str]:
     setup = planned(model, card, pinned)
     b = setup.batch_size
     tried: dict[str, str] = {}
-    for role, batch in (("planned", b), ("next", b + 1), ("bound", math.floor(b / 0.9) + 1)):
-        if role == "bound" and (tried.get("next") != "ok" or batch <= b + 1):
+    for role, batch in (("planned", b), ("next", b + 1), ("bound", max(b + 2, math.floor(b / 0.9) + 1))):
+        if role == "bound" and tried.get("next") != "ok":
             break
         job = Job(model, dataclasses.replace(setup, batch_size=batch), card)
         tried[role] = measure(job, f"planner check {role} (planned micro-batch {b})")

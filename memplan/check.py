@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from memplan import libs
 from memplan.errors import MemplanError
 from memplan.measured import QUANTITIES, int_or_none, measured_files, read_rows, setup_from_row
 from memplan.units import GiB
@@ -94,7 +95,8 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
     base = dict(file=file, key=row.get("key", ""), model=row["model"], status=status, tolerance=tol, gated=gated)
     try:
         label = _label(row)
-        est = estimator(row["model"], setup_from_row(row))
+        with libs.assume(transformers=row.get("transformers")):  # the release the row ran with (memplan.libs)
+            est = estimator(row["model"], setup_from_row(row))
     except MemplanError as e:
         return CheckRow(label=row.get("technique", ""), quantity="", measured_bytes=None, predicted_bytes=None,
                         verdict="fail" if gated else "info", reason=f"cannot estimate: {str(e).splitlines()[0]}",

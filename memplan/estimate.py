@@ -45,6 +45,7 @@ class Estimate:
     peak_reserved_bytes: int
     device_total_bytes: int
     notes: tuple[str, ...] = field(default=())
+    largest_block_bytes: int = 0  # the largest single tensor (memory.logits.largest_block_bytes)
 
     def to_dict(self) -> dict:
         return {
@@ -108,13 +109,14 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     casts = quant.autocast_copy_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
     common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
+    back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True)}
     bwd_work = recompute + _backward_temp_bytes(ctx)
     return {
         "forward": {**common, "logits": lg.logits_forward_bytes(ctx), "attention_mask": _mask_bytes(ctx),
                     "dequant_temporaries": deq},
-        "backward_start": {**common, **_larger(("logits", lg.logits_backward_bytes(ctx)),
-                                               ("backward_temporaries", bwd_work))},
-        "lm_head_backward": {**common, "gradients": held_grads or lg.head_grad_bytes(ctx),
+        "backward_start": {**back, **_larger(("logits", lg.logits_backward_bytes(ctx)),
+                                             ("backward_temporaries", bwd_work))},
+        "lm_head_backward": {**back, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": lg.tied_accumulation_bytes(ctx)},
@@ -176,7 +178,7 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]]) -> Estimate:
         components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
         peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
         device_total_bytes=int(peak + reserve + paged + overhead.CUDA_CONTEXT_BYTES),
-        notes=_notes(ctx))
+        notes=_notes(ctx), largest_block_bytes=lg.largest_block_bytes(ctx))
 
 
 def _notes(ctx: Ctx) -> tuple[str, ...]:

@@ -219,6 +219,7 @@ class _Search:
     def __init__(self, spec, gpu: Gpu, seq_len: int, effective: int, prefer: str, pinned: dict,
                  estimator: Callable, budget: int):
         self.spec, self.gpu, self.seq_len, self.effective = spec, gpu, seq_len, effective
+        self.headroom_bytes = gpu.memory_bytes - budget
         self.prefer, self.pinned, self.estimator, self.budget = prefer, pinned, estimator, budget
         self.evaluated = 0
         self.total_params = max(1, spec.numel_total)
@@ -228,6 +229,14 @@ class _Search:
     def estimate(self, setup: Setup):
         self.evaluated += 1
         return self.estimator(self.spec, setup)
+
+    def need(self, e) -> int:
+        """Bytes a setup must find under the budget: its device total, plus room for a fresh segment of its largest
+        tensor beyond the headroom. Near a memory cap the caching allocator cannot assemble a multi-GiB block from
+        free space split across segments (it raises OOM with "reserved but unallocated" memory). Measured on an
+        H100 capped to an RTX 4090: Llama-3.2-1B bf16 adamw-8bit, checkpointing, b5 s2048 OOMed asking for its
+        4.89 GiB logits buffer with 5.65 GiB reserved but unallocated (data/measured/planner-check.csv)."""
+        return e.device_total_bytes + max(0, getattr(e, "largest_block_bytes", 0) - self.headroom_bytes)
 
     def trainable_fraction(self, setup: Setup, est) -> float:
         return min(1.0, est.params_trainable / self.total_params) if setup.technique in ("full", "freeze") else 0.0
@@ -268,11 +277,11 @@ class _Search:
             return cache[b, ga]
 
         def fits(b: int) -> bool:
-            return est(b, self.accum_for(b)).device_total_bytes <= self.budget
+            return self.need(est(b, self.accum_for(b))) <= self.budget
 
         pinned_b, pinned_ga = self.pinned.get("batch_size"), self.pinned.get("grad_accum")
         smallest = est(pinned_b or 1, pinned_ga or 1)  # the least memory this candidate can take
-        if smallest.device_total_bytes > self.budget:
+        if self.need(smallest) > self.budget:
             return Candidate(dataclasses.replace(setup, batch_size=pinned_b or 1, grad_accum=pinned_ga or 1),
                              smallest, False, 0, ())
         if pinned_b:
@@ -285,12 +294,12 @@ class _Search:
         else:
             b, ga = split_batch(self.effective, largest_fitting(fits, self.effective - 1) or 1)
             if b * ga != self.effective or not fits(b):  # try the whole batch at once (no accumulation)
-                if est(self.effective, 1).device_total_bytes <= self.budget:
+                if self.need(est(self.effective, 1)) <= self.budget:
                     b, ga = self.effective, 1
         e = est(b, ga)
         first = est(1, self.accum_for(1)) if not pinned_b else e
         chosen = dataclasses.replace(setup, batch_size=b, grad_accum=ga)
-        if e.device_total_bytes > self.budget:
+        if self.need(e) > self.budget:
             return Candidate(chosen, e, False, 0, ())
         frac = self.trainable_fraction(setup, e)
         return Candidate(chosen, e, True, b, self.key(chosen, frac, first.device_total_bytes))

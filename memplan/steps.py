@@ -276,6 +276,12 @@ def training_loop(model, opt, spec, setup: Setup, steps: int, device: str, enter
             after_step()
 
 
+def _takes(model, name: str) -> bool:
+    """Whether model.forward accepts `name` (transformers GenerationMixin._supports_logits_to_keep checks the same)."""
+    import inspect
+    return name in inspect.signature(model.forward).parameters
+
+
 def inference_loop(model, spec, setup: Setup, device: str, enter_phase: Callable[[str], None]) -> None:
     """Prefill the prompt (prompt_len or seq_len tokens), then generate new_tokens greedily with the KV cache
     (min_new_tokens = max_new_tokens: no early stop at an end-of-sequence token). Encoders: one forward pass."""
@@ -292,8 +298,11 @@ def inference_loop(model, spec, setup: Setup, device: str, enter_phase: Callable
         if spec.arch.kind == "seq2seq":
             start = torch.zeros(b, 1, dtype=torch.long, device=device)
             model(input_ids=ids, attention_mask=mask, decoder_input_ids=start, use_cache=True)
-        else:
-            model(input_ids=ids, attention_mask=mask, use_cache=spec.arch.kind != "encoder")
+        elif spec.arch.kind == "encoder":
+            model(input_ids=ids, attention_mask=mask)
+        else:  # as generate() prefills: last-position logits only where the model takes logits_to_keep
+            keep = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **keep)
         if new and spec.arch.kind != "encoder":
             enter_phase("decode")
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,

@@ -10,6 +10,7 @@ the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face 
 """
 from __future__ import annotations
 
+from memplan import libs
 from memplan.memory.context import Ctx
 from memplan.memory.layout import BlockLayout, blocks
 
@@ -23,6 +24,34 @@ SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi"
 #: families with a learned relative position bias passed to every attention layer of a stack as one
 #: [b, heads, q, k] float tensor (T5Attention.compute_bias + mask), kept for backward by sdpa's efficient kernel.
 POSITION_BIAS = {"t5", "mt5"}
+
+#: transformers before 5.20 handed T5's relative position bias to sdpa as a permuted view (modeling_t5 compute_bias
+#: `values.permute([2, 0, 1])`; integrations/sdpa_attention.create_position_bias_mask made it contiguous from 5.20
+#: on). torch's fused kernels need the mask's last dimension contiguous (aten sdp_utils
+#: check_last_dim_stride_equals_1), so the self-attentions ran sdpa's math kernel. Measured on an H100 (torch 2.11,
+#: transformers 5.17, benchmarks/diagnose/cases-1.yaml): t5-base bf16-mixed b8 s512 kept 5.98 GiB in its 24
+#: self-attentions' sdpa calls, as the math kernel's accounting below gives; the cross-attentions (zero bias) ran fused.
+MATH_SDPA_UNTIL = (5, 20)
+
+
+def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
+    """eager | math | fused: what one attention's scores cost (relative_bias: it gets a learned position bias)."""
+    if ctx.attn_impl == "eager":
+        return "eager"
+    if (relative_bias and ctx.attn_impl == "sdpa" and ctx.spec.arch.model_type in POSITION_BIAS
+            and libs.older_than("transformers", MATH_SDPA_UNTIL)):
+        return "math"
+    return "fused"
+
+
+#: families whose attention reads k and v as views of one fused projection that stays saved (GPT-2's c_attn split in
+#: GPT2Attention.forward; the view q keeps it alive). Training without checkpointing still builds a DynamicCache
+#: (config use_cache defaults to True; GradientCheckpointingLayer turns it off only with checkpointing), whose update
+#: concatenates k and v into new tensors (cache_utils DynamicLayer.update, torch.cat) that the fused kernel then saves
+#: beside the fused output q keeps alive (eager's count already has k and v as tensors of their own). Where k and v are separate projections (or rotated copies) the concatenated copies replace them instead.
+#: Measured: gpt2 bf16-mixed b8 s512 on an H100 kept 0.14 GiB at cache_utils.py:146/147 (benchmarks/diagnose).
+FUSED_QKV_CACHE = {"gpt2"}
+
 
 #: activation -> bytes saved per element of its input, as f(c) for compute bytes c; `mixed` variant under autocast.
 #: gelu/silu/relu (one ATen op): the input (or output) only. gelu_new (transformers NewGELUActivation, five python
@@ -101,18 +130,23 @@ def _norm_bytes(ctx: Ctx, h: int, trains: bool, model_type: str = "") -> float:
     return r * h + 8
 
 
-def _attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, eager: bool) -> tuple[float, float]:
+def _attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel: str) -> tuple[float, float]:
     """(bytes per query token, bytes per score element) saved by one attention.
 
     sdpa/flash (torch _scaled_dot_product_{flash,efficient}_attention): q, k, v, out and fp32 logsumexp per head;
     k/v at kv_dim (transformers passes enable_gqa when no mask is needed: integrations/sdpa_attention.py
     use_gqa_in_sdpa). Eager: repeat_kv expands k/v to all heads; QK^T saves q and k, PV saves probs and v; the
     probabilities are one fp32 softmax output plus a compute-dtype copy, or with dropout a mask and a dropped copy.
+    Math kernel (aten _scaled_dot_product_attention_math): 16-bit q/k/v are upcast to fp32 (torch >= 2.5, unless
+    allow_fp16_bf16_reduction_math_sdp), q and k scaled by sqrt(scale) are saved by QK^T, v by PV; the fp32 softmax
+    output, and with dropout a bool mask and the dropped fp32 probabilities.
     """
     a = ctx.spec.arch
     c = ctx.act_bytes
     ratio = k_tok / q_tok
-    if not eager:
+    if kernel == "math":
+        return (q_dim + 2 * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
+    if kernel == "fused":
         return (2 * q_dim + 2 * kv_dim * ratio) * c + a.num_heads * 4, 0.0
     fp32_softmax = ctx.mixed or c == 4 or a.model_type in SOFTMAX_FP32
     probs = 4 if fp32_softmax else c
@@ -135,7 +169,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     a = ctx.spec.arch
     c, r, h = ctx.act_bytes, ctx.residual_bytes, a.hidden_size
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    eager = ctx.attn_impl == "eager"
+    kernel = attention_kernel(ctx, relative_bias=True)
+    eager = kernel != "fused"  # the attention's output is not saved by the kernel: o-proj saves its own input
     by_slot: dict[str, list] = {}
     for sl, m in blk.linears:
         by_slot.setdefault(sl, []).append(m)
@@ -147,8 +182,10 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     else:
         per_tok += _input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
         per_tok += _input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
-    tok_core, per_score = _attn_core(ctx, q_dim, kv_dim, 1, 1, eager)
+    tok_core, per_score = _attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
     per_tok += tok_core
+    if a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt:
+        per_tok += 2 * kv_dim * c
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     for m in by_slot.get("attn_out", []):
         saved_input = eager and _trains(ctx, m.name)
@@ -200,7 +237,7 @@ def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lo
     q_dim = a.num_heads * a.head_dim
     batch = tokens // max(seqs[0], 1)
     enc_tokens = batch * seqs[1]
-    tok_core, per_score = _attn_core(ctx, q_dim, q_dim, seqs[0], seqs[1], ctx.attn_impl == "eager")
+    tok_core, per_score = _attn_core(ctx, q_dim, q_dim, seqs[0], seqs[1], attention_kernel(ctx, relative_bias=False))
     kv = _input_saves(ctx, by_slot.get("cross_kv", []), a.hidden_size, ctx.residual_bytes, lora_names)
     return tok_core * tokens + kv * enc_tokens / 1.0 + a.num_heads * seqs[0] * seqs[1] * per_score * batch
 
@@ -322,5 +359,8 @@ def position_bias_bytes(ctx: Ctx) -> float:
     if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
         return 0.0  # eager adds the bias to the scores, which saves nothing
     b, src, tgt = ctx.setup.batch_size, ctx.src_len, ctx.tgt_len
-    pairs = [(src, src)] + ([(tgt, tgt), (tgt, src)] if a.kind == "seq2seq" else [])
+    # the math kernel adds the self-attentions' bias to its scores and keeps nothing of it
+    own = [] if attention_kernel(ctx, relative_bias=True) == "math" else [(src, src)] + (
+        [(tgt, tgt)] if a.kind == "seq2seq" else [])
+    pairs = own + ([(tgt, src)] if a.kind == "seq2seq" else [])
     return sum(b * a.num_heads * q * k * ctx.residual_bytes for q, k in pairs)

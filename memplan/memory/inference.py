@@ -1,6 +1,7 @@
 """Inference: KV cache and the transient working set of one layer during prefill (no autograd)."""
 from __future__ import annotations
 
+from memplan.memory.activations import attention_kernel
 from memplan.memory.context import Ctx
 
 
@@ -37,7 +38,10 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     k = a.experts_per_token if a.num_experts else 1
     attn = (2 * a.hidden_size + 2 * q_dim + 2 * kv_dim) * c * t
-    if ctx.attn_impl == "eager":
+    kernel = attention_kernel(ctx, relative_bias=True)
+    if kernel == "eager":
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)
+    elif kernel == "math":  # fp32 q/k/v copies, fp32 scores and their softmax (activations.attention_kernel)
+        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * 8 + 3 * q_dim * 4 * t
     mlp = (2 * a.hidden_size * c + (4 if a.mlp_gated else 2) * a.intermediate_size * c * k) * t
     return max(attn, mlp)

@@ -42,6 +42,12 @@ def logits_forward_bytes(ctx: Ctx) -> int:
     return t * v * (lb + upcast + loss)
 
 
+def largest_block_bytes(ctx: Ctx) -> int:
+    """The largest single tensor of a training step: one [tokens, vocab] buffer in the loss dtype (the upcast
+    logits, log_softmax output or its gradient); 0 without an LM head or in inference."""
+    return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx) if ctx.training else 0
+
+
 def logits_saved_bytes(ctx: Ctx) -> int:
     """What the loss keeps for backward: the log_softmax output [tokens, vocab]."""
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx)

@@ -1,0 +1,46 @@
+"""The library versions an estimate models: those installed here, or those a stored measurement ran with.
+
+A few memory effects depend on the transformers release (which attention kernel a model's mask lets sdpa pick, for
+one). The estimate models the installed release, which is the one a user trains with; `memplan check` re-estimates
+each stored row under the versions recorded in it (memplan.measured ENV_FIELDS), so old rows stay comparable.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+from contextvars import ContextVar
+
+_ASSUMED: ContextVar[dict[str, str]] = ContextVar("memplan_assumed_versions", default={})
+
+
+def _parse(v: str) -> tuple[int, ...] | None:
+    m = re.match(r"(\d+(?:\.\d+)*)", v.strip())
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def version(package: str) -> tuple[int, ...] | None:
+    """(major, minor, ...) of `package` as assumed (assume()) or installed; None when neither is known."""
+    v = _ASSUMED.get().get(package)
+    if v:
+        return _parse(v)
+    try:
+        return _parse(importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def older_than(package: str, release: tuple[int, ...]) -> bool:
+    """Whether `package` is known to predate `release` (unknown versions count as current)."""
+    v = version(package)
+    return v is not None and v < release
+
+
+@contextlib.contextmanager
+def assume(**versions: str | None):
+    """Estimate as if these package versions were installed (empty or None values are ignored)."""
+    token = _ASSUMED.set({**_ASSUMED.get(), **{k: v for k, v in versions.items() if v}})
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
