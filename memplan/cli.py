@@ -55,24 +55,29 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
 @click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060", a100-80 (see `memplan gpus`)')
 @click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB, 24GB")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per sample")
+@click.option("--num-gpus", type=click.IntRange(min=1),
+              help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @handle_errors
-def fit(model, gpu_name, memory, seq_len, trust_remote_code, as_json):
-    """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits."""
+def fit(model, gpu_name, memory, seq_len, num_gpus, trust_remote_code, as_json):
+    """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits, then the
+    multi-GPU training options (DeepSpeed ZeRO-3, FSDP, DDP) with the fewest GPUs each needs."""
     from memplan.fit import fit as run
     from memplan.gpus import resolve_gpu
     from memplan.models import load_spec
 
     if seq_len < 1:
         raise click.BadParameter("must be >= 1", param_hint="--seq-len")
-    result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len)
+    result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len,
+                 num_gpus=num_gpus)
     if as_json:
         _emit_json(result.to_dict())
     else:
         from memplan.report import print_fit
         print_fit(result)
-    sys.exit(0 if result.any_fits else 1)
+    fits = any(r.fits for r in result.scale_out) if num_gpus else result.any_fits
+    sys.exit(0 if fits else 1)
 
 
 def _parse_headroom(value: str) -> float:
@@ -95,14 +100,15 @@ def _parse_headroom(value: str) -> float:
 @click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
               help="what to maximise first (docs/PLANNER.md)")
 @click.option("--headroom", default="5%", show_default=True, help="memory kept spare, of the usable memory")
+@click.option("--host-memory", help="RAM per node for CPU offload, e.g. 512GiB (default: this machine's RAM)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")
 @setup_options
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")
 @handle_errors
-def plan(model, gpu_name, memory, effective_batch, prefer, headroom, output, fmt, trust_remote_code, as_json,
-         **options):
+def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory, output, fmt, trust_remote_code,
+         as_json, **options):
     """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
     from memplan.gpus import resolve_gpu
     from memplan.models import load_spec
@@ -111,7 +117,7 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, output, fmt
     pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
     result = run(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
-                 headroom=_parse_headroom(headroom), **pins)
+                 headroom=_parse_headroom(headroom), host_memory=host_memory, **pins)
     written = None
     if output and result.fits:
         from memplan.export import write_plan

@@ -14,10 +14,11 @@ import typing
 import click
 
 from memplan.errors import MemplanError
-from memplan.setup import ATTN_IMPLS, MODES, OPTIMIZERS, PRECISIONS, QUANTS, TECHNIQUES, Setup
+from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
+                           Setup)
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
-            "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS}
+            "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS, "sharding": SHARDINGS, "offload": OFFLOADS}
 _HELP = {
     "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
     "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",

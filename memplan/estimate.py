@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.memory import activations as act
+from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
@@ -19,11 +20,12 @@ from memplan.spec import ModelSpec
 
 #: display order of components; device-only terms last.
 COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
-              "activations", "autocast_weight_copies", "logits", "attention_mask", "dequant_temporaries",
-              "backward_temporaries", "kv_cache", "cublas_workspace", "allocator_reserve", "paged_optimizer_state",
-              "cuda_context")
-_DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "cuda_context")
-_PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache")
+              "gathered_params", "comm_buffers", "activations", "autocast_weight_copies", "logits", "attention_mask",
+              "dequant_temporaries", "backward_temporaries", "kv_cache", "cublas_workspace", "allocator_reserve",
+              "paged_optimizer_state", "nccl_buffers", "cuda_context")
+_DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "nccl_buffers", "cuda_context")
+_PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache",
+               "comm_buffers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class Estimate:
     device_total_bytes: int
     notes: tuple[str, ...] = field(default=())
     largest_block_bytes: int = 0  # the largest single tensor (memory.logits.largest_block_bytes)
+    host_bytes: int = 0  # pinned CPU memory per GPU process (offloaded state); x num_gpus per node
 
     def to_dict(self) -> dict:
         return {
@@ -59,6 +62,8 @@ class Estimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
+            "host_bytes_per_gpu": self.host_bytes,
+            "host_bytes_per_node": self.host_bytes * self.setup.num_gpus,
             "notes": list(self.notes),
         }
 
@@ -76,6 +81,8 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
     elif fields:
         raise TypeError("pass either a Setup or Setup fields, not both")
     ctx = resolve(spec, setup)
+    if dist.is_distributed(setup):
+        return _assemble(ctx, *sharded_phases(ctx, resolve(spec, dist.compute_setup(setup))))
     phases = training_phases(ctx) if setup.mode == "train" else inference_phases(ctx)
     return _assemble(ctx, phases)
 
@@ -124,6 +131,36 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     }
 
 
+def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], dist.RankState]:
+    """Per-rank phases under data parallelism: the activations, logits and temporaries of `compute` (the setup the
+    engine really computes: dist.compute_setup) with the model state of dist.rank_state(ctx) in place of the
+    single-GPU weights, gradients and optimizer state; gathered (unsharded) parameters in forward and backward."""
+    rs = dist.rank_state(ctx)
+    phases = training_phases(compute)
+    accum = ctx.setup.grad_accum > 1
+    state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
+             "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
+    grads = {"forward": rs.gradients if accum else 0, "backward_start": rs.gradients if accum else 0}
+    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
+                "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
+                "embedding_backward": rs.gathered_backward_end, "optimizer_step": 0}
+    out = {}
+    for name, parts in phases.items():
+        parts = {**parts, **state, "gathered_params": gathered[name]}
+        if name in grads:
+            parts["gradients"] = grads[name]
+        elif name == "lm_head_backward":  # the head's unsharded gradient, before it is reduced
+            parts["gradients"] = rs.gradients + parts.get("gradients", 0) if accum else parts.get("gradients", 0)
+        else:
+            parts["gradients"] = rs.gradients
+        if name == "optimizer_step":
+            parts["optimizer_temporaries"] = rs.step_temporaries
+        elif name != "forward":
+            parts["comm_buffers"] = rs.comm_buffers + rs.comm_backward
+        out[name] = parts
+    return out, rs
+
+
 def _larger(*items: tuple[str, int]) -> dict[str, int]:
     """The one (component, bytes) of several non-overlapping transients that is largest."""
     name, value = max(items, key=lambda kv: kv[1])
@@ -160,7 +197,7 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     }
 
 
-def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]]) -> Estimate:
+def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState | None = None) -> Estimate:
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]
@@ -168,7 +205,8 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]]) -> Estimate:
     transient = peak - sum(v for k, v in at_peak.items() if k in _PERSISTENT)
     reserve = overhead.allocator_reserve_bytes(ctx, transient)
     paged = opt.optimizer_state_bytes(ctx) if ctx.training and opt.is_paged(ctx) else 0
-    device_only = {"allocator_reserve": reserve, "paged_optimizer_state": paged,
+    nccl = rank.nccl_device_bytes if rank else 0
+    device_only = {"allocator_reserve": reserve, "paged_optimizer_state": paged, "nccl_buffers": nccl,
                    "cuda_context": overhead.CUDA_CONTEXT_BYTES}
     merged = {**at_peak, **device_only}
     components = {k: int(merged.get(k, 0)) for k in COMPONENTS}
@@ -177,12 +215,16 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]]) -> Estimate:
         params_trainable=weights.trainable_numel(ctx) if ctx.training else 0,
         components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
         peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
-        device_total_bytes=int(peak + reserve + paged + overhead.CUDA_CONTEXT_BYTES),
-        notes=_notes(ctx), largest_block_bytes=lg.largest_block_bytes(ctx))
+        device_total_bytes=int(peak + reserve + paged + nccl + overhead.CUDA_CONTEXT_BYTES),
+        notes=_notes(ctx), largest_block_bytes=lg.largest_block_bytes(ctx), host_bytes=rank.host_bytes if rank else 0)
 
 
 def _notes(ctx: Ctx) -> tuple[str, ...]:
     notes = [f"attention: {ctx.attn_impl}"]
+    s = ctx.setup
+    if dist.is_distributed(s):
+        notes.append(f"per GPU of {s.world_size} ({s.sharding}" + (f", offload {s.offload}" if s.offload != "none"
+                                                                  else "") + ")")
     if ctx.training and opt.is_paged(ctx):
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")

@@ -26,6 +26,12 @@ def describe(s: Setup) -> str:
     parts += [s.precision, s.optimizer]
     if s.grad_ckpt:
         parts.append("checkpointing")
+    if s.sharding != "none":
+        name = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+                "fsdp-shard-grad-op": "FSDP shard-grad-op", "fsdp-full-shard": "FSDP full shard"}[s.sharding]
+        off = {"optimizer": " + CPU optimizer offload", "params+optimizer": " + CPU param/optimizer offload"}
+        nodes = f" ({s.num_nodes} nodes x {s.num_gpus})" if s.num_nodes > 1 else ""
+        parts.append(f"{name}{off.get(s.offload, '')} on {s.world_size} GPUs{nodes}")
     parts.append(f"micro-batch {s.batch_size} x {s.grad_accum}")
     return ", ".join(parts)
 
@@ -109,8 +115,11 @@ def nothing_fits(search: _Search, setups, results, common) -> Plan:
     shorter = _largest_seq_len(search, s)
     if shorter:
         tips.append(f"a shorter sequence: --seq-len {shorter} fits on this GPU ({describe(dataclasses.replace(s, seq_len=shorter))})")
-    tips.append("more GPUs: sharding the model (DeepSpeed ZeRO-3 / FSDP) splits weights and optimizer state; "
-                "memplan does not plan multi-GPU setups yet")
+    if s.world_size == 1:
+        tips.append("more GPUs: sharding the model (DeepSpeed ZeRO-3 / FSDP) splits weights and optimizer state; "
+                    "`memplan plan` without --num-gpus finds the fewest GPUs that fit, --num-gpus N plans for N")
+    else:
+        tips.append(f"more GPUs than {s.world_size}, or CPU offload with more host RAM (--host-memory)")
     alt = Alternative(s, False, need, f"needs {fmt_gib(need)} at micro-batch 1; budget {fmt_gib(search.budget)}")
     return Plan(setup=None, estimate=None, evaluated=search.evaluated, smallest=alt, suggestions=tuple(tips), **common)
 

@@ -8,6 +8,9 @@ Sections (each maps to the constructor its name says, so nothing needs translati
   training_arguments  TrainingArguments kwargs
   data                tokenisation and collation: max_length (the padded length the estimate assumes), padding,
                       pad_to_multiple_of, label_pad_token_id
+  accelerate          (multi-GPU plans) the accelerate config (memplan.launch); write_plan also writes it next to
+                      the plan as <plan>.accelerate.yaml for `accelerate launch --config_file`
+  deepspeed           (ZeRO plans) the DeepSpeed JSON, also written as <plan>.deepspeed.json
   memplan             the prediction (GiB), GPU, budget, headroom, the Setup, alternatives, version
 The memory assumptions behind each choice: docs/PLANNER.md.
 """
@@ -88,8 +91,9 @@ def data_section(spec, s: Setup) -> dict:
     return out
 
 
-def plan_document(plan, spec) -> dict:
-    """The plan file's content (raises BadInput when the plan has no setup)."""
+def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
+    """The plan file's content (raises BadInput when the plan has no setup). `deepspeed_file`: where the DeepSpeed
+    JSON is written (the accelerate section points to it)."""
     if not plan.fits:
         raise BadInput("nothing fits: there is no plan to write")
     from memplan import __version__
@@ -101,6 +105,11 @@ def plan_document(plan, spec) -> dict:
         doc["freeze"] = {"trainable_parameters": [p.name for p in trainable_params(spec, s)]}
     doc["training_arguments"] = training_arguments_section(s)
     doc["data"] = data_section(spec, s)
+    if s.sharding != "none":
+        from memplan.launch import accelerate_config, deepspeed_config
+        doc["accelerate"] = accelerate_config(s, deepspeed_file)
+        if s.engine == "deepspeed":
+            doc["deepspeed"] = deepspeed_config(spec, s)
     doc["memplan"] = {
         "version": __version__,
         "gpu": plan.gpu.name, "gpu_memory_gib": _gib(plan.gpu.memory_bytes),
@@ -138,10 +147,23 @@ def format_for(path: str | Path, fmt: str | None) -> str:
     return fmt or ("json" if str(path).lower().endswith(".json") else "yaml")
 
 
-def write_plan(plan, spec, path: str | Path, fmt: str | None = None) -> Path:
-    """Write the plan file atomically (a crash never leaves a half-written file). Returns the path."""
+def launcher_paths(path: str | Path) -> tuple[Path, Path]:
+    """(accelerate config, DeepSpeed JSON) written next to a plan file: <stem>.accelerate.yaml, <stem>.deepspeed.json."""
     path = Path(path)
-    write_text_atomic(path, dumps(plan_document(plan, spec), format_for(path, fmt)))
+    return path.with_name(path.stem + ".accelerate.yaml"), path.with_name(path.stem + ".deepspeed.json")
+
+
+def write_plan(plan, spec, path: str | Path, fmt: str | None = None) -> Path:
+    """Write the plan file atomically (a crash never leaves a half-written file), and for a multi-GPU plan the
+    accelerate config and DeepSpeed JSON beside it (launcher_paths). Returns the plan's path."""
+    path = Path(path)
+    acc_path, ds_path = launcher_paths(path)
+    doc = plan_document(plan, spec, deepspeed_file=str(ds_path.resolve()))
+    if "deepspeed" in doc:
+        write_text_atomic(ds_path, json.dumps(doc["deepspeed"], indent=2) + "\n")
+    if "accelerate" in doc:
+        write_text_atomic(acc_path, dumps(doc["accelerate"], "yaml"))
+    write_text_atomic(path, dumps(doc, format_for(path, fmt)))
     return path
 
 

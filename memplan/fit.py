@@ -5,6 +5,7 @@ Pure: the estimator is injected (tests pass a fake and check the probe order).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,36 @@ FIT_OPTIONS: tuple[tuple[str, dict], ...] = (
 )
 DEFAULT_NEW_TOKENS = 128
 
+#: training across several GPUs of the card: option -> Setup overrides (checkpointing on: the usual recipe once a
+#: model outgrows one card). Full fine-tuning with each sharding engine; LoRA/QLoRA replicated (DDP) where the
+#: base fits, sharded (FSDP) where it does not.
+SCALE_OUT_OPTIONS: tuple[tuple[str, dict], ...] = (
+    ("full fine-tune, DeepSpeed ZeRO-3", {"technique": "full", "precision": "{bf}-mixed", "optimizer": "adamw-fused",
+                                          "grad_ckpt": True, "sharding": "zero3"}),
+    ("full fine-tune, FSDP full shard", {"technique": "full", "precision": "{bf}-mixed", "optimizer": "adamw-fused",
+                                         "grad_ckpt": True, "sharding": "fsdp-full-shard"}),
+    ("full fine-tune, ZeRO-3 + CPU optimizer offload", {"technique": "full", "precision": "{bf}-mixed",
+                                                        "optimizer": "adamw-fused", "grad_ckpt": True,
+                                                        "sharding": "zero3", "offload": "optimizer"}),
+    ("LoRA r=8 on a {bf} base, DDP", {"technique": "lora", "precision": "{bf}", "optimizer": "adamw-fused",
+                                       "grad_ckpt": True, "sharding": "ddp"}),
+    ("LoRA r=8 on a {bf} base, FSDP full shard", {"technique": "lora", "precision": "{bf}",
+                                                   "optimizer": "adamw-fused", "grad_ckpt": True,
+                                                   "sharding": "fsdp-full-shard"}),
+    ("QLoRA nf4, DDP", {"technique": "qlora", "quant": "nf4", "double_quant": True, "precision": "{bf}",
+                        "optimizer": "paged-adamw-8bit", "grad_ckpt": True, "sharding": "ddp"}),
+)
+#: GPU counts tried for "fewest GPUs": within one node (1, 2, 4, 8), then whole 8-GPU nodes up to 64 nodes
+GPU_COUNTS: tuple[int, ...] = (1, 2, 4, 8) + tuple(range(16, 513, 8))
+GPUS_PER_NODE = 8
+
+
+def gpu_layout(world: int) -> dict:
+    """Setup fields for `world` GPUs: one node up to GPUS_PER_NODE, else whole nodes of GPUS_PER_NODE."""
+    if world <= GPUS_PER_NODE:
+        return {"num_gpus": world, "num_nodes": 1}
+    return {"num_gpus": GPUS_PER_NODE, "num_nodes": math.ceil(world / GPUS_PER_NODE)}
+
 
 @dataclass(frozen=True, slots=True)
 class FitRow:
@@ -49,11 +80,36 @@ class FitRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ScaleOutRow:
+    """One multi-GPU training option: the fewest GPUs of the card where micro-batch 1 fits (0: not within
+    max(GPU_COUNTS), or the given count does not fit), the per-GPU device total there and the largest micro-batch."""
+
+    option: str
+    setup: Setup  # at the GPU count found (or tried), batch 1
+    gpus: int
+    per_gpu_bytes: int
+    host_bytes_per_node: int
+    max_batch_size: int
+    error: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.gpus > 0
+
+    def to_dict(self) -> dict:
+        return {"option": self.option, "setup": self.setup.to_dict(), "fits": self.fits, "gpus": self.gpus,
+                "per_gpu_bytes": self.per_gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
+                "max_batch_size": self.max_batch_size, "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
 class FitResult:
     model: str
     gpu: Gpu
     seq_len: int
     rows: tuple[FitRow, ...]
+    scale_out: tuple[ScaleOutRow, ...] = ()
+    num_gpus: int | None = None  # the GPU count asked for (None: the fewest that fit)
 
     @property
     def any_fits(self) -> bool:
@@ -61,18 +117,19 @@ class FitResult:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
-                "seq_len": self.seq_len, "options": [r.to_dict() for r in self.rows]}
+                "seq_len": self.seq_len, "options": [r.to_dict() for r in self.rows], "num_gpus": self.num_gpus,
+                "multi_gpu": [r.to_dict() for r in self.scale_out]}
 
 
-def option_setups(spec, gpu: Gpu, seq_len: int) -> list[tuple[str, Setup]]:
-    """The FIT_OPTIONS rows as Setups for this model, GPU and sequence length (batch 1)."""
+def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS) -> list[tuple[str, Setup]]:
+    """The FIT_OPTIONS (or `options`) rows as Setups for this model, GPU and sequence length (batch 1)."""
     bf = "bf16" if gpu.bf16 else "fp16"
     a = spec.arch
     new = 0 if a.kind == "encoder" else DEFAULT_NEW_TOKENS
     if a.max_positions:
         new = max(0, min(new, a.max_positions - seq_len))
     out = []
-    for name, overrides in FIT_OPTIONS:
+    for name, overrides in options:
         fields = {k: (v.format(bf=bf) if isinstance(v, str) else v) for k, v in overrides.items()}
         if fields.get("mode") == "infer":
             fields.update(prompt_len=seq_len, new_tokens=new)
@@ -102,8 +159,35 @@ def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, l
         lambda b: estimator(spec, dataclasses.replace(setup, batch_size=b)).device_total_bytes <= budget_bytes, limit)
 
 
-def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None) -> FitResult:
-    """Evaluate every FIT_OPTIONS row for `spec` on `gpu` at `seq_len`."""
+def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int | None = None) -> list[ScaleOutRow]:
+    """Each SCALE_OUT_OPTIONS row: the fewest GPUs in GPU_COUNTS that fit micro-batch 1 (or exactly `num_gpus`),
+    with the per-GPU total and the largest micro-batch there. Per-GPU memory never grows with the GPU count for a
+    sharded engine, so the first count that fits is the fewest."""
+    rows = []
+    counts = (num_gpus,) if num_gpus else GPU_COUNTS
+    for name, setup in option_setups(spec, gpu, seq_len, SCALE_OUT_OPTIONS):
+        found, tried, est = 0, setup, None
+        try:
+            for n in counts:
+                tried = dataclasses.replace(setup, **gpu_layout(n))
+                est = estimator(spec, tried)
+                if est.device_total_bytes <= gpu.memory_bytes:
+                    found = n
+                    break
+                if setup.sharding == "ddp" and n >= 2:
+                    break  # replicas: more GPUs never lower the per-GPU memory
+        except MemplanError as e:
+            rows.append(ScaleOutRow(name, setup, 0, 0, 0, 0, str(e)))
+            continue
+        best = max_batch_size(spec, tried, gpu.memory_bytes, estimator) if found else 0
+        rows.append(ScaleOutRow(name, tried, found, est.device_total_bytes, est.host_bytes * tried.num_gpus, best))
+    return rows
+
+
+def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
+        num_gpus: int | None = None) -> FitResult:
+    """Evaluate every FIT_OPTIONS row for `spec` on one `gpu` at `seq_len`, and the SCALE_OUT_OPTIONS rows across
+    the fewest such GPUs (or `num_gpus` of them)."""
     if estimator is None:
         from memplan.estimate import estimate as estimator
     rows = []
@@ -116,4 +200,5 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None) -
         total = est.device_total_bytes
         best = max_batch_size(spec, setup, gpu.memory_bytes, estimator) if total <= gpu.memory_bytes else 0
         rows.append(FitRow(name, setup, best > 0, best, total, max(0, total - gpu.memory_bytes), est))
-    return FitResult(spec.model_id, gpu, seq_len, tuple(rows))
+    return FitResult(spec.model_id, gpu, seq_len, tuple(rows), tuple(scale_out(spec, gpu, seq_len, estimator, num_gpus)),
+                     num_gpus)

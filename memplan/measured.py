@@ -25,7 +25,7 @@ from pathlib import Path
 
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
-from memplan.setup import Setup
+from memplan.setup import DISTRIBUTED_FIELDS, Setup
 
 SETUP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Setup))
 QUANTITIES = ("allocated", "reserved", "device")
@@ -93,7 +93,11 @@ def setup_from_row(row: dict) -> Setup:
 
 def row_key(model: str, setup: Setup, device: str = "cuda", memory_fraction: float | None = None) -> str:
     """A short stable id of (model, setup, device, memory cap): what a resumed sweep skips."""
-    payload = json.dumps([model, setup.to_dict(), device, memory_fraction], sort_keys=True, default=str)
+    fields = setup.to_dict()
+    for name in DISTRIBUTED_FIELDS:  # single-GPU rows keep the keys they had before these fields existed
+        if fields[name] == Setup.__dataclass_fields__[name].default:
+            del fields[name]
+    payload = json.dumps([model, fields, device, memory_fraction], sort_keys=True, default=str)
     return hashlib.sha1(payload.encode()).hexdigest()[:12]
 
 

@@ -53,11 +53,31 @@ def fit_table(result) -> Table:
     return t
 
 
+def scale_out_table(result) -> Table:
+    g = result.gpu
+    what = f"on {result.num_gpus} x {g.name}" if result.num_gpus else f"fewest {g.name} cards"
+    t = Table(title=f"training across GPUs: {what} (per-GPU memory; checkpointing on)", title_justify="left")
+    for col, just in (("option", "left"), ("GPUs", "right"), ("GiB per GPU at batch 1", "right"),
+                      ("max micro-batch", "right"), ("host RAM per node (GiB)", "right")):
+        t.add_column(col, justify=just)
+    for r in result.scale_out:
+        if r.error:
+            t.add_row(r.option, "n/a", "-", "-", r.error.splitlines()[0][:60])
+            continue
+        gpus = str(r.gpus) if r.fits else ("[red]does not fit[/]" if result.num_gpus else "[red]> 512[/]")
+        host = _gib(r.host_bytes_per_node) if r.host_bytes_per_node else ""
+        t.add_row(r.option, gpus, _gib(r.per_gpu_bytes), str(r.max_batch_size) if r.fits else "0", host)
+    return t
+
+
 def print_fit(result, console: Console | None = None) -> None:
     console = console or Console()
     console.print(fit_table(result))
     if not result.any_fits:
-        console.print("[red]No option fits[/]: try a shorter --seq-len or a larger GPU.")
+        console.print("[red]No option fits on one GPU[/]: try a shorter --seq-len, a larger GPU, or several GPUs "
+                      "(below).")
+    if result.scale_out:
+        console.print(scale_out_table(result))
 
 
 def print_models(index: dict, console: Console | None = None) -> None:
@@ -95,6 +115,8 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
             console.print(f"  - {tip}")
         return
     console.print(f"[bold]{head}[/]")
+    for tip in plan.suggestions:
+        console.print(f"[yellow]{tip}[/]")
     console.print(f"[green]plan[/]: {describe(plan.setup)}"
                   + (f" (effective batch {plan.achieved_effective_batch})"
                      if plan.achieved_effective_batch != plan.effective_batch else ""))
@@ -111,6 +133,12 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
         console.print(t)
     if written:
         console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")
+        if plan.setup.sharding != "none":
+            from memplan.export import launcher_paths
+            acc, ds = launcher_paths(written)
+            extra = f" and {ds}" if plan.setup.engine == "deepspeed" else ""
+            console.print(f"wrote {acc}{extra}: accelerate launch --config_file {acc} "
+                          f"examples/train_with_plan.py {written}")
 
 
 def print_trace(result, comparison=None, console: Console | None = None) -> None:

@@ -26,6 +26,7 @@ Pure: the estimator is injected (tests pass a fake).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,9 +44,23 @@ OPTIMIZER_ORDER = ("adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor")
 DEFAULT_EFFECTIVE_BATCH = 32
 DEFAULT_HEADROOM = 0.05
 SATURATING_TOKENS = 4096
+#: across several GPUs, (sharding, offload) in speed order. Relative step-time factors order candidates only (never
+#: reported): ZeRO-1/2 move as much data as DDP's all-reduce (2 Psi); ZeRO-3/FSDP full shard add a parameter
+#: all-gather per forward and backward (3 Psi, 1.5x: ZeRO paper arXiv:1910.02054 sec. 7.2-7.3); CPU offload runs
+#: the optimizer step on the CPU over PCIe (ZeRO-Offload, arXiv:2101.06840 sec. 4), parameter offload also streams
+#: the weights every step.
+#: Searched unpinned: DDP (the simplest), ZeRO-2 (same traffic, sharded optimizer state and gradients: it dominates
+#: ZeRO-1), FSDP full shard and ZeRO-3, then ZeRO-3 with optimizer / parameter offload. A pinned --sharding also
+#: tries its offload variants; every pair has a speed factor.
+SHARDING_ORDER: tuple[tuple[str, str, float], ...] = (
+    ("ddp", "none", 1.0), ("zero2", "none", 0.99), ("fsdp-full-shard", "none", 0.9), ("zero3", "none", 0.9),
+    ("zero3", "optimizer", 0.55), ("zero3", "params+optimizer", 0.35))
+SHARDING_SPEED = {**{(sh, off): f for sh, off, f in SHARDING_ORDER}, ("zero1", "none"): 1.0,
+                  ("fsdp-shard-grad-op", "none"): 0.95, ("zero1", "optimizer"): 0.6, ("zero2", "optimizer"): 0.6,
+                  ("fsdp-full-shard", "params+optimizer"): 0.35}
 #: the search dimensions: the Setup fields the planner chooses (the rest come from pins or Setup defaults)
 SEARCHED = ("technique", "precision", "quant", "double_quant", "lora_r", "lora_targets", "optimizer", "grad_ckpt",
-            "batch_size", "grad_accum")
+            "batch_size", "grad_accum", "sharding", "offload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +120,7 @@ class Plan:
 
     @property
     def achieved_effective_batch(self) -> int:
-        return self.setup.batch_size * self.setup.grad_accum if self.setup else 0
+        return self.setup.batch_size * self.setup.grad_accum * self.setup.world_size if self.setup else 0
 
     @property
     def spare_bytes(self) -> int:
@@ -145,6 +160,17 @@ def _precisions(technique: str, bf16: bool) -> tuple[str, ...]:
     return (f"{half}-mixed", "fp32", half)
 
 
+def _shardings(pinned: dict) -> tuple[tuple[str, str], ...]:
+    """(sharding, offload) pairs to search: none on one GPU unless pinned, SHARDING_ORDER across several."""
+    world = pinned.get("num_gpus", 1) * pinned.get("num_nodes", 1)
+    pairs = tuple((sh, off) for sh, off, _ in SHARDING_ORDER) if world > 1 else (("none", "none"),)
+    if "sharding" in pinned:  # invalid offloads for it are dropped with the Setup's validation
+        pairs = tuple((pinned["sharding"], off) for off in ("none", "optimizer", "params+optimizer"))
+    if "offload" in pinned:
+        pairs = tuple((sh, pinned["offload"]) for sh in dict.fromkeys(sh for sh, _ in pairs))
+    return pairs
+
+
 def candidate_fields(bf16: bool, pinned: dict) -> list[dict]:
     """Every combination of the searched fields (batch aside), pins applied, deduplicated, in quality order."""
     out: list[dict] = []
@@ -159,9 +185,10 @@ def candidate_fields(bf16: bool, pinned: dict) -> list[dict]:
         for prec in _precisions(tech, bf16):
             for r in RANKS if lora else (None,):
                 for targets in TARGET_ORDER if lora else (None,):
-                    for optim in OPTIMIZER_ORDER:
-                        for ckpt in (False, True):
-                            f = {"technique": tech, "precision": prec, "optimizer": optim, "grad_ckpt": ckpt}
+                    for optim, ckpt, (sharding, offload) in itertools.product(OPTIMIZER_ORDER, (False, True),
+                                                                               _shardings(pinned)):
+                            f = {"technique": tech, "precision": prec, "optimizer": optim, "grad_ckpt": ckpt,
+                                 "sharding": sharding, "offload": offload}
                             if lora:  # alpha = 2r: a common scaling choice; no memory effect
                                 f.update(lora_r=r, lora_targets=targets, lora_alpha=2 * r)
                             if tech == "qlora":
@@ -190,10 +217,10 @@ def quality_key(s: Setup) -> tuple:
 
 
 def speed_score(s: Setup, trainable_fraction: float, tokens_per_sample: int) -> float:
-    """Relative throughput (higher is faster); see the module docstring for the model."""
+    """Relative throughput per GPU (higher is faster); see the module docstring and SHARDING_ORDER."""
     eff = min(s.batch_size * tokens_per_sample, SATURATING_TOKENS) / SATURATING_TOKENS
     cost = 2.0 + trainable_fraction + (1.0 if s.grad_ckpt else 0.0)
-    return eff / cost
+    return eff / cost * SHARDING_SPEED.get((s.sharding, s.offload), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------- the search
@@ -217,8 +244,9 @@ def split_batch(effective: int, max_micro: int) -> tuple[int, int]:
 
 class _Search:
     def __init__(self, spec, gpu: Gpu, seq_len: int, effective: int, prefer: str, pinned: dict,
-                 estimator: Callable, budget: int):
+                 estimator: Callable, budget: int, host_budget: int | None = None):
         self.spec, self.gpu, self.seq_len, self.effective = spec, gpu, seq_len, effective
+        self.host_budget = host_budget
         self.headroom_bytes = gpu.memory_bytes - budget
         self.prefer, self.pinned, self.estimator, self.budget = prefer, pinned, estimator, budget
         self.evaluated = 0
@@ -236,7 +264,11 @@ class _Search:
         free space split across segments (it raises OOM with "reserved but unallocated" memory). Measured on an
         H100 capped to an RTX 4090: Llama-3.2-1B bf16 adamw-8bit, checkpointing, b5 s2048 OOMed asking for its
         4.89 GiB logits buffer with 5.65 GiB reserved but unallocated (data/measured/planner-check.csv)."""
-        return e.device_total_bytes + max(0, getattr(e, "largest_block_bytes", 0) - self.headroom_bytes)
+        need = e.device_total_bytes + max(0, getattr(e, "largest_block_bytes", 0) - self.headroom_bytes)
+        host = getattr(e, "host_bytes", 0)
+        if host and self.host_budget is not None and host * e.setup.num_gpus > self.host_budget:  # the node's ranks
+            return max(need, self.budget + 1)  # does not fit: the node's RAM cannot hold the offloaded state
+        return need
 
     def trainable_fraction(self, setup: Setup, est) -> float:
         return min(1.0, est.params_trainable / self.total_params) if setup.technique in ("full", "freeze") else 0.0
@@ -307,7 +339,8 @@ class _Search:
 
 def _setups(spec, seq_len: int, bf16: bool, pinned: dict) -> list[Setup]:
     base = {k: v for k, v in pinned.items() if k in ("seq_len", "target_len", "lora_alpha", "lora_dropout",
-                                                      "trainable", "attn_impl", "added_tokens")}
+                                                      "trainable", "attn_impl", "added_tokens", "num_gpus",
+                                                      "num_nodes")}
     base.setdefault("seq_len", seq_len)
     out, errors = [], []
     for f in candidate_fields(bf16, pinned):
@@ -323,13 +356,16 @@ def _setups(spec, seq_len: int, bf16: bool, pinned: dict) -> list[Setup]:
 
 def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch: int = DEFAULT_EFFECTIVE_BATCH,
          prefer: str = "quality", headroom: float = DEFAULT_HEADROOM, estimator: Callable | None = None,
-         alternatives: int = 4, memory: int | str | None = None, **pinned) -> Plan:
+         alternatives: int = 4, memory: int | str | None = None, host_memory: int | str | None = None,
+         **pinned) -> Plan:
     """Search the best training setup of `spec` that fits `gpu` with `headroom` of its usable memory spare.
 
     spec: a ModelSpec or anything load_spec takes (catalog id, config.json). gpu: a Gpu, a catalog name, or None
     with `memory` (a size such as "12GiB") or neither (the detected GPU). pinned: Setup fields fixed by the user
-    (e.g. technique="lora", lora_r=16). Raises BadInput for a bad preference, a pin that is not a Setup field, or
-    pins that contradict each other.
+    (e.g. technique="lora", lora_r=16); pinning num_gpus (num_nodes, sharding, offload) searches sharding x
+    offload on that many GPUs, and when nothing fits one GPU and none of them is pinned the plan is for the fewest
+    GPUs that fit. host_memory: RAM per node for CPU offload (a size; default this machine's RAM). Raises BadInput
+    for a bad preference, a pin that is not a Setup field, or pins that contradict each other.
     """
     if isinstance(spec, str):
         from memplan.models import load_spec
@@ -339,7 +375,6 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
         gpu = resolve_gpu(gpu, memory)
     if estimator is None:
         from memplan.estimate import estimate as estimator
-    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
 
     problems = []
     if prefer not in PREFERENCES:
@@ -357,8 +392,83 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
         raise BadInput("cannot plan:\n" + "\n".join(f"  - {p}" for p in problems))
     pinned = {k: v for k, v in pinned.items() if v is not None and k != "mode"}
     seq_len = pinned.pop("seq_len", seq_len)
+    if host_memory is None:
+        host_budget = host_memory_bytes()
+    else:
+        from memplan.units import parse_size
+        host_budget = host_memory if isinstance(host_memory, int) else parse_size(host_memory)
+    opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
+                estimator=estimator, alternatives=alternatives, host_budget=host_budget)
+    if not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
+        single = _plan_at(spec, gpu, pinned, **opts)
+        if single.fits:
+            return single
+        return fewest_gpus(spec, gpu, pinned, single, opts)
+    return _plan_at(spec, gpu, pinned, **opts)
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's RAM (the default host budget for CPU offload: a node like the one planning), None if unknown."""
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def fewest_gpus(spec, gpu: Gpu, pinned: dict, single: Plan, opts: dict) -> Plan:
+    """Nothing fits one GPU: the plan on the fewest GPUs of the card (fit.GPU_COUNTS). A count is feasible when
+    one of the leanest candidates (checkpointing, the smallest LoRA rank, peft's default targets; pins kept) fits at
+    micro-batch 1; per-GPU memory of a sharded setup does not grow with the count, so a bisection finds the fewest.
+    Returns `single` (the one-GPU "nothing fits" answer) when even the largest count does not fit."""
+    from memplan.fit import GPU_COUNTS, gpu_layout
+
+    def feasible(n: int) -> bool:
+        p = {**pinned, **gpu_layout(n)}
+        search = _search(spec, gpu, p, opts)
+        for setup in _setups(spec, opts["seq_len"], gpu.bf16, p):
+            lean = (setup.grad_ckpt or "grad_ckpt" in p) and (setup.lora_targets is None or "lora_targets" in p) \
+                and (setup.lora_r == min(RANKS) or "lora_r" in p or not setup.uses_lora)
+            try:
+                if lean and search.need(search.estimate(setup)) <= search.budget:
+                    return True
+            except MemplanError:
+                continue
+        return False
+
+    counts = GPU_COUNTS[1:]
+    if not feasible(counts[-1]):
+        return dataclasses.replace(single, suggestions=single.suggestions + (
+            f"nothing fits even {counts[-1]} x {gpu.name} with ZeRO-3/FSDP and CPU offload "
+            "(within the host RAM: --host-memory)",))
+    lo, hi = -1, len(counts) - 1  # counts[hi] is feasible; counts[lo] is not (or lo = -1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if feasible(counts[mid]) else (mid, hi)
+    best = _plan_at(spec, gpu, {**pinned, **gpu_layout(counts[hi])}, **opts)
+    return dataclasses.replace(best, suggestions=(
+        f"nothing fits one {gpu.name}: the fewest that fit are {counts[hi]} (pin --num-gpus to plan for another "
+        "count)",))
+
+
+def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> _Search:
+    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
+
+    _, _, budget = _budget(gpu, opts["headroom"], CUDA_CONTEXT_BYTES)
+    world = pinned.get("num_gpus", 1) * pinned.get("num_nodes", 1)
+    per_rank = max(1, math.ceil(opts["effective_batch"] / world))
+    return _Search(spec, gpu, opts["seq_len"], per_rank, opts["prefer"], pinned, opts["estimator"], budget,
+                   opts["host_budget"])
+
+
+def _plan_at(spec, gpu: Gpu, pinned: dict, *, seq_len, effective_batch, prefer, headroom, estimator, alternatives,
+             host_budget) -> Plan:
+    """The best plan with the GPU count (and any sharding) fixed by `pinned` (see plan)."""
+    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
+
     usable, reserve, budget = _budget(gpu, headroom, CUDA_CONTEXT_BYTES)
-    search = _Search(spec, gpu, seq_len, effective_batch, prefer, pinned, estimator, budget)
+    search = _search(spec, gpu, pinned, dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer,
+                                             headroom=headroom, estimator=estimator, host_budget=host_budget))
     setups = _setups(spec, seq_len, gpu.bf16, pinned)
     common = dict(model=spec.model_id, gpu=gpu, prefer=prefer, effective_batch=effective_batch, headroom=headroom,
                   usable_bytes=usable, headroom_bytes=reserve, budget_bytes=budget, pinned=dict(pinned, seq_len=seq_len))

@@ -20,6 +20,8 @@ Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 Quant = Literal["int8", "nf4", "fp4"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"]
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2"]
+Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp-shard-grad-op", "fsdp-full-shard"]
+Offload = Literal["none", "optimizer", "params+optimizer"]
 
 MODES: tuple[str, ...] = get_args(Mode)
 TECHNIQUES: tuple[str, ...] = get_args(Technique)
@@ -27,6 +29,13 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 QUANTS: tuple[str, ...] = get_args(Quant)
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 ATTN_IMPLS: tuple[str, ...] = get_args(AttnImpl)
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+OFFLOADS: tuple[str, ...] = get_args(Offload)
+#: DeepSpeed ZeRO stages (arXiv:1910.02054 sec. 5: P_os, P_os+g, P_os+g+p) and PyTorch FSDP sharding strategies
+ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
+FSDP_SHARDINGS: tuple[str, ...] = ("fsdp-shard-grad-op", "fsdp-full-shard")
+#: fields that describe the GPUs rather than the step on one of them (absent from single-GPU measurement keys)
+DISTRIBUTED_FIELDS: tuple[str, ...] = ("num_gpus", "num_nodes", "sharding", "offload")
 
 #: precision -> (dtype the weights are stored in, dtype matmuls run in)
 PRECISION_DTYPES: dict[str, tuple[str, str]] = {
@@ -65,6 +74,10 @@ class Setup:
     added_tokens: int = 0  # new special tokens: embedding, lm_head and logits grow
     prompt_len: int | None = None  # infer: prompt tokens (None = seq_len)
     new_tokens: int | None = None  # infer: generated tokens (None = 128 for generative models, 0 for encoders)
+    num_gpus: int = 1  # GPUs per node (data-parallel ranks); every memory figure is per GPU
+    num_nodes: int = 1  # machines; world size = num_gpus x num_nodes (sharded state divides by it)
+    sharding: Sharding = "none"  # ddp replicates all state (+ gradient buckets); zero1/2/3 and fsdp shard it
+    offload: Offload = "none"  # DeepSpeed/FSDP CPU offload: optimizer state (and params) live in host RAM
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_targets, list):
@@ -88,6 +101,19 @@ class Setup:
     @property
     def mixed(self) -> bool:
         return self.precision.endswith("-mixed")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def engine(self) -> str:
+        """Which library runs the data parallelism: "none", "ddp" (torch DDP), "deepspeed" or "fsdp"."""
+        if self.sharding in ZERO_STAGES:
+            return "deepspeed"
+        if self.sharding in FSDP_SHARDINGS:
+            return "fsdp"
+        return self.sharding
 
     @property
     def uses_lora(self) -> bool:
@@ -124,6 +150,10 @@ def validate(s: Setup) -> list[str]:
     _choice(p, "quant", s.quant, QUANTS, optional=True)
     _choice(p, "optimizer", s.optimizer, OPTIMIZERS)
     _choice(p, "attn_impl", s.attn_impl, ATTN_IMPLS, optional=True)
+    _choice(p, "sharding", s.sharding, SHARDINGS)
+    _choice(p, "offload", s.offload, OFFLOADS)
+    _positive(p, "num_gpus", s.num_gpus)
+    _positive(p, "num_nodes", s.num_nodes)
     _positive(p, "batch_size", s.batch_size)
     _positive(p, "seq_len", s.seq_len)
     _positive(p, "target_len", s.target_len, optional=True)
@@ -136,6 +166,7 @@ def validate(s: Setup) -> list[str]:
         p.append(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}")
     if s.mode == "train":
         p.extend(_training_combinations(s))
+    p.extend(_distributed_combinations(s))
     if s.double_quant and s.quant not in ("nf4", "fp4"):
         p.append("double_quant applies to 4-bit quantization only: add --quant nf4 (or fp4) or drop --double-quant")
     if s.attn_impl == "flash_attention_2" and s.precision == "fp32" and s.quant is None:
@@ -159,4 +190,33 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append("lora_targets applies to --technique lora/qlora only")
     if s.technique in ("lora", "qlora") and isinstance(s.lora_targets, tuple) and not s.lora_targets:
         p.append("lora_targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
+    return p
+
+
+def _distributed_combinations(s: Setup) -> list[str]:
+    p: list[str] = []
+    if s.sharding not in SHARDINGS or s.offload not in OFFLOADS or not isinstance(s.num_gpus, int) \
+            or not isinstance(s.num_nodes, int):
+        return p  # reported by the field checks
+    if s.mode != "train" and (s.sharding != "none" or s.offload != "none" or s.world_size > 1):
+        p.append("num_gpus/num_nodes, sharding and offload apply to training; multi-GPU inference is not modelled "
+                 "(estimate one GPU, or use --mode train)")
+    elif s.world_size > 1 and s.sharding == "none":
+        p.append(f"{s.world_size} GPUs need a data-parallel strategy: add --sharding ddp (full replicas), zero1, "
+                 "zero2, zero3, fsdp-shard-grad-op or fsdp-full-shard")
+    if s.offload != "none" and s.sharding in ("none", "ddp"):
+        p.append(f"offload={s.offload} needs DeepSpeed ZeRO or FSDP: add --sharding zero2 (optimizer offload) or "
+                 "--sharding zero3 / fsdp-full-shard")
+    if s.offload == "params+optimizer" and s.sharding in ("zero1", "zero2"):
+        p.append("parameter offload needs ZeRO stage 3 (DeepSpeed offload_param): use --sharding zero3, or "
+                 "--offload optimizer")
+    if s.offload != "none" and s.optimizer not in ("adamw", "adamw-fused"):
+        p.append(f"CPU offload steps AdamW on the CPU (DeepSpeedCPUAdam; torch AdamW on FSDP's CPU shards), not "
+                 f"{s.optimizer}: use --optimizer adamw-fused, or drop --offload")
+    if s.engine in ("deepspeed", "fsdp") and s.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        p.append(f"{s.optimizer} (bitsandbytes) is not supported over ZeRO/FSDP-sharded parameters here: use "
+                 "--optimizer adamw-fused or adafactor, or --sharding ddp")
+    if s.offload == "optimizer" and s.engine == "fsdp":
+        p.append("FSDP offloads parameters, gradients and optimizer state together (CPUOffload(offload_params=True)): "
+                 "use --offload params+optimizer, or a ZeRO stage for optimizer-only offload")
     return p

@@ -113,7 +113,7 @@ def test_chosen_setup_plus_headroom_fits_usable_memory(model, mem_gib, seq, pref
     if p.fits:
         used = p.estimate.device_total_bytes - CUDA_CONTEXT_BYTES
         assert used + p.headroom_bytes <= p.usable_bytes
-        assert p.setup.batch_size * p.setup.grad_accum >= 32
+        assert p.achieved_effective_batch >= 32
     else:
         assert p.smallest.device_total_bytes > p.budget_bytes and p.suggestions
 
@@ -134,7 +134,7 @@ def test_lora_pin_implies_an_adapter_technique():
 
 
 def test_nothing_fits_names_smallest_setup_and_remedies():
-    p = plan(load_spec("meta-llama/Llama-2-70b-hf"), find_gpu("RTX 3060"))
+    p = plan(load_spec("meta-llama/Llama-2-70b-hf"), find_gpu("RTX 3060"), num_gpus=1)
     assert not p.fits and p.smallest.setup.technique == "qlora"
     assert any("larger GPU" in t for t in p.suggestions) and any("more GPUs" in t for t in p.suggestions)
     p = plan(load_spec("meta-llama/Llama-2-7b-hf"), Gpu("tiny", 6 * GiB), seq_len=4096, technique="qlora")
@@ -172,7 +172,7 @@ def test_cli_writes_yaml_that_loads_as_real_objects(tmp_path):
 
 
 def test_cli_json_and_nothing_fits_exit_1(tmp_path):
-    r = CliRunner().invoke(main, ["plan", "meta-llama/Llama-2-70b-hf", "--gpu", "T4", "--json",
+    r = CliRunner().invoke(main, ["plan", "meta-llama/Llama-2-70b-hf", "--gpu", "T4", "--num-gpus", "1", "--json",
                                   "-o", str(tmp_path / "p.json")])
     assert r.exit_code == 1
     d = json.loads(r.output)

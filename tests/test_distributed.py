@@ -1,0 +1,170 @@
+"""Multi-GPU estimates (DDP, ZeRO-1/2/3, FSDP, CPU offload): the ZeRO paper's model-state formulas, frozen
+parameters, offload to host RAM, validation, fit/plan across GPUs and the emitted launcher configs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from memplan.cli import main
+from memplan.errors import SetupError
+from memplan.estimate import estimate
+from memplan.gpus import find_gpu
+from memplan.memory.distributed import NCCL_DEVICE_BYTES
+from memplan.models import load_spec
+from memplan.setup import Setup
+from memplan.units import GiB
+
+LLAMA7 = "meta-llama/Llama-2-7b-hf"
+
+
+def _states(e) -> int:
+    """weights + gradients + optimizer state at the optimizer step (the model states of the ZeRO paper)."""
+    import memplan.estimate as est
+    from memplan.memory.context import resolve
+    from memplan.memory.distributed import compute_setup
+    ctx = resolve(load_spec(e.model), e.setup)
+    phases, _ = est.sharded_phases(ctx, resolve(ctx.spec, compute_setup(e.setup)))
+    step = phases["optimizer_step"]
+    return step["weights"] + step["gradients"] + step["optimizer_state"]
+
+
+@pytest.mark.parametrize("sharding, per_param", [
+    # ZeRO paper (arXiv:1910.02054) sec. 5.1 / Fig. 1, mixed-precision Adam (K = 12): bytes per parameter per GPU
+    ("zero1", lambda n: 2 + 2 + 12 / n),
+    ("zero2", lambda n: 2 + (2 + 12) / n),
+    ("zero3", lambda n: (2 + 2 + 12) / n),
+])
+@pytest.mark.parametrize("n", [8, 64])
+def test_zero_model_states_match_the_paper(sharding, per_param, n):
+    spec = load_spec(LLAMA7)
+    e = estimate(spec, Setup(technique="full", precision="bf16-mixed", optimizer="adamw-fused", sharding=sharding,
+                             num_gpus=min(n, 8), num_nodes=max(1, n // 8)))
+    expected = per_param(n) * spec.numel_total
+    persistent = 0
+    if sharding == "zero3":  # parameters below stage3_param_persistence_threshold (10 x hidden) stay whole
+        persistent = sum(p.numel for p in spec.params if p.numel < 10 * spec.arch.hidden_size) * 2 * (1 - 1 / n)
+    assert _states(e) == pytest.approx(expected + persistent, rel=1e-3)
+
+
+def test_ddp_keeps_replicas_and_gradient_buckets():
+    spec = load_spec(LLAMA7)
+    one = estimate(spec, Setup(technique="lora", precision="bf16", batch_size=2))
+    ddp = estimate(spec, Setup(technique="lora", precision="bf16", batch_size=2, sharding="ddp", num_gpus=4))
+    grads = one.components["gradients"] if one.peak_phase != "forward" else 0
+    assert ddp.components["comm_buffers"] > 0
+    assert ddp.components["nccl_buffers"] == NCCL_DEVICE_BYTES
+    # the same step on every rank: one GPU's peak + the buckets (as large as the adapter gradients)
+    assert ddp.peak_allocated_bytes - one.peak_allocated_bytes == ddp.components["comm_buffers"]
+    assert grads in (0, ddp.components["comm_buffers"])
+
+
+def test_frozen_parameters_carry_no_sharded_optimizer_state():
+    """DeepSpeed's estimator counts every parameter as trainable (DeepSpeed issue #5304); LoRA under ZeRO-3 keeps
+    optimizer state for the adapters only."""
+    spec = load_spec(LLAMA7)
+    full = estimate(spec, Setup(technique="full", precision="bf16-mixed", sharding="zero3", num_gpus=8))
+    lora = estimate(spec, Setup(technique="lora", precision="bf16-mixed", sharding="zero3", num_gpus=8))
+    assert lora.params_trainable < spec.numel_total / 100
+    assert _states(lora) < _states(full) / 5
+
+
+def test_offload_moves_optimizer_state_to_host_ram():
+    spec = load_spec(LLAMA7)
+    s = Setup(technique="full", precision="bf16-mixed", sharding="zero3", num_gpus=4, grad_ckpt=True)
+    gpu = estimate(spec, s)
+    opt = estimate(spec, Setup(**{**s.to_dict(), "offload": "optimizer"}))
+    both = estimate(spec, Setup(**{**s.to_dict(), "offload": "params+optimizer"}))
+    assert opt.components["optimizer_state"] == 0 and gpu.host_bytes == 0
+    # fp32 master + Adam moments (12 B) + the fp32 gradient partition (4 B) per trainable parameter, / N
+    assert opt.host_bytes == pytest.approx(16 * spec.numel_total / 4, rel=1e-3)
+    assert both.host_bytes > opt.host_bytes and both.device_total_bytes < opt.device_total_bytes < gpu.device_total_bytes
+    assert opt.to_dict()["host_bytes_per_node"] == 4 * opt.host_bytes
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp-full-shard", "zero2"])
+def test_per_gpu_memory_never_grows_with_more_gpus(sharding):
+    spec = load_spec("meta-llama/Llama-3.2-1B")
+    totals = [estimate(spec, Setup(technique="full", precision="bf16-mixed", sharding=sharding, num_gpus=n,
+                                   batch_size=2, seq_len=1024)).device_total_bytes for n in (2, 4, 8)]
+    assert totals[0] > totals[1] > totals[2]
+
+
+def test_fsdp_keeps_fp32_shards_and_gathers_16bit_units():
+    spec = load_spec(LLAMA7)
+    e = estimate(spec, Setup(technique="full", precision="bf16-mixed", sharding="fsdp-full-shard", num_gpus=8,
+                             grad_ckpt=True))
+    assert e.components["weights"] == pytest.approx(4 * spec.numel_total / 8, rel=1e-6)
+    sgo = estimate(spec, Setup(technique="full", precision="bf16-mixed", sharding="fsdp-shard-grad-op", num_gpus=8,
+                               grad_ckpt=True))
+    # shard-grad-op keeps every unit unsharded (bf16) between its forward and its backward
+    assert sgo.peak_allocated_bytes - e.peak_allocated_bytes > 1.5 * spec.numel_total
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_gpus=2), "data-parallel strategy"),
+    (dict(sharding="ddp", offload="optimizer"), "needs DeepSpeed ZeRO or FSDP"),
+    (dict(sharding="zero2", offload="params+optimizer"), "stage 3"),
+    (dict(sharding="fsdp-full-shard", offload="optimizer"), "offload params"),
+    (dict(sharding="zero3", optimizer="adamw-8bit"), "bitsandbytes"),
+    (dict(mode="infer", sharding="zero3"), "multi-GPU inference"),
+    (dict(sharding="zero4"), "zero4"),
+    (dict(num_gpus=0, sharding="ddp"), "num_gpus"),
+])
+def test_invalid_distributed_setups_say_how_to_fix(fields, message):
+    with pytest.raises(SetupError, match=message):
+        Setup(**fields)
+
+
+def test_cli_estimate_rejects_bad_sharding_with_exit_2():
+    r = CliRunner().invoke(main, ["estimate", "gpt2", "--num-gpus", "4"])
+    assert r.exit_code == 2 and "--sharding" in r.output and "Traceback" not in r.output
+
+
+def test_fit_llama2_70b_on_a100_reports_gpu_counts():
+    """The issue's example: how many A100 80GB cards full fine-tuning needs with ZeRO-3 and with FSDP, and what
+    LoRA and QLoRA need per GPU."""
+    r = CliRunner().invoke(main, ["fit", "meta-llama/Llama-2-70b-hf", "--gpu", "A100 80GB", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["option"]: row for row in json.loads(r.output)["multi_gpu"]}
+    zero3, fsdp = rows["full fine-tune, DeepSpeed ZeRO-3"], rows["full fine-tune, FSDP full shard"]
+    for row in (zero3, fsdp):
+        assert 8 < row["gpus"] <= 64 and row["per_gpu_bytes"] <= 80 * GiB
+        assert row["setup"]["num_gpus"] * row["setup"]["num_nodes"] == row["gpus"]
+    assert rows["QLoRA nf4, DDP"]["gpus"] == 1
+    assert rows["LoRA r=8 on a bf16 base, DDP"]["gpus"] == 0  # a 138 GB bf16 replica never fits 80 GB
+    assert 1 < rows["LoRA r=8 on a bf16 base, FSDP full shard"]["gpus"] <= 8
+
+
+def test_fit_with_num_gpus_evaluates_that_count():
+    r = CliRunner().invoke(main, ["fit", "meta-llama/Llama-2-70b-hf", "--gpu", "A100 80GB", "--num-gpus", "4"])
+    assert r.exit_code == 0 and "on 4 x" in r.output
+
+
+def test_plan_across_gpus_writes_launcher_configs(tmp_path):
+    out = tmp_path / "plan.yaml"
+    r = CliRunner().invoke(main, ["plan", LLAMA7, "--gpu", "RTX 4090", "--technique", "full", "--num-gpus", "4",
+                                  "--sharding", "zero3", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = yaml.safe_load(out.read_text())
+    setup = doc["memplan"]["setup"]
+    assert setup["sharding"] == "zero3" and setup["num_gpus"] == 4
+    acc = yaml.safe_load((tmp_path / "plan.accelerate.yaml").read_text())
+    ds = json.loads((tmp_path / "plan.deepspeed.json").read_text())
+    assert acc == doc["accelerate"] and ds == doc["deepspeed"]
+    assert acc["distributed_type"] == "DEEPSPEED" and acc["num_processes"] == 4
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["train_micro_batch_size_per_gpu"] == setup["batch_size"]
+    assert ds["train_batch_size"] == setup["batch_size"] * setup["grad_accum"] * 4
+
+
+def test_plan_finds_the_fewest_gpus_when_one_is_not_enough():
+    from memplan.search import plan
+    p = plan(load_spec(LLAMA7), find_gpu("RTX 3060"), technique="full", host_memory="64GiB")
+    assert p.fits and p.setup.world_size > 1 and "fewest" in p.suggestions[0]
+    assert p.estimate.device_total_bytes <= p.budget_bytes
+    fewer = plan(load_spec(LLAMA7), find_gpu("RTX 3060"), technique="full", host_memory="64GiB",
+                 num_gpus=p.setup.world_size // 2)
+    assert not fewer.fits
