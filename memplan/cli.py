@@ -141,14 +141,19 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
 @handle_errors
 def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **options):
     """Run the real training step on fake tensors (no GPU) and report the measured peak: ground truth for the
-    estimate."""
+    estimate. With --sharding fsdp-full-shard|fsdp-shard-grad-op --num-gpus N: rank 0 of real FSDP2 over a fake
+    process group."""
     from memplan.models import load_spec
     from memplan.trace import compare as compare_fn
     from memplan.trace import trace
 
     setup = setup_from_options(options)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
-    result = trace(spec, setup, layers=layers, steps=steps)
+    if setup.sharding != "none":  # one rank of FSDP over a fake process group (memplan.trace_sharded)
+        from memplan.trace_sharded import trace_sharded
+        result = trace_sharded(spec, setup, layers=layers, steps=steps)
+    else:
+        result = trace(spec, setup, layers=layers, steps=steps)
     cmp = None
     if compare:
         from memplan.estimate import estimate

@@ -16,6 +16,9 @@ def estimate_table(e) -> Table:
     s = e.setup
     what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
             + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""))
+    if s.sharding != "none":
+        what += f" · {s.sharding}" + (f" + offload {s.offload}" if s.offload != "none" else "") + \
+            f" · per GPU of {s.world_size}"
     t = Table(title=f"{e.model}\n{what}", title_justify="left")
     t.add_column("component")
     t.add_column("GiB", justify="right")
@@ -27,6 +30,9 @@ def estimate_table(e) -> Table:
     t.add_row(f"peak allocated ({e.peak_phase})", _gib(e.peak_allocated_bytes), "")
     t.add_row("peak reserved", _gib(e.peak_reserved_bytes), "")
     t.add_row("device total (nvidia-smi)", _gib(e.device_total_bytes), "100.0", style="bold")
+    if e.host_bytes:
+        t.add_row("host RAM (pinned) per GPU / per node", f"{_gib(e.host_bytes)} / {_gib(e.host_bytes * s.num_gpus)}",
+                  "")
     return t
 
 

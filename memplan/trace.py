@@ -193,15 +193,21 @@ def _dispatch_mode(tracker: StorageTracker):
 # ---------------------------------------------------------------------------------------------------- run
 
 def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
-         on_step_end=None) -> StorageTracker:
+         on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
+    """One traced run. shard(model): applies data-parallel sharding to the meta model and returns a context the
+    run happens in (memplan.trace_sharded); the sharded model is then materialised with to_empty."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tracker = StorageTracker()
+    tracker = tracker or StorageTracker()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     model = build_model(spec, setup, layers, d)
-    with fake_mode, _dispatch_mode(tracker), cuda_like():
-        materialize(model, fake)
+    sharded = shard(model) if shard else contextlib.nullcontext()
+    with sharded, fake_mode, _dispatch_mode(tracker), cuda_like():
+        if shard:
+            model.to_empty(device="cpu")
+        else:
+            materialize(model, fake)
         for p in model.parameters():
             tracker.tag(p, "weights")
         for b in model.buffers():  # quantization metadata of the stand-ins included
