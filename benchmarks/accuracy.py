@@ -1,0 +1,130 @@
+"""The accuracy table: the current estimator against every GPU measurement in data/measured/.
+
+Each ok row measured on CUDA (memplan validate, one process per setup) is estimated again with the transformers
+release it ran under (memplan.libs.assume, as `memplan check` does); rows that hit OOM are left out (their peak is the cap, not the setup's); rows run beside others under a memory-fraction cap that did
+not bind are kept (device totals are only measured when a setup had the GPU to itself). Per technique group and overall: rows, median and p95
+|relative error| of peak allocated, peak reserved and device total (nvidia-smi), and the worst under-prediction of
+peak allocated (the error that causes OOMs). Rows marked gate=no are included (the table is the honest one).
+
+    python benchmarks/accuracy.py [--data data/measured] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUANTITIES = (("allocated", "peak_allocated_bytes"), ("reserved", "peak_reserved_bytes"),
+              ("device", "device_total_bytes"))
+
+
+def group_of(setup) -> str:
+    """The technique group a row is reported under."""
+    if setup.mode == "infer":
+        return "inference" + (f" {setup.quant}" if setup.quant else "")
+    if setup.technique == "full":
+        return f"full {setup.precision}"
+    if setup.technique == "lora" and setup.quant:
+        return f"lora on {setup.quant}"
+    return setup.technique
+
+
+def measured_errors(data: Path) -> list[dict]:
+    """One dict per usable GPU row: model, label, group, gated, and the relative error of each quantity."""
+    from memplan import libs
+    from memplan.check import _label
+    from memplan.estimate import estimate
+    from memplan.measured import int_or_none, measured_files, read_rows, setup_from_row
+
+    out = []
+    for path in measured_files([str(data)]):
+        for row in read_rows(path):
+            if row.get("device", "cuda") != "cuda" or row.get("status") != "ok":
+                continue
+            setup = setup_from_row(row)
+            with libs.assume(transformers=row.get("transformers")):
+                est = estimate(row["model"], setup)
+            rec = {"model": row["model"], "label": _label(row), "group": group_of(setup),
+                   "gated": (row.get("gate") or "yes").lower() not in ("no", "false", "0")}
+            for name, attr in QUANTITIES:
+                measured = int_or_none(row.get(f"measured_{name}_bytes"))
+                rec[name] = (getattr(est, attr) - measured) / measured if measured else None
+            out.append(rec)
+    return out
+
+
+def _p95(values: list[float]) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, round(0.95 * (len(v) - 1)))]
+
+
+def summarise(rows: list[dict], name: str) -> dict:
+    out = {"group": name, "rows": len(rows)}
+    for q, _ in QUANTITIES:
+        errs = [abs(r[q]) for r in rows if r[q] is not None]
+        out[f"{q}_median"] = statistics.median(errs) if errs else None
+        out[f"{q}_p95"] = _p95(errs) if errs else None
+    under = min((r["allocated"] for r in rows if r["allocated"] is not None), default=None)
+    out["worst_under"] = under if under is not None and under < 0 else 0.0
+    out["within_3"] = sum(1 for r in rows if r["allocated"] is not None and abs(r["allocated"]) <= 0.03)
+    return out
+
+
+def table(rows: list[dict]) -> list[dict]:
+    groups = sorted({r["group"] for r in rows})
+    return [summarise([r for r in rows if r["group"] == g], g) for g in groups] + [summarise(rows, "all")]
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def markdown(summary: list[dict], rows: list[dict], gpus: str) -> str:
+    lines = [f"# Estimator accuracy on GPU measurements ({datetime.date.today().isoformat()})", "",
+             f"Source: data/measured/ ({gpus}); `python benchmarks/accuracy.py`. |error| = |predicted - measured| / "
+             "measured; under-prediction = predicted below measured (negative).", "",
+             "| technique | rows | allocated median | allocated p95 | reserved median | reserved p95 | device median | "
+             "device p95 | worst under-prediction (allocated) | within 3% |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summary:
+        name = f"**{s['group']}**" if s["group"] == "all" else s["group"]
+        lines.append(f"| {name} | {s['rows']} | {_pct(s['allocated_median'])} | {_pct(s['allocated_p95'])} | "
+                     f"{_pct(s['reserved_median'])} | {_pct(s['reserved_p95'])} | {_pct(s['device_median'])} | "
+                     f"{_pct(s['device_p95'])} | {_pct(s['worst_under'])} | {s['within_3']} |")
+    worst = sorted(rows, key=lambda r: -abs(r["allocated"] or 0))[:15]
+    lines += ["", "Largest allocated errors:", "", "| model | setup | allocated | reserved | device | gated |",
+              "|---|---|---:|---:|---:|---|"]
+    for r in worst:
+        lines.append(f"| {r['model']} | {r['label']} | {_pct(r['allocated'])} | {_pct(r['reserved'])} | "
+                     f"{_pct(r['device'])} | {'yes' if r['gated'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(ROOT / "data" / "measured"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    a = ap.parse_args(argv)
+    rows = measured_errors(Path(a.data))
+    if not rows:
+        print("no GPU measurements found", file=sys.stderr)
+        return 1
+    import pandas as pd
+
+    from memplan.fileio import write_text_atomic
+    from memplan.measured import measured_files, read_rows
+    gpus = sorted({r.get("gpu", "") for p in measured_files([a.data]) for r in read_rows(p)
+                   if r.get("gpu") and r.get("device", "cuda") == "cuda"})
+    summary = table(rows)
+    out = Path(a.out)
+    write_text_atomic(out / "accuracy.md", markdown(summary, rows, ", ".join(gpus)))
+    write_text_atomic(out / "accuracy.csv", pd.DataFrame(rows).to_csv(index=False))
+    print(markdown(summary, rows, ", ".join(gpus)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
