@@ -29,3 +29,24 @@ def test_every_row_is_estimated_or_explained():
     # step sets the peak; the estimate must stay within 3% of the 67.46 GiB measured.
     f02 = next(r for r in done if r["id"] == "F02")
     assert abs(f02["rel_error"]) < 0.03 and f02["peak_phase"] == "optimizer_step"
+
+
+def _accuracy():
+    spec = importlib.util.spec_from_file_location("accuracy", ROOT / "benchmarks" / "accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_accuracy_table_counts_every_ok_gpu_row_and_summarises_each_group(tmp_path):
+    from memplan.measured import measured_files, read_rows
+    acc = _accuracy()
+    data = ROOT / "data" / "measured"
+    rows = acc.measured_errors(data)
+    ok = [r for p in measured_files([str(data)]) for r in read_rows(p)
+          if r.get("device", "cuda") == "cuda" and r.get("status") == "ok"]
+    assert len(rows) == len(ok) >= 100
+    summary = acc.table(rows)
+    assert summary[-1]["group"] == "all" and summary[-1]["rows"] == len(rows)
+    assert sum(s["rows"] for s in summary[:-1]) == len(rows)
+    assert acc.main(["--out", str(tmp_path)]) == 0 and "| **all** |" in (tmp_path / "accuracy.md").read_text()
