@@ -18,6 +18,7 @@ from pathlib import Path
 
 from memplan import libs
 from memplan.errors import MemplanError
+from memplan.gpus import assume_gpu
 from memplan.measured import QUANTITIES, int_or_none, measured_files, read_rows, setup_from_row
 from memplan.units import GiB
 
@@ -95,7 +96,8 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
     base = dict(file=file, key=row.get("key", ""), model=row["model"], status=status, tolerance=tol, gated=gated)
     try:
         label = _label(row)
-        with libs.assume(transformers=row.get("transformers")):  # the release the row ran with (memplan.libs)
+        # the transformers release and the GPU the row ran with (memplan.libs)
+        with libs.assume(transformers=row.get("transformers")), assume_gpu(row.get("gpu") or None):
             est = estimator(row["model"], setup_from_row(row))
     except MemplanError as e:
         return CheckRow(label=row.get("technique", ""), quantity="", measured_bytes=None, predicted_bytes=None,

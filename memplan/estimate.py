@@ -87,6 +87,17 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
     return _assemble(ctx, phases)
 
 
+def estimator_for(gpu):
+    """estimate() as for `gpu` (its architecture sets the cuBLAS workspace: memory.overhead); fit, plan and doctor
+    estimate through it for the card they plan for."""
+    from memplan import libs
+
+    def run(model, setup: Setup | None = None, **fields) -> Estimate:
+        with libs.assume(compute_capability=getattr(gpu, "compute_capability", None) or None):
+            return estimate(model, setup, **fields)
+    return run
+
+
 def _resident(ctx: Ctx) -> dict[str, int]:
     paged = ctx.training and opt.is_paged(ctx)
     return {
@@ -94,7 +105,7 @@ def _resident(ctx: Ctx) -> dict[str, int]:
         "quant_state": weights.quant_state_bytes(ctx),
         "lora_adapters": weights.lora_bytes(ctx) if ctx.training else 0,
         "optimizer_state": opt.optimizer_state_bytes(ctx) if ctx.training and not paged else 0,
-        "cublas_workspace": overhead.CUBLAS_WORKSPACE_BYTES,
+        "cublas_workspace": overhead.cublas_workspace_bytes(ctx.training),
     }
 
 

@@ -189,7 +189,8 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
     """Evaluate every FIT_OPTIONS row for `spec` on one `gpu` at `seq_len`, and the SCALE_OUT_OPTIONS rows across
     the fewest such GPUs (or `num_gpus` of them)."""
     if estimator is None:
-        from memplan.estimate import estimate as estimator
+        from memplan.estimate import estimator_for
+        estimator = estimator_for(gpu)
     rows = []
     for name, setup in option_setups(spec, gpu, seq_len):
         try:

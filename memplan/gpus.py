@@ -116,3 +116,16 @@ def resolve_gpu(name: str | None = None, memory: int | str | None = None) -> Gpu
         raise BadInput('no GPU detected (NVML found none); name one with --gpu (e.g. --gpu "RTX 3060") or give '
                        "its memory with --memory 12GiB; `memplan gpus` lists the names")
     return found[0]
+
+
+def assume_gpu(gpu: "Gpu | str | None"):
+    """Estimate for this GPU's architecture (a Gpu or a name as NVML reports it; unknown names assume nothing):
+    the cuBLAS workspace size depends on it (memory.overhead.cublas_workspace_bytes)."""
+    from memplan import libs
+    from memplan.errors import MemplanError
+    if isinstance(gpu, str):
+        try:
+            gpu = find_gpu(gpu)
+        except MemplanError:
+            gpu = None
+    return libs.assume(compute_capability=gpu.compute_capability if gpu else None)

@@ -1,4 +1,5 @@
-"""The library versions an estimate models: those installed here, or those a stored measurement ran with.
+"""The library versions (and GPU architecture) an estimate models: those installed here, or those a stored
+measurement ran with.
 
 A few memory effects depend on the transformers release (which attention kernel a model's mask lets sdpa pick, for
 one). The estimate models the installed release, which is the one a user trains with; `memplan check` re-estimates
@@ -30,6 +31,11 @@ def version(package: str) -> tuple[int, ...] | None:
         return None
 
 
+def assumed(name: str) -> str | None:
+    """A non-package assumption (e.g. compute_capability="9.0" of the GPU being planned for), None when unset."""
+    return _ASSUMED.get().get(name)
+
+
 def older_than(package: str, release: tuple[int, ...]) -> bool:
     """Whether `package` is known to predate `release` (unknown versions count as current)."""
     v = version(package)
@@ -38,7 +44,8 @@ def older_than(package: str, release: tuple[int, ...]) -> bool:
 
 @contextlib.contextmanager
 def assume(**versions: str | None):
-    """Estimate as if these package versions were installed (empty or None values are ignored)."""
+    """Estimate as if these package versions were installed, or as for this GPU (compute_capability="8.6"); empty
+    or None values are ignored."""
     token = _ASSUMED.set({**_ASSUMED.get(), **{k: v for k, v in versions.items() if v}})
     try:
         yield

@@ -374,7 +374,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
         from memplan.gpus import resolve_gpu
         gpu = resolve_gpu(gpu, memory)
     if estimator is None:
-        from memplan.estimate import estimate as estimator
+        from memplan.estimate import estimator_for
+        estimator = estimator_for(gpu)
 
     problems = []
     if prefer not in PREFERENCES:

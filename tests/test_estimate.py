@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.estimate import estimate
-from memplan.memory.overhead import CUBLAS_WORKSPACE_BYTES
+from memplan.memory.overhead import cublas_workspace_bytes
+
+CUBLAS_WORKSPACE_BYTES = cublas_workspace_bytes(training=True)  # two threads (forward, autograd) x 32 MiB
 from memplan.memory.optimizer import _bnb8_state
 from memplan.memory.weights import NF4_BLOCK, nf4_state_bytes
 from memplan.setup import Setup
