@@ -141,17 +141,18 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
 @handle_errors
 def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **options):
     """Run the real training step on fake tensors (no GPU) and report the measured peak: ground truth for the
-    estimate. With --sharding fsdp-full-shard|fsdp-shard-grad-op --num-gpus N: rank 0 of real FSDP2 over a fake
-    process group."""
+    estimate. With --sharding fsdp-full-shard|fsdp-shard-grad-op|zero1|zero2|zero3 --num-gpus N: rank 0 of real
+    FSDP2 / DeepSpeed ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
     from memplan.models import load_spec
     from memplan.trace import compare as compare_fn
     from memplan.trace import trace
 
     setup = setup_from_options(options)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
-    if setup.sharding != "none":  # one rank of FSDP over a fake process group (memplan.trace_sharded)
-        from memplan.trace_sharded import trace_sharded
-        result = trace_sharded(spec, setup, layers=layers, steps=steps)
+    if setup.sharding != "none":  # one rank over a fake process group (memplan.trace_sharded)
+        from memplan.trace_sharded import trace_deepspeed, trace_sharded
+        run = trace_deepspeed if setup.engine == "deepspeed" else trace_sharded
+        result = run(spec, setup, layers=layers, steps=steps)
     else:
         result = trace(spec, setup, layers=layers, steps=steps)
     cmp = None

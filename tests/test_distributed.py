@@ -44,6 +44,8 @@ def test_zero_model_states_match_the_paper(sharding, per_param, n):
                              num_gpus=min(n, 8), num_nodes=max(1, n // 8)))
     expected = per_param(n) * spec.numel_total
     persistent = 0
+    if sharding == "zero2":  # the contiguous gradient buffer also covers the tensor cut by the partition boundary
+        persistent = 2 * max(p.numel for p in spec.params)
     if sharding == "zero3":  # parameters below stage3_param_persistence_threshold (10 x hidden) stay whole
         persistent = sum(p.numel for p in spec.params if p.numel < 10 * spec.arch.hidden_size) * 2 * (1 - 1 / n)
     assert _states(e) == pytest.approx(expected + persistent, rel=1e-3)
@@ -196,12 +198,42 @@ def test_fsdp_estimate_within_5_percent_of_the_fake_process_group_trace(model, s
     assert traced.components["optimizer_state"] == pytest.approx(8 * spec.numel_total / 8, rel=0.01)
 
 
-def test_cli_trace_sharded_and_refuses_deepspeed():
+def test_cli_trace_sharded_and_refuses_ddp():
     r = CliRunner().invoke(main, ["trace", "HuggingFaceTB/SmolLM2-135M", "--technique", "full", "--precision",
                                   "bf16-mixed", "--sharding", "fsdp-full-shard", "--num-gpus", "4", "--batch-size",
                                   "1", "--seq-len", "64", "--layers", "1", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output[r.output.index("{"):])
     assert d["comparison"]["rel_error"] == pytest.approx(0, abs=0.1)
-    r = CliRunner().invoke(main, ["trace", "gpt2", "--sharding", "zero3", "--num-gpus", "4"])
-    assert r.exit_code == 2 and "FSDP" in r.output
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--sharding", "ddp", "--num-gpus", "4"])
+    assert r.exit_code == 2 and "without --sharding" in r.output
+
+
+def _cut(tmp_path, model: str, layers: int) -> str:
+    """A config.json of `model` with `layers` blocks (the ZeRO trace runs real tensors: small models only)."""
+    from memplan.models import config_dict
+    d = config_dict(load_spec(model))
+    d["num_hidden_layers"] = layers
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["TinyLlama/TinyLlama-1.1B-Chat-v1.0", "HuggingFaceTB/SmolLM2-135M"])
+def test_zero3_estimate_within_5_percent_of_the_deepspeed_trace(tmp_path, model):
+    """Rank 0 of real DeepSpeed ZeRO-3 (deepspeed.initialize with the JSON memplan writes, torch AdamW) on its CPU
+    accelerator over a fake process group of 4 (memplan.trace_sharded.trace_deepspeed), models cut to 4 blocks.
+    Measured 2026-11-23: TinyLlama -0.7%, SmolLM2-135M (tied embedding) -4.3%; Llama-3.2-1B cut to 4 blocks -5.0%
+    (tied embeddings' backward under ZeRO is under-counted: see issue 7's note)."""
+    pytest.importorskip("deepspeed")
+    from memplan.trace import comparable_estimate_bytes
+    from memplan.trace_sharded import trace_deepspeed
+
+    config = _cut(tmp_path, model, 4)
+    s = Setup(technique="full", precision="bf16-mixed", optimizer="adamw-fused", sharding="zero3", num_gpus=4,
+              batch_size=2, seq_len=64)
+    traced = trace_deepspeed(config, s)
+    assert comparable_estimate_bytes(estimate(config, s)) == pytest.approx(traced.peak_allocated_bytes, rel=0.05)
+    # after the step: 16-bit partition + fp32 master + Adam moments + the 16-bit gradient buffer, each / 4
+    assert traced.phases["optimizer"] > 16 * load_spec(config).numel_total / 4

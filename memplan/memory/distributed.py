@@ -192,6 +192,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
     reduce_bucket = min(buckets["reduce_bucket_size"], t) * gb
     partition = math.ceil(t / n)
     host = (math.ceil(states / n) + partition * 4) if offload_opt else 0  # + the fp32 gradient partition
+    retained = 0
     if stage == 3:
         persistent = sum(_stored_bytes(ctx, p, pb) for p in ctx.spec.params
                          if p.numel <= buckets["stage3_param_persistence_threshold"])
@@ -200,6 +201,10 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
         largest = max((m.in_features * m.out_features for m in ctx.spec.linears), default=0)
         live = largest + min(buckets["stage3_max_live_parameters"], buckets["stage3_prefetch_bucket_size"])
         gathered = live * pb
+        # a gathered parameter is not released when it is used again within stage3_max_reuse_distance elements
+        # (partitioned_param_coordinator.py __params_to_release): the blocks nearest the forward/backward
+        # turnaround (reuse distance 2 x the elements after them) stay gathered from their forward to their backward
+        retained = min(sum(p.numel for p in ctx.spec.params), buckets["stage3_max_reuse_distance"] // 2) * pb
         grads = 0 if offload_opt else partition * gb
         comm, comm_backward = reduce_bucket, 0
         sub_group = min(SUB_GROUP_SIZE, partition)
@@ -209,14 +214,20 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
             host += math.ceil((sharded + lora_numel * pb) / n)
     else:
         resident, gathered, lora = base, 0, lora_numel * pb
-        grads = t * gb if stage == 1 else (0 if offload_opt else partition * gb)
+        # stage 2's contiguous gradient buffer covers every parameter that touches the rank's partition in full
+        # (stage_1_and_2.py grads_in_partition): the partition plus up to the largest trainable tensor
+        largest_t = max((p.numel for p in ctx.spec.params if p.name in ctx.trainable), default=0)
+        grads = t * gb if stage == 1 else (0 if offload_opt else (partition + largest_t) * gb)
         comm = max((p.numel for p in ctx.spec.params if p.name in ctx.trainable), default=0) * gb if offload_opt else 0
         comm_backward = reduce_bucket
-        step_tmp = 0 if offload_opt else partition * 4
+        # the step's gradient norm runs in fp64 (get_norm_dtype() on CUDA) over the partition: 8 B per element,
+        # more than the fp32 copy of the partition made next
+        step_tmp = 0 if offload_opt else partition * 8
     step_tmp += 0 if offload_opt else math.ceil(opt.optimizer_temp_bytes(dataclasses.replace(ctx, weight_bytes=4)) / n)
     return RankState(weights=resident, lora_adapters=lora, master_and_optimizer=0 if offload_opt else math.ceil(states / n),
-                     gradients=grads, comm_buffers=comm, comm_backward=comm_backward, gathered_forward=gathered,
-                     gathered_backward=gathered, gathered_backward_end=gathered, step_temporaries=step_tmp,
+                     gradients=grads, comm_buffers=comm, comm_backward=comm_backward,
+                     gathered_forward=gathered + retained, gathered_backward=gathered + retained,
+                     gathered_backward_end=gathered, step_temporaries=step_tmp,
                      host_bytes=host, nccl_device_bytes=nccl)
 
 
