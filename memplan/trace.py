@@ -173,14 +173,15 @@ class StorageTracker:
         return sum(n for s, n in self.live.values() if s in self.excluded)
 
 
-def _dispatch_mode(tracker: StorageTracker):
+def _dispatch_mode(tracker: StorageTracker, compute=None):
+    """The tracking mode; compute(func, args, kwargs), when given, runs each op instead of func itself."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     class _Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            out = compute(func, args, kwargs or {}) if compute else func(*args, **(kwargs or {}))
             tracker.op = func.__name__
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):

@@ -26,7 +26,7 @@ import contextlib
 
 from memplan.errors import BadInput
 from memplan.setup import FSDP_SHARDINGS, Setup
-from memplan.trace import StorageTracker, TraceResult, _extrapolate, _result, _round, _run
+from memplan.trace import StorageTracker, TraceResult, _dispatch_mode, _extrapolate, _result, _round, _run
 
 
 class ShardedTracker(StorageTracker):
@@ -153,7 +153,6 @@ def trace_sharded(model, setup: Setup, layers: int | None = None, steps: int = 2
 def _fp32_matmul_mode(tracker: StorageTracker):
     """The tracker's dispatch mode, computing bf16 matmuls in fp32 (untracked inputs' copies, output cast back)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_map
 
     mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -162,21 +161,12 @@ def _fp32_matmul_mode(tracker: StorageTracker):
     def up(a):
         return a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
 
-    class _Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in mm and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
-                                  for a in tree_flatten(args)[0]):
-                out = func(*tree_map(up, args), **kwargs).to(torch.bfloat16)
-            else:
-                out = func(*args, **kwargs)
-            tracker.op = func.__name__
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    tracker.serial_of(t)
-            return out
+    def compute(func, args, kwargs):
+        if func in mm and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in tree_flatten(args)[0]):
+            return func(*tree_map(up, args), **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
 
-    return _Mode()
+    return _dispatch_mode(tracker, compute)
 
 
 @contextlib.contextmanager
