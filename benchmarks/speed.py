@@ -49,17 +49,26 @@ def plan_rates() -> list[tuple[str, str, str]]:
     from memplan.search import plan
 
     rows = []
-    for model, gpu, prefer in (("meta-llama/Llama-2-7b-hf", "RTX 3060", "quality"),
-                               ("meta-llama/Llama-2-7b-hf", "RTX 4090", "speed"),
-                               ("meta-llama/Llama-2-70b-hf", "RTX 3060", "quality")):
+    for model, gpu, prefer, pins in (("meta-llama/Llama-2-7b-hf", "RTX 3060", "quality", {}),
+                                     ("meta-llama/Llama-2-7b-hf", "RTX 4090", "speed", {}),
+                                     ("meta-llama/Llama-2-70b-hf", "RTX 3060", "quality", {"num_gpus": 1}),
+                                     ("meta-llama/Llama-2-70b-hf", "A100 80GB", "quality", {"num_gpus": 8})):
         spec = load_spec(model)
-        plan(spec, find_gpu(gpu))  # warm caches
+        pins = {**pins, "host_memory": "1TiB"}
+        plan(spec, find_gpu(gpu), **pins)  # warm caches
         t = time.perf_counter()
-        p = plan(spec, find_gpu(gpu), prefer=prefer)
+        p = plan(spec, find_gpu(gpu), prefer=prefer, **pins)
         dt = time.perf_counter() - t
-        rows.append((f"`plan {model} --gpu \"{gpu}\" --prefer {prefer}`: candidate setups estimated per second "
-                     f"({p.evaluated} in {dt:.2f} s, {'fits' if p.fits else 'nothing fits'})",
+        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in pins.items())
+        rows.append((f"`plan {model} --gpu \"{gpu}\" --prefer {prefer}{flags}`: candidate setups estimated per "
+                     f"second ({p.evaluated} in {dt:.2f} s, {'fits' if p.fits else 'nothing fits'})",
                      f"{p.evaluated / dt:,.0f} /s", ">= 1,000 /s"))
+    spec = load_spec("meta-llama/Llama-2-70b-hf")
+    t = time.perf_counter()
+    p = plan(spec, find_gpu("RTX 3060"), host_memory="1TiB")
+    rows.append(("`plan meta-llama/Llama-2-70b-hf --gpu \"RTX 3060\"` (nothing fits one: the fewest GPUs, then "
+                 f"their plan: {p.setup.world_size if p.fits else 'none'} GPUs; in process)",
+                 f"{time.perf_counter() - t:.1f} s", "-"))
     return rows
 
 

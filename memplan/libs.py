@@ -8,7 +8,6 @@ each stored row under the versions recorded in it (memplan.measured ENV_FIELDS),
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import re
 from contextvars import ContextVar
 
@@ -25,6 +24,7 @@ def version(package: str) -> tuple[int, ...] | None:
     v = _ASSUMED.get().get(package)
     if v:
         return _parse(v)
+    import importlib.metadata  # lazily: 25 ms of the core's import time
     try:
         return _parse(importlib.metadata.version(package))
     except importlib.metadata.PackageNotFoundError:
