@@ -46,6 +46,10 @@ def model_section(spec, s: Setup) -> dict:
         out["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": s.quant,
                                       "bnb_4bit_use_double_quant": s.double_quant,
                                       "bnb_4bit_compute_dtype": TORCH_DTYPE_NAMES[s.compute_dtype]}
+        if s.engine == "fsdp" or s.sharding == "zero3":
+            # FSDP/ZeRO-3 flatten and shard the 4-bit weights together with the 16-bit ones: they must be stored
+            # in that dtype (peft's FSDP/DeepSpeed QLoRA guides: bnb_4bit_quant_storage)
+            out["quantization_config"]["bnb_4bit_quant_storage"] = TORCH_DTYPE_NAMES[s.compute_dtype]
     elif s.quant == "int8":
         out["quantization_config"] = {"load_in_8bit": True}
     if s.quant and s.mode == "train":
@@ -245,8 +249,9 @@ def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
     qconf = None
     if m.get("quantization_config"):
         q = dict(m["quantization_config"])
-        if "bnb_4bit_compute_dtype" in q:
-            q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+        for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
+            if key in q:
+                q[key] = getattr(torch, q[key])
         qconf = transformers.BitsAndBytesConfig(**q)
     kwargs = {"dtype": getattr(torch, m["dtype"]), "attn_implementation": m["attn_implementation"]}
     if qconf is not None:

@@ -116,3 +116,20 @@ def test_single_gpu_plans_write_no_launcher_files(tmp_path):
     assert not any(f.exists() for f in launcher_paths(path))
     assert "accelerate" not in yaml.safe_load(path.read_text())
     assert os.listdir(tmp_path) == ["plan.yaml"]
+
+
+def test_sharded_qlora_plan_stores_4bit_weights_in_the_compute_dtype(tmp_path):
+    """FSDP-QLoRA: the 4-bit weights are sharded with the bf16 ones, so the plan sets bnb_4bit_quant_storage, and
+    load_plan turns it into a real BitsAndBytesConfig."""
+    import torch
+
+    from memplan.export import load_plan
+    spec = load_spec("meta-llama/Llama-2-70b-hf")
+    p = plan(spec, find_gpu("RTX 3060"), technique="qlora", num_gpus=8, sharding="fsdp-full-shard",
+             host_memory="2TiB")
+    assert p.fits
+    path = write_plan(p, spec, tmp_path / "plan.yaml")
+    doc = yaml.safe_load(path.read_text())
+    assert doc["model"]["quantization_config"]["bnb_4bit_quant_storage"] == "bfloat16"
+    loaded = load_plan(path, output_dir=str(tmp_path / "out"), use_cpu=not torch.cuda.is_available())
+    assert loaded.quantization_config.bnb_4bit_quant_storage == torch.bfloat16
