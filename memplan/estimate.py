@@ -15,7 +15,7 @@ from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
 from memplan.memory import overhead, quant, weights
 from memplan.memory.context import Ctx, resolve
-from memplan.setup import Setup
+from memplan.setup import Setup, sharding_label
 from memplan.spec import ModelSpec
 
 #: display order of components; device-only terms last.
@@ -90,10 +90,10 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
 def estimator_for(gpu):
     """estimate() as for `gpu` (its architecture sets the cuBLAS workspace: memory.overhead); fit, plan and doctor
     estimate through it for the card they plan for."""
-    from memplan import libs
+    from memplan.gpus import assume_gpu
 
     def run(model, setup: Setup | None = None, **fields) -> Estimate:
-        with libs.assume(compute_capability=getattr(gpu, "compute_capability", None) or None):
+        with assume_gpu(gpu):
             return estimate(model, setup, **fields)
     return run
 
@@ -232,10 +232,8 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
 
 def _notes(ctx: Ctx) -> tuple[str, ...]:
     notes = [f"attention: {ctx.attn_impl}"]
-    s = ctx.setup
-    if dist.is_distributed(s):
-        notes.append(f"per GPU of {s.world_size} ({s.sharding}" + (f", offload {s.offload}" if s.offload != "none"
-                                                                  else "") + ")")
+    if dist.is_distributed(ctx.setup):
+        notes.append(f"per GPU: {sharding_label(ctx.setup)}")
     if ctx.training and opt.is_paged(ctx):
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")

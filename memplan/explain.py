@@ -8,7 +8,7 @@ from memplan.errors import MemplanError
 from memplan.gpus import load_gpus
 from memplan.memory.overhead import CUDA_CONTEXT_BYTES
 from memplan.search import TECHNIQUE_ORDER, Alternative, Candidate, Plan, _budget, _Search
-from memplan.setup import Setup
+from memplan.setup import Setup, sharding_label
 from memplan.units import fmt_gib
 
 
@@ -27,11 +27,7 @@ def describe(s: Setup) -> str:
     if s.grad_ckpt:
         parts.append("checkpointing")
     if s.sharding != "none":
-        name = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
-                "fsdp-shard-grad-op": "FSDP shard-grad-op", "fsdp-full-shard": "FSDP full shard"}[s.sharding]
-        off = {"optimizer": " + CPU optimizer offload", "params+optimizer": " + CPU param/optimizer offload"}
-        nodes = f" ({s.num_nodes} nodes x {s.num_gpus})" if s.num_nodes > 1 else ""
-        parts.append(f"{name}{off.get(s.offload, '')} on {s.world_size} GPUs{nodes}")
+        parts.append(sharding_label(s))
     parts.append(f"micro-batch {s.batch_size} x {s.grad_accum}")
     return ", ".join(parts)
 

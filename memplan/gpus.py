@@ -128,4 +128,4 @@ def assume_gpu(gpu: "Gpu | str | None"):
             gpu = find_gpu(gpu)
         except MemplanError:
             gpu = None
-    return libs.assume(compute_capability=gpu.compute_capability if gpu else None)
+    return libs.assume(compute_capability=getattr(gpu, "compute_capability", None) or None)

@@ -17,8 +17,8 @@ def estimate_table(e) -> Table:
     what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
             + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""))
     if s.sharding != "none":
-        what += f" · {s.sharding}" + (f" + offload {s.offload}" if s.offload != "none" else "") + \
-            f" · per GPU of {s.world_size}"
+        from memplan.setup import sharding_label
+        what += f" · per GPU: {sharding_label(s)}"
     t = Table(title=f"{e.model}\n{what}", title_justify="left")
     t.add_column("component")
     t.add_column("GiB", justify="right")

@@ -160,10 +160,14 @@ def _precisions(technique: str, bf16: bool) -> tuple[str, ...]:
     return (f"{half}-mixed", "fp32", half)
 
 
+def _world(pinned: dict) -> int:
+    """The GPU count the pins ask for (1 when none is pinned)."""
+    return pinned.get("num_gpus", 1) * pinned.get("num_nodes", 1)
+
+
 def _shardings(pinned: dict) -> tuple[tuple[str, str], ...]:
     """(sharding, offload) pairs to search: none on one GPU unless pinned, SHARDING_ORDER across several."""
-    world = pinned.get("num_gpus", 1) * pinned.get("num_nodes", 1)
-    pairs = tuple((sh, off) for sh, off, _ in SHARDING_ORDER) if world > 1 else (("none", "none"),)
+    pairs = tuple((sh, off) for sh, off, _ in SHARDING_ORDER) if _world(pinned) > 1 else (("none", "none"),)
     if "sharding" in pinned:  # invalid offloads for it are dropped with the Setup's validation
         pairs = tuple((pinned["sharding"], off) for off in ("none", "optimizer", "params+optimizer"))
     if "offload" in pinned:
@@ -401,11 +405,11 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
                 estimator=estimator, alternatives=alternatives, host_budget=host_budget)
     if not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
-        single = _plan_at(spec, gpu, pinned, **opts)
+        single = _plan_at(spec, gpu, pinned, opts)
         if single.fits:
             return single
         return fewest_gpus(spec, gpu, pinned, single, opts)
-    return _plan_at(spec, gpu, pinned, **opts)
+    return _plan_at(spec, gpu, pinned, opts)
 
 
 def host_memory_bytes() -> int | None:
@@ -446,7 +450,7 @@ def fewest_gpus(spec, gpu: Gpu, pinned: dict, single: Plan, opts: dict) -> Plan:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if feasible(counts[mid]) else (mid, hi)
-    best = _plan_at(spec, gpu, {**pinned, **gpu_layout(counts[hi])}, **opts)
+    best = _plan_at(spec, gpu, {**pinned, **gpu_layout(counts[hi])}, opts)
     return dataclasses.replace(best, suggestions=(
         f"nothing fits one {gpu.name}: the fewest that fit are {counts[hi]} (pin --num-gpus to plan for another "
         "count)",))
@@ -456,20 +460,18 @@ def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> _Search:
     from memplan.memory.overhead import CUDA_CONTEXT_BYTES
 
     _, _, budget = _budget(gpu, opts["headroom"], CUDA_CONTEXT_BYTES)
-    world = pinned.get("num_gpus", 1) * pinned.get("num_nodes", 1)
-    per_rank = max(1, math.ceil(opts["effective_batch"] / world))
+    per_rank = max(1, math.ceil(opts["effective_batch"] / _world(pinned)))
     return _Search(spec, gpu, opts["seq_len"], per_rank, opts["prefer"], pinned, opts["estimator"], budget,
                    opts["host_budget"])
 
 
-def _plan_at(spec, gpu: Gpu, pinned: dict, *, seq_len, effective_batch, prefer, headroom, estimator, alternatives,
-             host_budget) -> Plan:
-    """The best plan with the GPU count (and any sharding) fixed by `pinned` (see plan)."""
+def _plan_at(spec, gpu: Gpu, pinned: dict, opts: dict) -> Plan:
+    """The best plan with the GPU count (and any sharding) fixed by `pinned` (see plan; opts: its settings)."""
     from memplan.memory.overhead import CUDA_CONTEXT_BYTES
 
+    seq_len, effective_batch, prefer, headroom = (opts[k] for k in ("seq_len", "effective_batch", "prefer", "headroom"))
     usable, reserve, budget = _budget(gpu, headroom, CUDA_CONTEXT_BYTES)
-    search = _search(spec, gpu, pinned, dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer,
-                                             headroom=headroom, estimator=estimator, host_budget=host_budget))
+    search = _search(spec, gpu, pinned, opts)
     setups = _setups(spec, seq_len, gpu.bf16, pinned)
     common = dict(model=spec.model_id, gpu=gpu, prefer=prefer, effective_batch=effective_batch, headroom=headroom,
                   usable_bytes=usable, headroom_bytes=reserve, budget_bytes=budget, pinned=dict(pinned, seq_len=seq_len))
@@ -501,5 +503,5 @@ def _plan_at(spec, gpu: Gpu, pinned: dict, *, seq_len, effective_batch, prefer, 
         return nothing_fits(search, setups, results, common)
     if prefer == "memory":
         order = sorted(results, key=lambda i: (not results[i].fits, results[i].key, i))
-    alts = explain_alternatives(search, setups, results, best_i, order, alternatives)
+    alts = explain_alternatives(search, setups, results, best_i, order, opts["alternatives"])
     return Plan(setup=best.setup, estimate=best.estimate, alternatives=alts, evaluated=search.evaluated, **common)

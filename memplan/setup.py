@@ -193,6 +193,17 @@ def _training_combinations(s: Setup) -> list[str]:
     return p
 
 
+_SHARDING_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+                   "fsdp-shard-grad-op": "FSDP shard-grad-op", "fsdp-full-shard": "FSDP full shard"}
+_OFFLOAD_NAMES = {"optimizer": " + CPU optimizer offload", "params+optimizer": " + CPU param/optimizer offload"}
+
+
+def sharding_label(s: Setup) -> str:
+    """How the setup spreads over GPUs, for people: 'ZeRO-3 + CPU optimizer offload on 16 GPUs (2 nodes x 8)'."""
+    nodes = f" ({s.num_nodes} nodes x {s.num_gpus})" if s.num_nodes > 1 else ""
+    return f"{_SHARDING_NAMES.get(s.sharding, s.sharding)}{_OFFLOAD_NAMES.get(s.offload, '')} on {s.world_size} GPUs{nodes}"
+
+
 def _distributed_combinations(s: Setup) -> list[str]:
     p: list[str] = []
     if s.sharding not in SHARDINGS or s.offload not in OFFLOADS or not isinstance(s.num_gpus, int) \

@@ -79,12 +79,17 @@ def ds_buckets(hidden_size: int) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------------ per-tensor facts
 
+def _unit(x) -> tuple | None:
+    """The FSDP unit / ZeRO-3 gather scope of a parameter or Linear: its transformer block ((stack, block)), or the
+    root unit (None: embeddings, final norm, head)."""
+    return (x.stack, x.block) if x.block is not None else None
+
+
 def _units(ctx: Ctx) -> dict[tuple, list]:
-    """Parameters grouped by FSDP unit / ZeRO-3 gather scope: one unit per transformer block ((stack, block)), the
-    rest (embeddings, final norm, head) in the root unit (key None)."""
+    """Parameters grouped by unit (_unit)."""
     units: dict[tuple, list] = defaultdict(list)
     for p in ctx.spec.params:
-        units[(p.stack, p.block) if p.block is not None else None].append(p)
+        units[_unit(p)].append(p)
     return units
 
 
@@ -93,15 +98,8 @@ def _lora_by_unit(ctx: Ctx) -> dict[tuple, int]:
     r = ctx.setup.lora_r
     out: dict[tuple, int] = defaultdict(int)
     for m in ctx.lora:
-        out[(m.stack, m.block) if m.block is not None else None] += r * m.rank_mult * (m.in_features + m.out_features)
+        out[_unit(m)] += r * m.rank_mult * (m.in_features + m.out_features)
     return out
-
-
-def _stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
-    """Bytes of one base parameter stored at `bytes_per` per element, quantized Linear weights at 0.5 | 1 byte."""
-    if p.name.removesuffix(".weight") in ctx.quantized and p.name.endswith(".weight"):
-        return p.numel * (0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0)
-    return p.numel * bytes_per
 
 
 def _param_bytes(ctx: Ctx) -> int:
@@ -111,10 +109,6 @@ def _param_bytes(ctx: Ctx) -> int:
     if s.engine == "deepspeed" and s.compute_dtype != "fp32" and not ctx.quantized:
         return ctx.compute_bytes
     return ctx.weight_bytes
-
-
-def _trainable_numel(ctx: Ctx) -> int:
-    return weights.trainable_numel(ctx)
 
 
 def _optimizer_state_fp32(ctx: Ctx) -> int:
@@ -183,9 +177,9 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
     sixteen = pb < 4  # 16-bit engine: fp32 master partition next to the optimizer state
     gb = pb  # gradients take the (engine) parameter dtype
     buckets = ds_buckets(ctx.spec.arch.hidden_size)
-    t = _trainable_numel(ctx)
+    t = weights.trainable_numel(ctx)
     lora_numel = weights.lora_numel(ctx)
-    base = sum(_stored_bytes(ctx, p, pb) for p in ctx.spec.params) + weights.quant_state_bytes(ctx)
+    base = sum(weights.stored_bytes(ctx, p, pb) for p in ctx.spec.params) + weights.quant_state_bytes(ctx)
     states = (t * 4 if sixteen else 0) + _optimizer_state_fp32(ctx)
     offload_opt = s.offload in ("optimizer", "params+optimizer")
     offload_par = s.offload == "params+optimizer"
@@ -194,7 +188,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
     host = (math.ceil(states / n) + partition * 4) if offload_opt else 0  # + the fp32 gradient partition
     retained = 0
     if stage == 3:
-        persistent = sum(_stored_bytes(ctx, p, pb) for p in ctx.spec.params
+        persistent = sum(weights.stored_bytes(ctx, p, pb) for p in ctx.spec.params
                          if p.numel <= buckets["stage3_param_persistence_threshold"])
         sharded = base - persistent
         resident = persistent + (0 if offload_par else math.ceil(sharded / n))
@@ -204,7 +198,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
         # a gathered parameter is not released when it is used again within stage3_max_reuse_distance elements
         # (partitioned_param_coordinator.py __params_to_release): the blocks nearest the forward/backward
         # turnaround (reuse distance 2 x the elements after them) stay gathered from their forward to their backward
-        retained = min(sum(p.numel for p in ctx.spec.params), buckets["stage3_max_reuse_distance"] // 2) * pb
+        retained = min(ctx.spec.numel_total, buckets["stage3_max_reuse_distance"] // 2) * pb
         grads = 0 if offload_opt else partition * gb
         comm, comm_backward = reduce_bucket, 0
         sub_group = min(SUB_GROUP_SIZE, partition)
@@ -218,7 +212,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
         # (stage_1_and_2.py grads_in_partition): the partition plus up to the largest trainable tensor
         largest_t = max((p.numel for p in ctx.spec.params if p.name in ctx.trainable), default=0)
         grads = t * gb if stage == 1 else (0 if offload_opt else (partition + largest_t) * gb)
-        comm = max((p.numel for p in ctx.spec.params if p.name in ctx.trainable), default=0) * gb if offload_opt else 0
+        comm = largest_t * gb if offload_opt else 0  # the GPU staging buffer of optimizer offload
         comm_backward = reduce_bucket
         # the step's gradient norm runs in fp64 (get_norm_dtype() on CUDA) over the partition: 8 B per element,
         # more than the fp32 copy of the partition made next
@@ -243,11 +237,11 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
     lora_units = _lora_by_unit(ctx)
 
     def unit_bytes(key, per: float) -> float:
-        return sum(_stored_bytes(ctx, p, per) for p in units.get(key, ())) + lora_units.get(key, 0) * per
+        return sum(weights.stored_bytes(ctx, p, per) for p in units.get(key, ())) + lora_units.get(key, 0) * per
 
-    base = sum(_stored_bytes(ctx, p, wb) for p in ctx.spec.params) + weights.quant_state_bytes(ctx)
+    base = sum(weights.stored_bytes(ctx, p, wb) for p in ctx.spec.params) + weights.quant_state_bytes(ctx)
     lora = weights.lora_numel(ctx) * 4
-    t = _trainable_numel(ctx)
+    t = weights.trainable_numel(ctx)
     trainable_units = _trainable_by_unit(ctx)
     blocks = [k for k in units if k is not None]
     block = max((unit_bytes(k, cb) for k in blocks), default=0)
@@ -260,7 +254,7 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
     else:
         fwd, bwd = root + 2 * block, end
     offload = s.offload == "params+optimizer"
-    states = _optimizer_state_fp32(ctx) if wb == 4 else opt.optimizer_state_bytes(ctx)
+    states = opt.optimizer_state_bytes(ctx)  # over the shards in their stored dtype
     host = math.ceil((base + lora + t * wb + states) / n) if offload else 0
     return RankState(weights=0 if offload else math.ceil(base / n), lora_adapters=0 if offload else math.ceil(lora / n),
                      master_and_optimizer=0 if offload else math.ceil(states / n),
@@ -276,7 +270,7 @@ def _trainable_by_unit(ctx: Ctx) -> dict[tuple, int]:
     out: dict[tuple, int] = defaultdict(int)
     for p in ctx.spec.params:
         if p.name in ctx.trainable:
-            out[(p.stack, p.block) if p.block is not None else None] += p.numel
+            out[_unit(p)] += p.numel
     for k, v in _lora_by_unit(ctx).items():
         out[k] += v
     return out

@@ -18,10 +18,8 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 #: (data/measured/gpu-h100.csv): with 2 x 32 MiB the median |error| of peak allocated fell from 0.91% to 0.30%.
 CUBLAS_WORKSPACE_LARGE = 32 * MiB
 CUBLAS_WORKSPACE_SMALL = 2 * 4096 * 1024 + 8 * 16 * 1024
-#: compute-capability majors with the 32 MiB default
+#: compute-capability majors with the 32 MiB default (an unknown GPU gets it too: never under-predicts)
 LARGE_WORKSPACE_MAJORS = (9, 10, 12)
-#: the single-thread workspace on an unknown GPU (the larger default: never under-predicts)
-CUBLAS_WORKSPACE_BYTES = CUBLAS_WORKSPACE_LARGE
 
 
 def cublas_workspace_bytes(training: bool) -> int:

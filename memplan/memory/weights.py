@@ -15,8 +15,12 @@ NESTED_BLOCK = 256
 INT8_ROW_SCALE_BYTES = 4
 
 
-def _quantized_weight_names(ctx: Ctx) -> set[str]:
-    return {name + ".weight" for name in ctx.quantized}
+def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
+    """Bytes of one base parameter stored at `bytes_per` per element; a quantized Linear's weight at 0.5 (4-bit)
+    or 1 (int8) byte per element."""
+    if p.name.endswith(".weight") and p.name[:-len(".weight")] in ctx.quantized:
+        return p.numel * (0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0)
+    return p.numel * bytes_per
 
 
 def weights_bytes(ctx: Ctx) -> int:
@@ -25,11 +29,7 @@ def weights_bytes(ctx: Ctx) -> int:
     Unique tensors only (tied embeddings counted once: ModelSpec lists unique params). Added tokens grow the input
     embedding and an untied lm_head by added_tokens x hidden rows (transformers resize_token_embeddings).
     """
-    qnames = _quantized_weight_names(ctx)
-    qbytes = 0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0
-    total = 0.0
-    for p in ctx.spec.params:
-        total += p.numel * (qbytes if p.name in qnames else ctx.weight_bytes)
+    total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params)
     return int(total) + _added_token_bytes(ctx) * ctx.weight_bytes
 
 
