@@ -70,7 +70,12 @@ def scale_out_table(result) -> Table:
         if r.error:
             t.add_row(r.option, "n/a", "-", "-", r.error.splitlines()[0][:60])
             continue
-        gpus = str(r.gpus) if r.fits else ("[red]does not fit[/]" if result.num_gpus else "[red]> 512[/]")
+        if r.fits:
+            gpus = str(r.gpus)
+        elif result.num_gpus:
+            gpus = "[red]does not fit[/]"
+        else:  # DDP replicas never need less per GPU; sharded options were tried up to max(GPU_COUNTS)
+            gpus = "[red]never (replicas)[/]" if r.setup.sharding == "ddp" else "[red]> 512[/]"
         host = _gib(r.host_bytes_per_node) if r.host_bytes_per_node else ""
         t.add_row(r.option, gpus, _gib(r.per_gpu_bytes), str(r.max_batch_size) if r.fits else "0", host)
     return t
