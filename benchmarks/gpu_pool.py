@@ -31,9 +31,11 @@ HEADROOM = 1.5  # cap = predicted device total x this (a run needing more is an 
 
 
 def gpu_total_bytes() -> int:
-    import pynvml
-    pynvml.nvmlInit()
-    return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    """The total that set_per_process_memory_fraction takes a fraction of (the CUDA device's, as memplan.validate
+    uses): NVML's total is larger (81,559 vs 81,079 MiB on an H100 80GB HBM3), and fractions of it capped session
+    8's first planner runs 0.6% below the intended card (data/measured/planner-check-run1.csv)."""
+    import torch
+    return int(torch.cuda.get_device_properties(0).total_memory)
 
 
 def alone_context_bytes() -> int:

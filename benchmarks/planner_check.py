@@ -14,6 +14,7 @@ Rows go to data/measured/planner-check.csv (validator format, resumable; `mempla
 
     python benchmarks/planner_check.py run      # on the GPU machine
     python benchmarks/planner_check.py report   # anywhere: benchmarks/results/planner_check.md, exit 1 on failure
+    python benchmarks/planner_check.py replay data/measured/planner-check-run1.csv   # today's plans, earlier rows
 """
 from __future__ import annotations
 
@@ -131,6 +132,40 @@ def report() -> int:
     return 1 if failed else 0
 
 
+def replay(path: Path) -> int:
+    """The planner as it is now against an earlier run's rows (no GPU): for each pair, the status measured at
+    today's planned batch, at b + 1 and at the bound. Writes benchmarks/results/planner_check_replay.md; exit 1
+    when a planned batch OOMed there or a batch the verdict needs was not measured."""
+    import csv
+
+    from memplan.fileio import write_text_atomic
+    rows = list(csv.DictReader(open(path)))
+    lines = [f"# Planner check replayed on {path.name}", "",
+             "Today's planner against batches measured earlier (same pairs, same pinned setups). The runs' caps may "
+             "differ from today's emulation (see their notes); this is not a substitute for a fresh run.", "",
+             "| model | card | planned b | b | b+1 | bound | verdict |", "|---|---|---|---|---|---|---|"]
+    failed = 0
+    from memplan import libs
+    for model, card, pinned in PAIRS:
+        with libs.assume(transformers=rows[0].get("transformers")):  # the release the rows ran with
+            b = planned(model, card, pinned).batch_size
+
+        def status(batch: int) -> str:
+            found = [r["status"] for r in rows if r["model"] == model and f"emulated {card} " in r["notes"]
+                     and int(r["batch_size"]) == batch]
+            return found[0] if found else "?"
+        bound = max(b + 2, math.floor(b / 0.9) + 1)
+        got = (status(b), status(b + 1), status(bound))
+        good = got[0] == "ok" and (got[1] == "oom" or (got[1] == "ok" and got[2] == "oom"))
+        failed += not good
+        verdict = "pass" if good else ("FAIL (planned OOMed)" if got[0] == "oom" else "unknown" if "?" in got else "FAIL")
+        lines.append(f"| {model} | {card} | {b} | {got[0]} | {got[1]} | {got[2]} @ {bound} | {verdict} |")
+    lines += ["", f"{len(PAIRS) - failed} of {len(PAIRS)} pairs pass on these rows."]
+    write_text_atomic(REPORT.with_name("planner_check_replay.md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if failed else 0
+
+
 def show_plans() -> None:
     for model, card, pinned in PAIRS:
         s = planned(model, card, pinned)
@@ -143,5 +178,7 @@ if __name__ == "__main__":
         run()
     elif cmd == "plans":
         show_plans()
+    elif cmd == "replay":
+        sys.exit(replay(Path(sys.argv[2])))
     else:
         sys.exit(report())

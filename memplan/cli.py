@@ -99,7 +99,7 @@ def _parse_headroom(value: str) -> float:
               help="samples per optimizer step (micro-batch x gradient accumulation)")
 @click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
               help="what to maximise first (docs/PLANNER.md)")
-@click.option("--headroom", default="5%", show_default=True, help="memory kept spare, of the usable memory")
+@click.option("--headroom", default="3.5%", show_default=True, help="memory kept spare, of the usable memory")
 @click.option("--host-memory", help="RAM per node for CPU offload, e.g. 512GiB (default: this machine's RAM)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")

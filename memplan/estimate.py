@@ -50,6 +50,14 @@ class Estimate:
     largest_block_bytes: int = 0  # the largest single tensor (memory.logits.largest_block_bytes)
     host_bytes: int = 0  # pinned CPU memory per GPU process (offloaded state); x num_gpus per node
 
+    @property
+    def cap_need_bytes(self) -> int:
+        """What a memory cap must allow for the step not to OOM: the live peak, a fresh block for the largest
+        tensor, and the device-only memory outside the caching allocator (CUDA context, paged optimizer state,
+        NCCL). The cached-but-free rest of the reserved peak is released and retried under a cap
+        (docs/PLANNER.md, data/measured/planner-check-run1.csv)."""
+        return self.peak_allocated_bytes + self.largest_block_bytes + self.device_total_bytes - self.peak_reserved_bytes
+
     def to_dict(self) -> dict:
         return {
             "model": self.model,
@@ -199,10 +207,9 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     """prefill (one layer's working set + the cache so far) and decode (full cache + growth + last-token logits)."""
     res = _resident(ctx)
     kv = inf.kv_cache_bytes(ctx)
-    prompt_kv = kv if ctx.spec.arch.kind == "encoder" else int(kv * ctx.src_len / max(ctx.src_len + (ctx.setup.new_tokens or 0), 1))
     deq = quant.dequant_temp_bytes(ctx)
     return {
-        "prefill": {**res, "kv_cache": prompt_kv, "activations": inf.prefill_working_bytes(ctx),
+        "prefill": {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
                     "dequant_temporaries": deq, "attention_mask": _mask_bytes(ctx)},
         "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx)},
     }

@@ -225,6 +225,7 @@ def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
                                   "dropout_rate", default=0.0) or 0.0),
         hidden_dropout=float(_first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                                     "dropout_rate", default=0.0) or 0.0),
+        act_dropout=float(_first(config, "activation_dropout", default=0.0) or 0.0),
         sliding_window=_first(config, "sliding_window"),
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),

@@ -42,7 +42,7 @@ RANKS = (256, 128, 64, 32, 16, 8, 4)
 TARGET_ORDER = ("all-linear", None)  # None = peft's default targets for the model type (attention projections)
 OPTIMIZER_ORDER = ("adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor")
 DEFAULT_EFFECTIVE_BATCH = 32
-DEFAULT_HEADROOM = 0.05
+DEFAULT_HEADROOM = 0.035
 SATURATING_TOKENS = 4096
 #: across several GPUs, (sharding, offload) in speed order. Relative step-time factors order candidates only (never
 #: reported): ZeRO-1/2 move as much data as DDP's all-reduce (2 Psi); ZeRO-3/FSDP full shard add a parameter
@@ -263,12 +263,12 @@ class _Search:
         return self.estimator(self.spec, setup)
 
     def need(self, e) -> int:
-        """Bytes a setup must find under the budget: its device total, plus room for a fresh segment of its largest
-        tensor beyond the headroom. Near a memory cap the caching allocator cannot assemble a multi-GiB block from
-        free space split across segments (it raises OOM with "reserved but unallocated" memory). Measured on an
-        H100 capped to an RTX 4090: Llama-3.2-1B bf16 adamw-8bit, checkpointing, b5 s2048 OOMed asking for its
-        4.89 GiB logits buffer with 5.65 GiB reserved but unallocated (data/measured/planner-check.csv)."""
-        need = e.device_total_bytes + max(0, getattr(e, "largest_block_bytes", 0) - self.headroom_bytes)
+        """Bytes a setup must find under the budget: Estimate.cap_need_bytes, its live peak plus a fresh block for
+        its largest tensor plus the device-only memory (docs/PLANNER.md, "Budget": under a cap the caching
+        allocator releases its free cache and retries, so the uncapped reserved peak is not the limit; a setup
+        OOMs when the live peak and one contiguous block for the largest request pass the cap, e.g. Llama-3.2-1B
+        b5 s2048 on an H100 capped to an RTX 4090 asked for its 4.89 GiB logits with 3.2 GiB spare)."""
+        need = e.cap_need_bytes
         host = getattr(e, "host_bytes", 0)
         if host and self.host_budget is not None and host * e.setup.num_gpus > self.host_budget:  # the node's ranks
             return max(need, self.budget + 1)  # does not fit: the node's RAM cannot hold the offloaded state

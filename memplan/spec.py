@@ -85,6 +85,7 @@ class Arch:
     post_norm: bool = False  # LayerNorm after each residual add (BERT, BART, OPT-350m) instead of before
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
     sliding_window: int | None = None
     has_lm_head: bool = True  # a vocabulary-sized output head (MaskedLM/CausalLM/Seq2SeqLM)
     supports_sdpa: bool = True

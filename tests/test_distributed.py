@@ -166,7 +166,7 @@ def test_plan_finds_the_fewest_gpus_when_one_is_not_enough():
     from memplan.search import plan
     p = plan(load_spec(LLAMA7), find_gpu("RTX 3060"), technique="full", host_memory="64GiB")
     assert p.fits and p.setup.world_size > 1 and "fewest" in p.suggestions[0]
-    assert p.estimate.device_total_bytes <= p.budget_bytes
+    assert p.estimate.cap_need_bytes <= p.budget_bytes
     fewer = plan(load_spec(LLAMA7), find_gpu("RTX 3060"), technique="full", host_memory="64GiB",
                  num_gpus=p.setup.world_size // 2)
     assert not fewer.fits

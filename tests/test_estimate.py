@@ -170,3 +170,45 @@ def test_quantized_weights_order(precision, batch, seq):
     w = {q: estimate(spec, mode="infer", precision=precision, quant=q, batch_size=batch, prompt_len=seq,
                      new_tokens=1).components["weights"] for q in ("nf4", "int8", None)}
     assert w["nf4"] <= w["int8"] <= w[None]
+
+
+# ---------------------------------------------------------------- inference and dropout terms found on the H100
+# Measured live sets: benchmarks/diagnose/cases-3.yaml on an H100 (session 8); the rows are gated in
+# data/measured/gpu-h100.csv. Here the terms are checked by hand from their definitions (exact, no tolerance).
+
+def _ctx(model: str, **fields):
+    from memplan.memory.context import resolve
+    from memplan.models import load_spec
+    return resolve(load_spec(model), Setup(**fields))
+
+
+def test_prefill_mlp_working_set_gpt2_gelu_new():
+    """gpt2 bf16 b8 s512 prefill: 5 hidden-sized tensors (4 + GPT2Block's attn_output) and 4 intermediate-sized
+    ones (fc1 out + NewGELU's three temporaries), 2 bytes each, over 4096 tokens."""
+    from memplan.memory.inference import prefill_working_bytes
+    ctx = _ctx("openai-community/gpt2", mode="infer", precision="bf16", batch_size=8, prompt_len=512, attn_impl="sdpa")
+    assert prefill_working_bytes(ctx) == (5 * 768 + 4 * 3072) * 2 * 8 * 512
+
+
+def test_seq2seq_prompt_pass_caches_nothing():
+    from memplan.memory.inference import kv_cache_bytes, prompt_cache_bytes
+    t5 = _ctx("google-t5/t5-base", mode="infer", precision="bf16", batch_size=8, seq_len=512)
+    assert prompt_cache_bytes(t5) == 0 and kv_cache_bytes(t5) > 0
+    llama = _ctx("meta-llama/Llama-3.2-1B", mode="infer", precision="bf16", batch_size=1, prompt_len=512,
+                 new_tokens=512, attn_impl="sdpa")
+    assert prompt_cache_bytes(llama) == kv_cache_bytes(llama) // 2
+
+
+def test_activation_dropout_mask_counted():
+    """bart-large (activation_dropout 0.1) saves a bool [tokens, intermediate] mask per layer beside what the same
+    model without activation dropout saves: 24 layers x 4096 tokens x 4096 bytes."""
+    import dataclasses
+
+    from memplan.memory import activations
+    ctx = _ctx("facebook/bart-large", technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256,
+               attn_impl="sdpa")
+    assert ctx.spec.arch.act_dropout == 0.1
+    arch0 = dataclasses.replace(ctx.spec.arch, act_dropout=0.0)
+    ctx0 = dataclasses.replace(ctx, spec=dataclasses.replace(ctx.spec, arch=arch0))
+    saved = lambda c: sum(full for full, _ in activations.per_block_bytes(c))  # noqa: E731
+    assert saved(ctx) - saved(ctx0) == 24 * 16 * 256 * 4096

@@ -226,6 +226,11 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     else:
         shared = a.hidden_act in SAVES_OUTPUT and a.hidden_dropout == 0
         core = I * _act_bytes(ctx) + (I * c if down_trains and not shared else 0)
+    if a.act_dropout > 0:
+        # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
+        # when fc2 trains. Measured: bart-large LoRA bf16 b16 s256 kept 24 x [4096, 4096] bool masks at
+        # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml).
+        core += I
     moe = 2 * a.hidden_size * c if a.num_experts else 0
     return k * (core + moe) + down_lora
 

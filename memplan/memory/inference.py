@@ -1,7 +1,7 @@
 """Inference: KV cache and the transient working set of one layer during prefill (no autograd)."""
 from __future__ import annotations
 
-from memplan.memory.activations import attention_kernel
+from memplan.memory.activations import POSITION_BIAS, attention_kernel
 from memplan.memory.context import Ctx
 
 
@@ -21,6 +21,16 @@ def kv_cache_bytes(ctx: Ctx) -> int:
     return s.batch_size * a.num_decoder_layers * per_layer * ctx.compute_bytes
 
 
+def prompt_cache_bytes(ctx: Ctx) -> int:
+    """The cache while the prompt runs: decoders hold the K/V of the layers already run (up to the whole prompt's);
+    an encoder-decoder's prompt pass is the encoder, which caches nothing (its cross-attention K/V are made by the
+    first decoder step)."""
+    if ctx.spec.arch.kind == "seq2seq":
+        return 0
+    kv = kv_cache_bytes(ctx)
+    return int(kv * ctx.src_len / max(ctx.src_len + (ctx.setup.new_tokens or 0), 1))
+
+
 def kv_growth_bytes(ctx: Ctx) -> int:
     """torch.cat in DynamicCache allocates the grown K (then V) of one layer while the old one is alive."""
     a = ctx.spec.arch
@@ -28,10 +38,36 @@ def kv_growth_bytes(ctx: Ctx) -> int:
     return kv_cache_bytes(ctx) // (2 * layers) if a.kind != "encoder" else 0
 
 
+#: Hidden-sized tensors live at a layer's MLP peak under no_grad: the embedding output (held by the model's forward
+#: as `inputs_embeds`), the block input (held by the caller's loop), the post-attention residual and the normed MLP
+#: input. Measured: gpt2 and gpt2-xl bf16 prefill on an H100 (benchmarks/diagnose/cases-3.yaml) held these four plus
+#: the attention output, which transformers' GPT2Block keeps in its `attn_output` local until it returns.
+PREFILL_HIDDEN = 4
+HOLDS_ATTN_OUTPUT = {"gpt2"}
+
+#: fp32 copies of q-sized tensors PyTorch's math SDPA kernel holds beside its fp32 scores and softmax: q, k, v
+#: upcast, the scaled q and the contiguous k and v it multiplies. Measured: t5-base bf16 b8 s512 inference held
+#: 0.2579 GiB at sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + 6 x [8, 512, 768] fp32.
+MATH_QSIZED_FP32 = 6
+
+#: Intermediate-sized tensors live at the MLP peak. Gated (down(act(gate(x)) * up(x))): gate(x) dies when act
+#: returns, so act, up and their product: 3. Plain: fc1's output and the activation's output: 2, plus the
+#: temporaries of activations written as several python ops: transformers NewGELUActivation ("gelu_new",
+#: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) keeps fc1's output and three temporaries: 4 (measured: gpt2 and
+#: gpt2-xl prefill held 3 blocks at activations.py:66 beside fc1's output).
+MLP_LIVE_PLAIN = {"gelu_new": 4}
+
+
+def _mlp_live(a) -> int:
+    if a.mlp_gated:
+        return 3
+    return MLP_LIVE_PLAIN.get(a.hidden_act, 2)
+
+
 def prefill_working_bytes(ctx: Ctx) -> int:
     """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad):
-    the residual and normed hidden states, q/k/v/out, then the MLP intermediates (gated: gate, up, act(gate),
-    product; plain: fc1 out + activation out); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast."""
+    the hidden states and q/k/v/out, then the hidden states and the MLP intermediates (PREFILL_HIDDEN,
+    _mlp_live); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast, the math kernel fp32 copies."""
     a = ctx.spec.arch
     c = ctx.compute_bytes
     t = ctx.setup.batch_size * ctx.src_len
@@ -42,6 +78,18 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     if kernel == "eager":
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)
     elif kernel == "math":  # fp32 q/k/v copies, fp32 scores and their softmax (activations.attention_kernel)
-        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * 8 + 3 * q_dim * 4 * t
-    mlp = (2 * a.hidden_size * c + (4 if a.mlp_gated else 2) * a.intermediate_size * c * k) * t
-    return max(attn, mlp)
+        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * 8 + MATH_QSIZED_FP32 * q_dim * 4 * t
+    hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
+    mlp = (hidden * a.hidden_size * c + _mlp_live(a) * a.intermediate_size * c * k) * t
+    return max(attn, mlp) + _position_bias_bytes(ctx, kernel)
+
+
+def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
+    """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
+    compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
+    from transformers 5.20 sdpa gets it expanded over the batch and contiguous (activations.POSITION_BIAS)."""
+    a = ctx.spec.arch
+    if a.model_type not in POSITION_BIAS:
+        return 0
+    rows = 1 if kernel != "fused" else ctx.setup.batch_size
+    return rows * a.num_heads * ctx.src_len * ctx.src_len * ctx.compute_bytes

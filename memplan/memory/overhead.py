@@ -7,8 +7,10 @@ from memplan.units import MiB
 #: CUDA context of a PyTorch process with lazy module loading (default since PyTorch 1.13, pytorch/pytorch#86509:
 #: 287 MB right after init) once training kernels are loaded. 426 MiB measured after the first CUDA call on an
 #: RTX 6000 Ada with PyTorch 2.10 (unslothai/unsloth-zoo#1053); "around 400MB" (pytorch/pytorch#109888). cuBLAS/cuDNN
-#: and flash kernels loaded by a training step add to it; 512 MiB until our own measurements (issue 6) replace it.
-CUDA_CONTEXT_BYTES = 512 * MiB
+#: and flash kernels loaded by a training step add to it. Measured (issue 6): NVML's used memory after torch.cuda.init
+#: less before it was 523.56 MiB in all 18 one-at-a-time runs on an H100 80GB HBM3 (driver 580.159.04, CUDA 13.0,
+#: torch 2.11; data/measured/gpu-h100.csv cuda_context_bytes).
+CUDA_CONTEXT_BYTES = 548_995_072
 
 #: cuBLAS workspace PyTorch allocates through its caching allocator, one per (cuBLAS handle, stream), on the first
 #: matmul (aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize, torch >= 2.7): 32 MiB on compute
