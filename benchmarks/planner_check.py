@@ -58,6 +58,11 @@ def planned(model: str, card: str, pinned: dict):
     return p.setup
 
 
+def bound_batch(b: int) -> int:
+    """The batch whose OOM (with b + 1 fitting) shows the planner reached >= 90% of the largest fitting batch."""
+    return max(b + 2, math.floor(b / 0.9) + 1)
+
+
 def check_pair(model: str, card: str, pinned: dict, measure) -> dict[str, str]:
     """Run the planned batch, the next one, and the 90% bound when the next one fits. measure(job, notes) runs one
     Job (emulating `card`) and returns its status. Returns {role: status}."""
@@ -65,7 +70,7 @@ def check_pair(model: str, card: str, pinned: dict, measure) -> dict[str, str]:
     setup = planned(model, card, pinned)
     b = setup.batch_size
     tried: dict[str, str] = {}
-    for role, batch in (("planned", b), ("next", b + 1), ("bound", max(b + 2, math.floor(b / 0.9) + 1))):
+    for role, batch in (("planned", b), ("next", b + 1), ("bound", bound_batch(b))):
         if role == "bound" and tried.get("next") != "ok":
             break
         job = Job(model, dataclasses.replace(setup, batch_size=batch), card)
@@ -154,7 +159,7 @@ def replay(path: Path) -> int:
             found = [r["status"] for r in rows if r["model"] == model and f"emulated {card} " in r["notes"]
                      and int(r["batch_size"]) == batch]
             return found[0] if found else "?"
-        bound = max(b + 2, math.floor(b / 0.9) + 1)
+        bound = bound_batch(b)
         got = (status(b), status(b + 1), status(bound))
         good = got[0] == "ok" and (got[1] == "oom" or (got[1] == "ok" and got[2] == "oom"))
         failed += not good

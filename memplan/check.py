@@ -116,10 +116,9 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
                             verdict="skip", reason="oom row without memory_limit_bytes or gpu_memory_bytes", **base)
         if quantity == "reserved":
             # under an allocator cap the cache is elastic (freed and retried before an OOM): what must fit is the
-            # live peak plus one fresh block for the largest tensor (Estimate.cap_need_bytes less the device-only
-            # memory, which the cap excludes; docs/PLANNER.md)
+            # live peak plus one fresh block for the largest tensor (docs/PLANNER.md)
             quantity = "allocated + largest tensor"
-            pred = est.peak_allocated_bytes + est.largest_block_bytes
+            pred = est.allocator_need_bytes
         else:
             pred = _predicted(est, quantity, device)
         # the real need is above the limit: a prediction within the row's tolerance below it is as close as an ok

@@ -51,12 +51,17 @@ class Estimate:
     host_bytes: int = 0  # pinned CPU memory per GPU process (offloaded state); x num_gpus per node
 
     @property
-    def cap_need_bytes(self) -> int:
-        """What a memory cap must allow for the step not to OOM: the live peak, a fresh block for the largest
-        tensor, and the device-only memory outside the caching allocator (CUDA context, paged optimizer state,
-        NCCL). The cached-but-free rest of the reserved peak is released and retried under a cap
+    def allocator_need_bytes(self) -> int:
+        """What an allocator cap must allow for the step not to OOM: the live peak and a fresh block for the
+        largest tensor. The cached-but-free rest of the reserved peak is released and retried under a cap
         (docs/PLANNER.md, data/measured/planner-check-run1.csv)."""
-        return self.peak_allocated_bytes + self.largest_block_bytes + self.device_total_bytes - self.peak_reserved_bytes
+        return self.peak_allocated_bytes + self.largest_block_bytes
+
+    @property
+    def cap_need_bytes(self) -> int:
+        """allocator_need_bytes plus the device-only memory outside the caching allocator (CUDA context, paged
+        optimizer state, NCCL): what the GPU's memory must hold."""
+        return self.allocator_need_bytes + self.device_total_bytes - self.peak_reserved_bytes
 
     def to_dict(self) -> dict:
         return {

@@ -235,8 +235,7 @@ def test_check_oom_rule(tmp_path):
     """A capped OOM row is judged on the live peak plus the largest tensor (the allocator's cache is elastic under
     a cap): a prediction more than the tolerance below the cap fails, one within it passes."""
     s = Setup(batch_size=8, seq_len=512)
-    e = estimate("openai-community/gpt2", s)
-    need = e.peak_allocated_bytes + e.largest_block_bytes
+    need = estimate("openai-community/gpt2", s).allocator_need_bytes
     wrong = _row(s, status="oom", measured_allocated_bytes="", memory_limit_bytes=int(need * 1.2), memory_fraction=0.1)
     close = _row(Setup(batch_size=8, seq_len=256), status="oom", measured_allocated_bytes="",
                  memory_limit_bytes=int(estimate("openai-community/gpt2", Setup(batch_size=8, seq_len=256))
