@@ -21,7 +21,7 @@ from memplan.spec import ModelSpec
 #: display order of components; device-only terms last.
 COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
               "gathered_params", "comm_buffers", "activations", "autocast_weight_copies", "logits", "attention_mask",
-              "dequant_temporaries", "backward_temporaries", "kv_cache", "cublas_workspace", "allocator_reserve",
+              "dequant_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace", "allocator_reserve",
               "paged_optimizer_state", "nccl_buffers", "cuda_context")
 _DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "nccl_buffers", "cuda_context")
 _PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache",
@@ -144,7 +144,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     bwd_work = recompute + _backward_temp_bytes(ctx)
     return {
         "forward": {**common, "logits": lg.logits_forward_bytes(ctx), "attention_mask": _mask_bytes(ctx),
-                    "dequant_temporaries": deq},
+                    "dequant_temporaries": deq, "forward_kv_cache": inf.training_cache_bytes(ctx)},
         "backward_start": {**back, **_larger(("logits", lg.logits_backward_bytes(ctx)),
                                              ("backward_temporaries", bwd_work))},
         "lm_head_backward": {**back, "gradients": held_grads or lg.head_grad_bytes(ctx),

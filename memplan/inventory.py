@@ -225,7 +225,7 @@ def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
                                   "dropout_rate", default=0.0) or 0.0),
         hidden_dropout=float(_first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                                     "dropout_rate", default=0.0) or 0.0),
-        act_dropout=float(_first(config, "activation_dropout", default=0.0) or 0.0),
+        act_dropout=_act_dropout(config),
         sliding_window=_first(config, "sliding_window"),
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
@@ -234,6 +234,18 @@ def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
         lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
     )
+
+
+#: families whose MLP applies the model's one dropout rate between the activation and the output projection
+#: (modeling_t5 T5DenseActDense / T5DenseGatedActDense: `hidden_states = self.dropout(hidden_states)` before `wo`)
+MLP_DROPOUT_IS_DROPOUT_RATE = {"t5", "mt5"}
+
+
+def _act_dropout(config) -> float:
+    """Dropout on the MLP activation's output: BART-style configs name it activation_dropout; T5 reuses dropout_rate."""
+    if config.model_type in MLP_DROPOUT_IS_DROPOUT_RATE:
+        return float(getattr(config, "dropout_rate", 0.0) or 0.0)
+    return float(_first(config, "activation_dropout", default=0.0) or 0.0)
 
 
 def _max_positions(config) -> int | None:

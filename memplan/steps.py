@@ -89,6 +89,11 @@ def cuda_like():
         if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
             return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                  scale=scale, enable_gqa=enable_gqa)
+        if torch.is_autocast_enabled("cpu"):  # the aten calls below bypass autocast's sdpa entry, which casts every
+            dt = torch.get_autocast_dtype("cpu")  # floating argument to the compute dtype (lower-precision list)
+            query, key, value = (t.to(dt) for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dt)
         if key.shape[-3] != query.shape[-3]:  # grouped-query attention: expand like enable_gqa
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)

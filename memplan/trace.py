@@ -52,7 +52,8 @@ EMULATIONS = {
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
             "output + logsumexp saved) with the mask and without dropout (real CPU tensors with a trainable mask, T5's "
-            "position bias: the math kernel, which the CPU kernel's gradient rules require)",
+            "position bias: the math kernel, which the CPU kernel's gradient rules require); under autocast q, k, v "
+            "and a float mask are first cast to the compute dtype, as autocast's sdpa entry does",
 }
 __doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
 
@@ -311,7 +312,7 @@ ESTIMATE_CATEGORY = {
     "optimizer_state": "optimizer_state", "activations": "activations", "logits": "activations",
     "autocast_weight_copies": "activations", "attention_mask": "activations",
     "backward_temporaries": "temporaries", "optimizer_temporaries": "temporaries",
-    "dequant_temporaries": "temporaries", "kv_cache": "activations",
+    "dequant_temporaries": "temporaries", "kv_cache": "activations", "forward_kv_cache": "temporaries",
 }
 
 

@@ -212,3 +212,65 @@ def test_activation_dropout_mask_counted():
     ctx0 = dataclasses.replace(ctx, spec=dataclasses.replace(ctx.spec, arch=arch0))
     saved = lambda c: sum(full for full, _ in activations.per_block_bytes(c))  # noqa: E731
     assert saved(ctx) - saved(ctx0) == 24 * 16 * 256 * 4096
+
+
+def test_autocast_caches_the_lora_adapter_copies():
+    """QLoRA trains under autocast: lora_A and lora_B are fp32 trainable leaves, so each forward casts them to bf16
+    and autocast's cache keeps the copies until the forward ends, checkpointing or not. Llama-3-8B all-linear: 7
+    Linears per block with in + out = 81,920 summed, 32 blocks, 2 bytes per element (the lm_head's cast is the same
+    for every rank)."""
+    from memplan.memory.quant import autocast_copy_bytes
+    kw = dict(technique="qlora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=1024,
+              attn_impl="sdpa", grad_ckpt=True)
+    r256 = autocast_copy_bytes(_ctx("meta-llama/Meta-Llama-3-8B", lora_r=256, **kw))
+    r8 = autocast_copy_bytes(_ctx("meta-llama/Meta-Llama-3-8B", lora_r=8, **kw))
+    assert r256 - r8 == (256 - 8) * 81_920 * 32 * 2
+    # pure bf16 LoRA has no autocast: peft casts the input to the adapters' fp32 instead
+    assert autocast_copy_bytes(_ctx("meta-llama/Meta-Llama-3-8B", technique="lora", precision="bf16",
+                                    lora_r=256, lora_targets="all-linear")) == 0
+
+
+def test_training_forward_holds_the_dynamic_cache_copies():
+    """Without checkpointing the training forward builds a DynamicCache whose torch.cat copies of K and V live until
+    the loss: extra where the attention does not save those tensors (QLoRA's fp32 projections are cast to bf16 for
+    the kernel; frozen blocks save nothing), free where it does. Llama-2-7b: 32 layers, K+V = 2 x 4096 per token."""
+    from memplan.memory.activations import graph_blocks
+    from memplan.memory.inference import training_cache_bytes
+    tokens = 2 * 512
+    qlora = _ctx("meta-llama/Llama-2-7b-hf", technique="qlora", precision="bf16", batch_size=2, seq_len=512,
+                 attn_impl="sdpa")
+    assert training_cache_bytes(qlora) == 32 * tokens * 2 * 4096 * 4
+    ckpt = _ctx("meta-llama/Llama-2-7b-hf", technique="qlora", precision="bf16", batch_size=2, seq_len=512,
+                attn_impl="sdpa", grad_ckpt=True)
+    assert training_cache_bytes(ckpt) == 0  # GradientCheckpointingLayer turns use_cache off
+    full = _ctx("meta-llama/Llama-2-7b-hf", technique="full", precision="bf16-mixed", batch_size=2, seq_len=512,
+                attn_impl="sdpa")
+    assert training_cache_bytes(full) == 0  # sdpa saves the cache's own bf16 tensors
+    freeze = _ctx("meta-llama/Llama-2-7b-hf", technique="freeze", trainable=2, precision="bf16-mixed", batch_size=2,
+                  seq_len=512, attn_impl="sdpa")
+    frozen = 32 - len(graph_blocks(freeze))
+    assert frozen > 0 and training_cache_bytes(freeze) == frozen * tokens * 2 * 4096 * 2
+    assert estimate_bytes_phase(qlora, "forward", "forward_kv_cache") == training_cache_bytes(qlora)
+
+
+def estimate_bytes_phase(ctx, phase: str, component: str) -> int:
+    from memplan.estimate import training_phases
+    return training_phases(ctx)[phase].get(component, 0)
+
+
+def test_qlora_attention_saves_compute_dtype_casts():
+    """Under autocast the attention kernel runs on bf16 casts whatever dtype the projections return, so QLoRA's
+    (fp32 projections) saved attention tensors equal LoRA bf16-mixed's, not twice them."""
+    from memplan.memory.activations import _attn_core
+    kw = dict(precision="bf16", batch_size=2, seq_len=512, attn_impl="sdpa")
+    q = _ctx("meta-llama/Llama-3.2-1B", technique="qlora", **kw)
+    m = _ctx("meta-llama/Llama-3.2-1B", technique="lora", **{**kw, "precision": "bf16-mixed"})
+    assert q.act_bytes == 4 and _attn_core(q, 2048, 512, 1, 1, "fused") == _attn_core(m, 2048, 512, 1, 1, "fused")
+
+
+def test_t5_mlp_dropout_uses_dropout_rate():
+    """T5DenseActDense applies dropout_rate between relu and wo (a bool mask, and wo's input is no longer relu's
+    saved output); OPT's activation_dropout is 0, so its relu output is fc2's input."""
+    from memplan.models import load_spec
+    assert load_spec("google-t5/t5-base").arch.act_dropout == 0.1
+    assert load_spec("facebook/opt-1.3b").arch.act_dropout == 0.0

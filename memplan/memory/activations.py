@@ -34,6 +34,12 @@ POSITION_BIAS = {"t5", "mt5"}
 MATH_SDPA_UNTIL = (5, 20)
 
 
+def kernel_casts_kv(ctx: Ctx) -> bool:
+    """Autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype): the
+    attention computes on compute-dtype casts of q, k and v, which it saves instead of the tensors themselves."""
+    return ctx.mixed and ctx.act_bytes != ctx.compute_bytes
+
+
 def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
     """eager | math | fused: what one attention's scores cost (relative_bias: it gets a learned position bias)."""
     if ctx.attn_impl == "eager":
@@ -101,7 +107,7 @@ def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
     saved as is (shared by all branches on that input). lora_B saves [t, r]. Dropout > 0 adds a 1-byte mask and
     a dropped copy per branch."""
     s = ctx.setup
-    xb = ctx.act_bytes if ctx.mixed else 4
+    xb = ctx.compute_bytes if ctx.mixed else 4
     own_copy = ctx.mixed or in_bytes != 4 or s.lora_dropout > 0
     x = in_dim * xb if own_copy else 0.0
     if s.lora_dropout > 0:
@@ -142,7 +148,10 @@ def _attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel
     output, and with dropout a bool mask and the dropped fp32 probabilities.
     """
     a = ctx.spec.arch
-    c = ctx.act_bytes
+    # autocast runs sdpa and the eager matmuls in the compute dtype (both on its lower-precision list), whatever
+    # dtype the projections return: QLoRA's fp32 q/k/v are saved as bf16 casts (found by the tracer, Llama-3.2-1B
+    # QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024 +7.0% before)
+    c = ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
     ratio = k_tok / q_tok
     if kernel == "math":
         return (q_dim + 2 * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
@@ -184,7 +193,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += _input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
     tok_core, per_score = _attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
     per_tok += tok_core
-    if a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt:
+    if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
+            and not kernel_casts_kv(ctx)):
         per_tok += 2 * kv_dim * c
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     for m in by_slot.get("attn_out", []):
@@ -224,12 +234,13 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     if a.mlp_gated:
         core = 3 * I * c + (I * c if down_trains else 0)
     else:
-        shared = a.hidden_act in SAVES_OUTPUT and a.hidden_dropout == 0
+        shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0
         core = I * _act_bytes(ctx) + (I * c if down_trains and not shared else 0)
     if a.act_dropout > 0:
         # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
         # when fc2 trains. Measured: bart-large LoRA bf16 b16 s256 kept 24 x [4096, 4096] bool masks at
-        # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml).
+        # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml); T5's dropout before wo is the
+        # same (found by the tracer: t5-base full bf16-mixed b16 s128, 6 MiB per block).
         core += I
     moe = 2 * a.hidden_size * c if a.num_experts else 0
     return k * (core + moe) + down_lora

@@ -1,7 +1,8 @@
-"""Inference: KV cache and the transient working set of one layer during prefill (no autograd)."""
+"""KV caches - inference's, and the one a training forward builds - and the transient working set of one layer
+during prefill (no autograd)."""
 from __future__ import annotations
 
-from memplan.memory.activations import POSITION_BIAS, attention_kernel
+from memplan.memory.activations import POSITION_BIAS, attention_kernel, graph_blocks, kernel_casts_kv
 from memplan.memory.context import Ctx
 
 
@@ -19,6 +20,25 @@ def kv_cache_bytes(ctx: Ctx) -> int:
     else:
         per_layer = kv_elems * (ctx.src_len + max(new - 1, 0))
     return s.batch_size * a.num_decoder_layers * per_layer * ctx.compute_bytes
+
+
+def training_cache_bytes(ctx: Ctx) -> int:
+    """The DynamicCache a training forward builds without checkpointing (config use_cache defaults to True;
+    GradientCheckpointingLayer turns it off only with checkpointing): DynamicLayer.update concatenates each decoder
+    layer's K and V into new tensors (cache_utils torch.cat) held by the model output until the loss is taken, so
+    they are gone by backward. Where the attention saves those very tensors they cost nothing more (counted in the
+    block's activations); they are extra in blocks that record no graph, under autocast over fp32 projections
+    (QLoRA: the kernel saves bf16 casts) and in eager attention with grouped K/V (repeat_kv saves expanded copies).
+    Found by the tracer; measured on an H100: Llama-2-7b QLoRA b2 s512 peaked in forward 0.95 GiB above backward,
+    32 layers x [1024 tokens, 2 x 4096] fp32. Encoder-decoders are left out (unverified)."""
+    a, s = ctx.spec.arch, ctx.setup
+    if not ctx.training or s.grad_ckpt or a.kind != "causal":
+        return 0
+    kv_dim = a.num_kv_heads * a.head_dim
+    per_block = 2 * kv_dim * s.batch_size * ctx.src_len * ctx.act_bytes
+    if kernel_casts_kv(ctx) or (attention_kernel(ctx, False) == "eager" and kv_dim != a.num_heads * a.head_dim):
+        return per_block * a.num_decoder_layers
+    return per_block * (a.num_decoder_layers - len(graph_blocks(ctx)))
 
 
 def prompt_cache_bytes(ctx: Ctx) -> int:
