@@ -11,7 +11,7 @@ import sys
 import click
 
 from memplan.cli_common import (  # noqa: F401  (re-exported for command modules)
-    emit_json as _emit_json, given_setup_fields, handle_errors, setup_from_options, setup_options)
+    emit_json as _emit_json, given_setup_fields, handle_errors, headroom_option, setup_from_options, setup_options)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,10 +57,11 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
 @click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per sample")
 @click.option("--num-gpus", type=click.IntRange(min=1),
               help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
+@headroom_option
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @handle_errors
-def fit(model, gpu_name, memory, seq_len, num_gpus, trust_remote_code, as_json):
+def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code, as_json):
     """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits, then the
     multi-GPU training options (DeepSpeed ZeRO-3, FSDP, DDP) with the fewest GPUs each needs."""
     from memplan.fit import fit as run
@@ -70,7 +71,7 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, trust_remote_code, as_json):
     if seq_len < 1:
         raise click.BadParameter("must be >= 1", param_hint="--seq-len")
     result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len,
-                 num_gpus=num_gpus)
+                 num_gpus=num_gpus, headroom=headroom)
     if as_json:
         _emit_json(result.to_dict())
     else:
@@ -78,17 +79,6 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, trust_remote_code, as_json):
         print_fit(result)
     fits = any(r.fits for r in result.scale_out) if num_gpus else result.any_fits
     sys.exit(0 if fits else 1)
-
-
-def _parse_headroom(value: str) -> float:
-    text = value.strip()
-    try:
-        x = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a fraction or percentage (e.g. 5% or 0.05)") from None
-    if not 0 <= x < 1:
-        raise click.BadParameter(f"{value!r} must be between 0% and 100%")
-    return x
 
 
 @main.command()
@@ -99,7 +89,7 @@ def _parse_headroom(value: str) -> float:
               help="samples per optimizer step (micro-batch x gradient accumulation)")
 @click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
               help="what to maximise first (docs/PLANNER.md)")
-@click.option("--headroom", default="3.5%", show_default=True, help="memory kept spare, of the usable memory")
+@headroom_option
 @click.option("--host-memory", help="RAM per node for CPU offload, e.g. 512GiB (default: this machine's RAM)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")
@@ -117,7 +107,7 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
     pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
     result = run(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
-                 headroom=_parse_headroom(headroom), host_memory=host_memory, **pins)
+                 headroom=headroom, host_memory=host_memory, **pins)
     written = None
     if output and result.fits:
         from memplan.export import write_plan

@@ -74,6 +74,25 @@ def setup_from_options(options: dict) -> Setup:
     return Setup(**given_setup_fields(options))
 
 
+def _parse_headroom(ctx, param, value: str) -> float:
+    text = value.strip()
+    try:
+        x = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a fraction or percentage (e.g. 5% or 0.05)") from None
+    if not 0 <= x < 1:
+        raise click.BadParameter(f"{value!r} must be between 0% and 100%")
+    return x
+
+
+def headroom_option(func):
+    """--headroom: the memory kept spare (memplan.budget), the same default for fit, plan, doctor and plot."""
+    from memplan.budget import DEFAULT_HEADROOM
+    return click.option("--headroom", default=f"{DEFAULT_HEADROOM:.1%}", show_default=True, callback=_parse_headroom,
+                        help="memory kept spare, as a share of the GPU memory beyond the CUDA context (a fraction "
+                             "or a percentage)")(func)
+
+
 def handle_errors(func):
     """MemplanError -> 'error: ...' on stderr and its exit code; never a traceback."""
     @functools.wraps(func)

@@ -9,12 +9,13 @@ Ranking rule for single remedies that make the setup fit (rank_key; smaller is b
   2. cost: among size-1 knobs the smaller slowdown by the planner's relative throughput (search.speed_score: a
      recomputed forward, or micro-batches below ~4096 tokens); among larger changes the REMEDIES order, which lists
      each size's remedies by increasing quality cost.
-  3. the lower new peak (the larger margin).
+  3. the lower new need (the larger margin).
 Remedies that do not fit follow, most memory saved first. When none fits alone, remedies are combined (combine):
 greedily - while it does not fit, add the best-ranked remedy that makes it fit, else the one saving most among the
 smallest sizes - then improved one removal or swap at a time while a smaller combination still fits (smaller: the
 largest change first, then fewer and smaller other changes, then the faster result).
 An OOM message (parse_oom_message) gives the card's real capacity and what the run held when it failed.
+"Fits" is the test fit and plan use (memplan.budget): what the setup needs within the GPU memory less the headroom.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from functools import partial
 
 import click
 
-from memplan.cli_common import given_setup_fields, handle_errors, setup_options
+from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes
+from memplan.cli_common import given_setup_fields, handle_errors, headroom_option, setup_options
 from memplan.errors import BadInput, MemplanError
 from memplan.fit import largest_fitting, max_batch_size
 from memplan.search import speed_score, split_batch
@@ -108,12 +110,12 @@ def parse_oom_message(text: str) -> OomInfo:
 @dataclass(frozen=True, slots=True)
 class Remedy:
     """One change (in a combination: one step, with the cumulative setup and peak). saved_bytes < 0: it needs more.
-    setup, device_total_bytes and fits are None for advice memplan cannot estimate (the allocator setting)."""
+    setup, need_bytes and fits are None for advice memplan cannot estimate (the allocator setting)."""
 
     name: str
     description: str
     setup: Setup | None
-    device_total_bytes: int | None
+    need_bytes: int | None
     saved_bytes: int
     fits: bool | None
     cost: str
@@ -123,7 +125,7 @@ class Remedy:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "size": self.size, "cost": self.cost,
-                "fits": self.fits, "saved_bytes": self.saved_bytes, "device_total_bytes": self.device_total_bytes,
+                "fits": self.fits, "saved_bytes": self.saved_bytes, "need_bytes": self.need_bytes,
                 "setup": self.setup.to_dict() if self.setup else None}
 
 
@@ -141,7 +143,8 @@ class _Ctx:
         return self._cache[s]
 
     def total(self, s: Setup) -> int:
-        return self.est(s).device_total_bytes
+        """What `s` needs from the GPU (memplan.budget.need_bytes)."""
+        return need_bytes(self.est(s))
 
     def fits(self, s: Setup) -> bool:
         try:
@@ -235,12 +238,12 @@ def _change(name: str, s: Setup, c: _Ctx) -> tuple[Setup, str, str] | None:
 
 def rank_key(r: Remedy) -> tuple:
     """Single remedies: size; then the smaller slowdown among size-1 knobs (they keep the training math) or the
-    REMEDIES order (increasing quality cost) among larger changes; then the lower new peak."""
-    return (r.size, round(r.slowdown, 3) if r.size == 1 else 0.0, r.order, r.device_total_bytes or 0)
+    REMEDIES order (increasing quality cost) among larger changes; then the lower new need."""
+    return (r.size, round(r.slowdown, 3) if r.size == 1 else 0.0, r.order, r.need_bytes or 0)
 
 
 def _apply(i: int, s: Setup, before: int, c: _Ctx) -> Remedy | None:
-    """REMEDIES[i] applied to `s` (whose peak is `before`), estimated; None when it does not apply."""
+    """REMEDIES[i] applied to `s` (which needs `before`), estimated; None when it does not apply."""
     name, size = REMEDIES[i]
     try:
         out = _change(name, s, c)
@@ -261,7 +264,7 @@ def _chain(base: Setup, before: int, indices, c: _Ctx) -> list[Remedy]:
         r = _apply(i, s, before, c)
         if r is not None:
             steps.append(r)
-            s, before = r.setup, r.device_total_bytes
+            s, before = r.setup, r.need_bytes
     return steps
 
 
@@ -287,7 +290,7 @@ def combine(base: Setup, before: int, c: _Ctx, max_size: int = 5) -> tuple[Remed
         fitting = [r for r in options if r.fits]
         pick = min(fitting, key=rank_key) if fitting else min(options, key=lambda r: (r.size, -r.saved_bytes))
         chosen.append(pick.order)
-        s, total = pick.setup, pick.device_total_bytes
+        s, total = pick.setup, pick.need_bytes
     best = _chain(base, before, chosen, c)
     if not best or not best[-1].fits:
         return tuple(best)
@@ -322,16 +325,16 @@ class Diagnosis:
     budget_source: str = ""
 
     @property
-    def device_total_bytes(self) -> int:
-        return self.estimate.device_total_bytes
+    def need_bytes(self) -> int:
+        return need_bytes(self.estimate)
 
     @property
     def fits(self) -> bool:
-        return self.device_total_bytes <= self.budget_bytes
+        return self.need_bytes <= self.budget_bytes
 
     @property
     def margin_bytes(self) -> int:
-        return self.budget_bytes - self.device_total_bytes
+        return self.budget_bytes - self.need_bytes
 
     @property
     def barely_fits(self) -> bool:
@@ -360,10 +363,10 @@ class Diagnosis:
 
     @property
     def first_line(self) -> str:
-        need, budget = fmt_gib(self.device_total_bytes), fmt_gib(self.budget_bytes)
+        need, budget = fmt_gib(self.need_bytes), fmt_gib(self.budget_bytes)
         if self.fits:
             spare = f"{fmt_gib(self.margin_bytes)} ({self.margin_bytes / self.budget_bytes:.1%}) spare"
-            tip = (f"; for more margin: {self.best.description} -> {fmt_gib(self.best.device_total_bytes)}"
+            tip = (f"; for more margin: {self.best.description} -> {fmt_gib(self.best.need_bytes)}"
                    if self.best else "")
             if self.oom:
                 return f"Estimated to fit ({need} of {budget}, {spare}), but the run ran out of memory{tip}."
@@ -372,19 +375,19 @@ class Diagnosis:
         if self.fix:
             last = self.fix[-1]
             if len(self.fix) == 1:
-                return (f"Smallest change that fits: {last.description} -> {fmt_gib(last.device_total_bytes)} "
+                return (f"Smallest change that fits: {last.description} -> {fmt_gib(last.need_bytes)} "
                         f"of {budget} (saves {fmt_gib(last.saved_bytes)}; {last.cost}).")
             why = f"smaller changes than the best single one, {self.best.description}" if self.best else \
                 "no single change fits"
             return (f"Smallest change that fits: {' + '.join(r.description for r in self.fix)} -> "
-                    f"{fmt_gib(last.device_total_bytes)} of {budget} ({why}).")
-        least = fmt_gib(self.combination[-1].device_total_bytes) if self.combination else need
+                    f"{fmt_gib(last.need_bytes)} of {budget} ({why}).")
+        least = fmt_gib(self.combination[-1].need_bytes) if self.combination else need
         return (f"Nothing fits: {need} > {budget}, and {least} even with every remedy; use a larger GPU or "
                 "shard across GPUs (FSDP / DeepSpeed ZeRO-3).")
 
     def to_dict(self) -> dict:
         return {"model": self.model, "setup": self.setup.to_dict(), "budget_bytes": self.budget_bytes,
-                "budget_source": self.budget_source, "device_total_bytes": self.device_total_bytes,
+                "budget_source": self.budget_source, "need_bytes": self.need_bytes,
                 "fits": self.fits, "barely_fits": self.barely_fits, "margin_bytes": self.margin_bytes,
                 "resolved": self.resolved, "first_line": self.first_line,
                 "best": self.best.to_dict() if self.best else None, "fix": [r.to_dict() for r in self.fix],
@@ -406,7 +409,7 @@ def _oom_findings(oom: OomInfo, estimated: int, budget: int) -> tuple[list[str],
                    "not model")
         who = "the process held" if oom.process_in_use_bytes else "PyTorch had reserved"
         notes.append(f"measured: {who} {fmt_gib(held)} and asked for {fmt_gib(oom.tried_to_allocate_bytes or 0)} "
-                     f"more, so the run needed at least {fmt_gib(need)}; estimated device total {fmt_gib(estimated)} "
+                     f"more, so the run needed at least {fmt_gib(need)}; estimated need {fmt_gib(estimated)} "
                      f"({verdict})")
     if oom.other_processes_bytes:
         notes.append(f"other processes hold {fmt_gib(oom.other_processes_bytes)} on this GPU: that memory is not "
@@ -433,7 +436,7 @@ def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None =
         from memplan.estimate import estimate as estimator
     c = _Ctx(spec, int(budget_bytes), estimator, bf16)
     est = c.est(setup)
-    before = est.device_total_bytes
+    before = need_bytes(est)
     notes, advice = _oom_findings(oom, before, c.budget) if oom else ([], [])
     done = partial(Diagnosis, spec.model_id, setup, c.budget, est, oom=oom, notes=tuple(notes),
                    budget_source=budget_source)
@@ -464,28 +467,29 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
     console = console or Console()
     colour = "green" if diag.fits and not diag.barely_fits else ("yellow" if diag.resolved else "red")
     console.print(f"[bold {colour}]{diag.first_line}[/]", highlight=False)
-    console.print(f"{diag.model} · {describe(diag.setup)} · seq {diag.setup.seq_len}: estimated "
-                  f"{fmt_gib(diag.device_total_bytes)} against {fmt_gib(diag.budget_bytes)}"
+    console.print(f"{diag.model} · {describe(diag.setup)} · seq {diag.setup.seq_len}: "
+                  f"needs {fmt_gib(diag.need_bytes)} (peak allocated + largest tensor + memory outside the allocator) "
+                  f"of the budget {fmt_gib(diag.budget_bytes)}"
                   + (f" ({diag.budget_source})" if diag.budget_source else ""), highlight=False)
     if diag.remedies:
         t = Table(title="remedies, smallest change first (size 1 knob ... 5 data)", title_justify="left")
         for col, just in (("#", "right"), ("change · its cost", "left"), ("size", "right"), ("saves GiB", "right"),
-                          ("new peak GiB", "right"), ("fits", "center")):
+                          ("new need GiB", "right"), ("fits", "center")):
             t.add_column(col, justify=just)
         for n, r in enumerate(diag.remedies, 1):
-            peak = "n/a" if r.device_total_bytes is None else f"{r.device_total_bytes / GiB:,.2f}"
+            peak = "n/a" if r.need_bytes is None else f"{r.need_bytes / GiB:,.2f}"
             fits = "?" if r.fits is None else ("[green]yes[/]" if r.fits else "[red]no[/]")
             saves = f"{'up to ' if r.fits is None else ''}{r.saved_bytes / GiB:,.2f}"
             t.add_row(str(n), f"{r.description}\n[dim]{r.cost}[/]", str(r.size), saves, peak, fits)
         console.print(t)
     if diag.combination:
         t = Table(title="combined (cumulative, in order of application)", title_justify="left")
-        for col, just in (("step · its cost", "left"), ("saves GiB", "right"), ("peak GiB", "right"),
+        for col, just in (("step · its cost", "left"), ("saves GiB", "right"), ("needs GiB", "right"),
                           ("fits", "center")):
             t.add_column(col, justify=just)
         for r in diag.combination:
             t.add_row(f"{r.description}\n[dim]{r.cost}[/]", f"{r.saved_bytes / GiB:,.2f}",
-                      f"{r.device_total_bytes / GiB:,.2f}", "[green]yes[/]" if r.fits else "[red]no[/]")
+                      f"{r.need_bytes / GiB:,.2f}", "[green]yes[/]" if r.fits else "[red]no[/]")
         console.print(t)
         console.print(f"combined setup: {describe(diag.combination[-1].setup)}", highlight=False)
     for note in diag.notes:
@@ -506,8 +510,8 @@ def setup_from_plan(doc: dict, given: dict) -> Setup:
     return Setup(**{**base, **given})
 
 
-def _budget(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
-    """(budget bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
+def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
+    """(GPU memory bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
     from memplan.gpus import find_gpu, resolve_gpu
 
     if not (gpu_name or memory) and oom and oom.total_capacity_bytes:
@@ -526,9 +530,9 @@ def _budget(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[in
 
 def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | None = None, from_plan: str | None = None,
                oom_message: str | None = None, oom_file: str | None = None, given: dict | None = None,
-               trust_remote_code: bool = False) -> Diagnosis:
+               trust_remote_code: bool = False, headroom: float = DEFAULT_HEADROOM) -> Diagnosis:
     """The command's work: read the OOM text and the plan file, build the setup (plan fields, then `given` flags),
-    pick the budget, diagnose. Raises BadInput for anything the user must fix."""
+    pick the GPU memory and its budget (memplan.budget), diagnose. Raises BadInput for anything the user must fix."""
     from memplan.export import read_plan_document
     from memplan.models import load_spec
 
@@ -546,9 +550,9 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
     model = model or (doc and (doc.get("model") or {}).get("id"))
     if not model:
         raise BadInput("name a MODEL (e.g. meta-llama/Llama-2-7b-hf) or a plan file with --from plan.yaml")
-    budget, source, bf16 = _budget(gpu_name, memory, oom, doc)
-    return diagnose(load_spec(model, trust_remote_code=trust_remote_code), setup, budget, bf16=bf16, oom=oom,
-                    budget_source=source)
+    gpu_bytes, source, bf16 = _gpu_memory(gpu_name, memory, oom, doc)
+    return diagnose(load_spec(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
+                    bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom")
 
 
 @click.command("doctor")
@@ -559,15 +563,17 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
               help="plan file (memplan plan -o): its model, setup and GPU; flags override them")
 @click.option("--oom-message", help='a pasted "CUDA out of memory. Tried to allocate ..." error')
 @click.option("--oom-file", type=click.Path(dir_okay=False), help="a file holding the OOM error output")
+@headroom_option
 @setup_options
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @handle_errors
-def doctor_command(model, gpu_name, memory, from_plan, oom_message, oom_file, trust_remote_code, as_json, **options):
+def doctor_command(model, gpu_name, memory, from_plan, oom_message, oom_file, headroom, trust_remote_code, as_json,
+                   **options):
     """Why a training setup does not fit (or barely fits) a GPU, and the smallest changes that make it fit.
     Exit 0: it fits or a change makes it fit; 1: nothing does; 2: bad input."""
     diag = run_doctor(model, gpu_name, memory, from_plan, oom_message, oom_file, given_setup_fields(options),
-                      trust_remote_code)
+                      trust_remote_code, headroom)
     if as_json:
         click.echo(json.dumps(diag.to_dict(), indent=2))
     else:

@@ -6,8 +6,8 @@ import dataclasses
 
 from memplan.errors import MemplanError
 from memplan.gpus import load_gpus
-from memplan.memory.overhead import CUDA_CONTEXT_BYTES
-from memplan.search import TECHNIQUE_ORDER, Alternative, Candidate, Plan, _budget, _Search
+from memplan.budget import budget_bytes, need_bytes
+from memplan.search import TECHNIQUE_ORDER, Alternative, Candidate, Plan, _Search
 from memplan.setup import Setup, sharding_label
 from memplan.units import fmt_gib
 
@@ -42,8 +42,8 @@ def _speed_reason(s: Setup, best: Setup) -> str:
 def _lost_reason(c: Candidate, best: Candidate, prefer: str) -> str:
     """Why a fitting candidate ranks below the chosen one, in the terms of the preference."""
     s, b = c.setup, best.setup
-    if prefer == "memory" and c.device_total_bytes != best.device_total_bytes:
-        return f"needs {fmt_gib(c.device_total_bytes - best.device_total_bytes)} more"
+    if prefer == "memory" and c.need_bytes != best.need_bytes:
+        return f"needs {fmt_gib(c.need_bytes - best.need_bytes)} more"
     if prefer == "speed" and c.key[:1] != best.key[:1]:
         return _speed_reason(s, b)
     if s.technique != b.technique:
@@ -68,8 +68,8 @@ def alternatives(search: _Search, setups, results, best_i: int, order, limit: in
     pos = order.index(best_i)
     failing = [results[i] for i in order[:pos] if i in results and not results[i].fits]
     for c in failing[:1] + failing[-1:] if len(failing) > 1 else failing:
-        out.append(Alternative(c.setup, False, c.device_total_bytes,
-                               f"does not fit: needs {fmt_gib(c.device_total_bytes)} at micro-batch "
+        out.append(Alternative(c.setup, False, c.need_bytes,
+                               f"does not fit: needs {fmt_gib(c.need_bytes)} at micro-batch "
                                f"{c.setup.batch_size}, budget {fmt_gib(search.budget)}"))
 
     def first_fitting(indices) -> Candidate | None:
@@ -93,18 +93,18 @@ def alternatives(search: _Search, setups, results, best_i: int, order, limit: in
     for c in runners:
         if c is not None and c.setup not in seen and len(out) < limit + 2:
             seen.add(c.setup)
-            out.append(Alternative(c.setup, True, c.device_total_bytes, _lost_reason(c, best, search.prefer)))
+            out.append(Alternative(c.setup, True, c.need_bytes, _lost_reason(c, best, search.prefer)))
     return tuple(out)
 
 
 def nothing_fits(search: _Search, setups, results, common) -> Plan:
     """Nothing fits: the setup needing least memory at micro-batch 1, and what would make it fit."""
-    smallest = min(results.values(), key=lambda c: c.device_total_bytes)
-    need = smallest.device_total_bytes
+    smallest = min(results.values(), key=lambda c: c.need_bytes)
+    need = smallest.need_bytes
     s = smallest.setup
     tips = []
     headroom = common["headroom"]
-    bigger = sorted((g for g in load_gpus() if _budget(g, headroom, CUDA_CONTEXT_BYTES)[2] >= need),
+    bigger = sorted((g for g in load_gpus() if budget_bytes(g.memory_bytes, headroom) >= need),
                     key=lambda g: g.memory_bytes)
     if bigger:
         tips.append(f"a larger GPU: {bigger[0].name} ({fmt_gib(bigger[0].memory_bytes)}) fits {describe(s)}")
@@ -124,7 +124,7 @@ def _largest_seq_len(search: _Search, s: Setup) -> int:
     """Largest seq_len below the current one at which `s` fits at micro-batch 1 (0 if none >= 16)."""
     def fits(n: int) -> bool:
         try:
-            return search.estimate(dataclasses.replace(s, seq_len=n)).device_total_bytes <= search.budget
+            return need_bytes(search.estimate(dataclasses.replace(s, seq_len=n))) <= search.budget
         except MemplanError:
             return False
 

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from memplan.budget import need_bytes
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
@@ -123,10 +124,11 @@ def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
         "budget_gib": _gib(plan.budget_bytes),
         "predicted": {"peak_allocated_gib": _gib(e.peak_allocated_bytes),
                       "peak_reserved_gib": _gib(e.peak_reserved_bytes),
-                      "device_total_gib": _gib(e.device_total_bytes), "peak_phase": e.peak_phase,
+                      "device_total_gib": _gib(e.device_total_bytes), "need_gib": _gib(need_bytes(e)),
+                      "peak_phase": e.peak_phase,
                       "components_gib": {k: _gib(v) for k, v in e.components.items() if v}},
         "setup": s.to_dict(),
-        "alternatives": [{"setup": _label(a.setup), "fits": a.fits, "device_total_gib": _gib(a.device_total_bytes),
+        "alternatives": [{"setup": _label(a.setup), "fits": a.fits, "need_gib": _gib(a.need_bytes),
                           "reason": a.reason} for a in plan.alternatives],
     }
     return doc

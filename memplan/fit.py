@@ -1,5 +1,6 @@
 """fit(): "will it fit on this GPU, and how?" - one row per common setup, with the largest micro-batch.
 
+A setup fits when its need is within the GPU's budget (memplan.budget: the same test plan and doctor use).
 Pure: the estimator is injected (tests pass a fake and check the probe order).
 """
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from memplan import budget as _budget
+from memplan.budget import DEFAULT_HEADROOM, need_bytes
 from memplan.errors import MemplanError
 from memplan.gpus import Gpu
 from memplan.setup import Setup
@@ -67,27 +70,28 @@ class FitRow:
     setup: Setup
     fits: bool
     max_batch_size: int
-    device_total_bytes_at_batch_1: int
-    shortfall_bytes: int  # how much more memory batch 1 needs (0 when it fits)
+    need_bytes_at_batch_1: int  # memplan.budget.need_bytes
+    shortfall_bytes: int  # how much more than the budget batch 1 needs (0 when it fits)
     estimate_at_batch_1: object = None  # Estimate
     error: str = ""  # why this option does not apply to the model
 
     def to_dict(self) -> dict:
+        e = self.estimate_at_batch_1
         return {"option": self.option, "mode": self.setup.mode, "setup": self.setup.to_dict(), "fits": self.fits,
-                "max_batch_size": self.max_batch_size,
-                "device_total_bytes_at_batch_1": self.device_total_bytes_at_batch_1,
+                "max_batch_size": self.max_batch_size, "need_bytes_at_batch_1": self.need_bytes_at_batch_1,
+                "device_total_bytes_at_batch_1": e.device_total_bytes if e is not None else 0,
                 "shortfall_bytes": self.shortfall_bytes, "error": self.error}
 
 
 @dataclass(frozen=True, slots=True)
 class ScaleOutRow:
     """One multi-GPU training option: the fewest GPUs of the card where micro-batch 1 fits (0: not within
-    max(GPU_COUNTS), or the given count does not fit), the per-GPU device total there and the largest micro-batch."""
+    max(GPU_COUNTS), or the given count does not fit), what each GPU needs there and the largest micro-batch."""
 
     option: str
     setup: Setup  # at the GPU count found (or tried), batch 1
     gpus: int
-    per_gpu_bytes: int
+    per_gpu_bytes: int  # memplan.budget.need_bytes per GPU
     host_bytes_per_node: int
     max_batch_size: int
     error: str = ""
@@ -110,6 +114,8 @@ class FitResult:
     rows: tuple[FitRow, ...]
     scale_out: tuple[ScaleOutRow, ...] = ()
     num_gpus: int | None = None  # the GPU count asked for (None: the fewest that fit)
+    headroom: float = DEFAULT_HEADROOM
+    budget_bytes: int = 0  # memplan.budget.budget_bytes of the GPU
 
     @property
     def any_fits(self) -> bool:
@@ -117,7 +123,7 @@ class FitResult:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
-                "seq_len": self.seq_len, "options": [r.to_dict() for r in self.rows], "num_gpus": self.num_gpus,
+                "headroom": self.headroom, "budget_bytes": self.budget_bytes, "seq_len": self.seq_len, "options": [r.to_dict() for r in self.rows], "num_gpus": self.num_gpus,
                 "multi_gpu": [r.to_dict() for r in self.scale_out]}
 
 
@@ -153,16 +159,18 @@ def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
 
 
 def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, limit: int = 4096) -> int:
-    """Largest batch with device_total_bytes <= budget (the estimate is monotone in batch size - a property the
-    tests check). 0 when batch 1 does not fit."""
+    """Largest batch whose need (memplan.budget.need_bytes) is within `budget_bytes` (the estimate is monotone in
+    batch size - a property the tests check). 0 when batch 1 does not fit."""
     return largest_fitting(
-        lambda b: estimator(spec, dataclasses.replace(setup, batch_size=b)).device_total_bytes <= budget_bytes, limit)
+        lambda b: need_bytes(estimator(spec, dataclasses.replace(setup, batch_size=b))) <= budget_bytes, limit)
 
 
-def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int | None = None) -> list[ScaleOutRow]:
+def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int | None = None,
+              headroom: float = DEFAULT_HEADROOM) -> list[ScaleOutRow]:
     """Each SCALE_OUT_OPTIONS row: the fewest GPUs in GPU_COUNTS that fit micro-batch 1 (or exactly `num_gpus`),
-    with the per-GPU total and the largest micro-batch there. Per-GPU memory never grows with the GPU count for a
+    with what each GPU needs and the largest micro-batch there. Per-GPU memory never grows with the GPU count for a
     sharded engine, so the first count that fits is the fewest."""
+    budget = _budget.budget_bytes(gpu.memory_bytes, headroom)
     rows = []
     counts = (num_gpus,) if num_gpus else GPU_COUNTS
     for name, setup in option_setups(spec, gpu, seq_len, SCALE_OUT_OPTIONS):
@@ -171,7 +179,7 @@ def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int |
             for n in counts:
                 tried = dataclasses.replace(setup, **gpu_layout(n))
                 est = estimator(spec, tried)
-                if est.device_total_bytes <= gpu.memory_bytes:
+                if need_bytes(est) <= budget:
                     found = n
                     break
                 if setup.sharding == "ddp" and n >= 2:
@@ -179,18 +187,19 @@ def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int |
         except MemplanError as e:
             rows.append(ScaleOutRow(name, setup, 0, 0, 0, 0, str(e)))
             continue
-        best = max_batch_size(spec, tried, gpu.memory_bytes, estimator) if found else 0
-        rows.append(ScaleOutRow(name, tried, found, est.device_total_bytes, est.host_bytes * tried.num_gpus, best))
+        best = max_batch_size(spec, tried, budget, estimator) if found else 0
+        rows.append(ScaleOutRow(name, tried, found, need_bytes(est), est.host_bytes * tried.num_gpus, best))
     return rows
 
 
 def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
-        num_gpus: int | None = None) -> FitResult:
+        num_gpus: int | None = None, headroom: float = DEFAULT_HEADROOM) -> FitResult:
     """Evaluate every FIT_OPTIONS row for `spec` on one `gpu` at `seq_len`, and the SCALE_OUT_OPTIONS rows across
-    the fewest such GPUs (or `num_gpus` of them)."""
+    the fewest such GPUs (or `num_gpus` of them), against the budget that keeps `headroom` of the memory spare."""
     if estimator is None:
         from memplan.estimate import estimator_for
         estimator = estimator_for(gpu)
+    budget = _budget.budget_bytes(gpu.memory_bytes, headroom)
     rows = []
     for name, setup in option_setups(spec, gpu, seq_len):
         try:
@@ -198,8 +207,8 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
         except MemplanError as e:
             rows.append(FitRow(name, setup, False, 0, 0, 0, None, str(e)))
             continue
-        total = est.device_total_bytes
-        best = max_batch_size(spec, setup, gpu.memory_bytes, estimator) if total <= gpu.memory_bytes else 0
-        rows.append(FitRow(name, setup, best > 0, best, total, max(0, total - gpu.memory_bytes), est))
-    return FitResult(spec.model_id, gpu, seq_len, tuple(rows), tuple(scale_out(spec, gpu, seq_len, estimator, num_gpus)),
-                     num_gpus)
+        need = need_bytes(est)
+        best = max_batch_size(spec, setup, budget, estimator) if need <= budget else 0
+        rows.append(FitRow(name, setup, best > 0, best, need, max(0, need - budget), est))
+    multi = scale_out(spec, gpu, seq_len, estimator, num_gpus, headroom)
+    return FitResult(spec.model_id, gpu, seq_len, tuple(rows), tuple(multi), num_gpus, headroom, budget)

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes
 from memplan.errors import BadInput
 from memplan.fileio import write_bytes_atomic
 from memplan.fit import largest_fitting
@@ -161,12 +162,12 @@ def trim(points: Sequence[tuple], budget_bytes: int, beyond: int = 2) -> list[tu
         if over >= beyond:
             break
         out.append((v, e))
-        over += e is not None and e.device_total_bytes > budget_bytes
+        over += e is not None and need_bytes(e) > budget_bytes
     return out
 
 
 def largest_fitting_value(spec, setup, knob: str, budget_bytes: int, estimator: Callable | None = None) -> int:
-    """Largest integer value of `knob` whose device total fits `budget_bytes` (0 if 1 does not), by
+    """Largest integer value of `knob` whose need (memplan.budget) fits `budget_bytes` (0 if 1 does not), by
     fit.largest_fitting. Caps: batch 4096, seq_len the model's max positions, lora_r the hidden size."""
     _check_knob(knob, setup)
     run = _estimator(estimator)
@@ -176,17 +177,19 @@ def largest_fitting_value(spec, setup, knob: str, budget_bytes: int, estimator: 
 
     def fits(v: int) -> bool:
         try:
-            return run(spec, dataclasses.replace(setup, **{knob: v})).device_total_bytes <= budget_bytes
+            return need_bytes(run(spec, dataclasses.replace(setup, **{knob: v}))) <= budget_bytes
         except BadInput:
             return False
 
     return largest_fitting(fits, cap)
 
 
-def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | None = None):
-    """Peak allocated, peak reserved and device total (GiB) against `knob` (log2 axis when the values span 3+
-    doublings); with `gpu`: the card's limit, the range that fits shaded and the largest fitting value marked
-    (`largest`, exact from largest_fitting_value; else the largest plotted value that fits)."""
+def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | None = None,
+                 headroom: float = DEFAULT_HEADROOM):
+    """Peak allocated, peak reserved, device total and the need the fit test uses (GiB) against `knob` (log2 axis
+    when the values span 3+ doublings); with `gpu`: the card's memory and its budget (memplan.budget, `headroom`
+    spare), the range that fits shaded and the largest fitting value marked (`largest`, exact from
+    largest_fitting_value; else the largest plotted value that fits)."""
     valid = [(v, e) for v, e in points if e is not None]
     if not valid:
         raise BadInput(f"no value of {knob} gives a valid setup; nothing to plot")
@@ -195,9 +198,10 @@ def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | No
     ax = fig.add_subplot()
     for attr, label, colour in (("peak_allocated_bytes", "peak allocated", "#4c72b0"),
                                 ("peak_reserved_bytes", "peak reserved", "#dd8452"),
-                                ("device_total_bytes", "device total (nvidia-smi)", "#c44e52")):
+                                ("device_total_bytes", "device total (nvidia-smi)", "#c44e52"),
+                                ("cap_need_bytes", "needs (fit test)", "#8172b3")):
         ax.plot(xs, [getattr(e, attr) / GiB for _, e in valid], marker="o", markersize=4, label=label,
-                color=colour, linewidth=2 if attr == "device_total_bytes" else 1.4, zorder=3)
+                color=colour, linewidth=2 if attr == "cap_need_bytes" else 1.4, zorder=3)
     log2 = len(xs) > 2 and xs[-1] >= 8 * xs[0]  # spans 3+ doublings: a log2 axis
     if log2:
         ax.set_xscale("log", base=2)
@@ -208,18 +212,21 @@ def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | No
     lo, hi = xs[0], max(xs[-1], largest or 0)
     pad = 2 ** 0.25 if log2 else max((hi - lo) * 0.03, 0.5)
     ax.set_xlim(lo / pad if log2 else lo - pad, hi * pad if log2 else hi + pad)
-    top = max(e.device_total_bytes for _, e in valid) / GiB
+    top = max(max(e.device_total_bytes, need_bytes(e)) for _, e in valid) / GiB
     if gpu:
-        limit = gpu.memory_bytes / GiB
-        ax.set_ylim(0, max(top, limit) * 1.12)
+        budget = budget_bytes(gpu.memory_bytes, headroom)
+        limit = budget / GiB
+        ax.set_ylim(0, max(top, gpu.memory_bytes / GiB) * 1.12)
         _card_line(ax, gpu, right=False)
+        ax.axhline(limit, color="#2d7a3e", linestyle="--", linewidth=1.1, zorder=3,
+                   label=f"budget: {headroom:.1%} headroom")
         exact = largest is not None
         if not exact:
-            largest = max((v for v, e in valid if e.device_total_bytes <= gpu.memory_bytes), default=0)
+            largest = max((v for v, e in valid if need_bytes(e) <= budget), default=0)
         left = ax.get_xlim()[0]
         if largest:
             ax.axvspan(left, largest, color="#55a868", alpha=0.13, zorder=0,
-                       label=f"fits: device total ≤ {limit:.1f} GiB")
+                       label=f"fits: needs ≤ {limit:.1f} GiB")
             ax.axvline(largest, color="#2d7a3e", linestyle=":", linewidth=1.5, zorder=2)
             text = "largest that fits: " + _SHORT[knob].format(largest)
             x0, x1 = ax.get_xlim()
@@ -279,7 +286,7 @@ def _parse_values(text: str) -> list[int]:
 def _build_plot_command():
     import click
 
-    from memplan.cli import handle_errors, setup_from_options, setup_options
+    from memplan.cli import handle_errors, headroom_option, setup_from_options, setup_options
 
     @click.command("plot")
     @click.argument("model")
@@ -288,12 +295,13 @@ def _build_plot_command():
     @click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
     @click.option("--values", help="comma-separated values of --x (default: doubling values)")
     @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="picture: .png/.svg/.pdf")
+    @headroom_option
     @setup_options
     @click.option("--trust-remote-code", is_flag=True)
     @handle_errors
-    def plot(model, knob, gpu_name, memory, values, output, trust_remote_code, **options):
-        """Peak allocated / reserved / device total against batch_size, seq_len or lora_r, with the card's limit,
-        the range that fits shaded and the largest value that fits."""
+    def plot(model, knob, gpu_name, memory, values, output, headroom, trust_remote_code, **options):
+        """Peak allocated / reserved / device total and the need the fit test uses against batch_size, seq_len or
+        lora_r, with the card's memory and budget, the range that fits shaded and the largest value that fits."""
         from memplan.gpus import detect_gpus, resolve_gpu
         from memplan.models import load_spec
 
@@ -302,18 +310,19 @@ def _build_plot_command():
         xs = _parse_values(values) if values else default_values(knob, spec, setup)
         gpu = resolve_gpu(gpu_name, memory) if gpu_name or memory else next(iter(detect_gpus()), None)
         points = sweep(spec, setup, knob, xs)
+        budget = budget_bytes(gpu.memory_bytes, headroom) if gpu else None
         if gpu and not values:
-            points = trim(points, gpu.memory_bytes)
+            points = trim(points, budget)
         if all(e is None for _, e in points):  # re-run one to raise the estimator's own reason
             from memplan.estimate import estimate
             estimate(spec, dataclasses.replace(setup, **{knob: xs[0]}))
-        best = largest_fitting_value(spec, setup, knob, gpu.memory_bytes) if gpu else None
-        written = save_figure(curve_figure(points, knob, gpu, best), output)
+        best = largest_fitting_value(spec, setup, knob, budget) if gpu else None
+        written = save_figure(curve_figure(points, knob, gpu, best, headroom), output)
         click.echo(f"wrote {written}")
         if gpu is None:
             click.echo("no GPU given (--gpu/--memory) or detected: drawn without a card limit")
         else:
-            card = f"{_card_name(gpu)} ({gpu.memory_bytes / GiB:.2f} GiB)"
+            card = f"{_card_name(gpu)} ({gpu.memory_bytes / GiB:.2f} GiB, budget {budget / GiB:.2f} GiB)"
             click.echo(f"largest {knob} that fits on {card}: {best}" if best
                        else f"even {knob}=1 does not fit on {card}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from memplan.budget import need_bytes
 from memplan.units import GiB
 
 
@@ -12,7 +13,7 @@ def _gib(n: float) -> str:
 
 
 def estimate_table(e) -> Table:
-    """Components at the peak (GiB and % of the device total), then the three peaks."""
+    """Components at the peak (GiB and % of the device total), then the three peaks and what the fit test needs."""
     s = e.setup
     what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
             + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""))
@@ -30,6 +31,7 @@ def estimate_table(e) -> Table:
     t.add_row(f"peak allocated ({e.peak_phase})", _gib(e.peak_allocated_bytes), "")
     t.add_row("peak reserved", _gib(e.peak_reserved_bytes), "")
     t.add_row("device total (nvidia-smi)", _gib(e.device_total_bytes), "100.0", style="bold")
+    t.add_row("needs on a full card (fit test: + largest tensor)", _gib(need_bytes(e)), "")
     if e.host_bytes:
         t.add_row("host RAM (pinned) per GPU / per node", f"{_gib(e.host_bytes)} / {_gib(e.host_bytes * s.num_gpus)}",
                   "")
@@ -45,17 +47,17 @@ def print_estimate(e, console: Console | None = None) -> None:
 
 def fit_table(result) -> Table:
     g = result.gpu
-    t = Table(title=f"{result.model} on {g.name} ({_gib(g.memory_bytes)} GiB), seq_len {result.seq_len}",
-              title_justify="left")
+    t = Table(title=f"{result.model} on {g.name} ({_gib(g.memory_bytes)} GiB; budget {_gib(result.budget_bytes)} GiB "
+                    f"with {result.headroom:.1%} headroom), seq_len {result.seq_len}", title_justify="left")
     for col, just in (("option", "left"), ("fits", "center"), ("max micro-batch", "right"),
-                      ("GiB at batch 1", "right"), ("missing", "right")):
+                      ("needs GiB at batch 1", "right"), ("missing", "right")):
         t.add_column(col, justify=just)
     for r in result.rows:
         if r.error:
             t.add_row(r.option, "n/a", "-", "-", r.error.splitlines()[0][:60])
             continue
         t.add_row(r.option, "[green]yes[/]" if r.fits else "[red]no[/]", str(r.max_batch_size) if r.fits else "0",
-                  _gib(r.device_total_bytes_at_batch_1), f"{_gib(r.shortfall_bytes)} GiB" if r.shortfall_bytes else "")
+                  _gib(r.need_bytes_at_batch_1), f"{_gib(r.shortfall_bytes)} GiB" if r.shortfall_bytes else "")
     return t
 
 
@@ -63,7 +65,7 @@ def scale_out_table(result) -> Table:
     g = result.gpu
     what = f"on {result.num_gpus} x {g.name}" if result.num_gpus else f"fewest {g.name} cards"
     t = Table(title=f"training across GPUs: {what} (per-GPU memory; checkpointing on)", title_justify="left")
-    for col, just in (("option", "left"), ("GPUs", "right"), ("GiB per GPU at batch 1", "right"),
+    for col, just in (("option", "left"), ("GPUs", "right"), ("needs GiB per GPU at batch 1", "right"),
                       ("max micro-batch", "right"), ("host RAM per node (GiB)", "right")):
         t.add_column(col, justify=just)
     for r in result.scale_out:
@@ -132,15 +134,16 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
                   + (f" (effective batch {plan.achieved_effective_batch})"
                      if plan.achieved_effective_batch != plan.effective_batch else ""))
     console.print(estimate_table(plan.estimate))
-    console.print(f"budget {_gib(plan.budget_bytes)} GiB = {_gib(g.memory_bytes)} GiB - headroom "
-                  f"{_gib(plan.headroom_bytes)} GiB ({plan.headroom:.0%} of the {_gib(plan.usable_bytes)} GiB usable "
-                  f"beyond the CUDA context); spare at the predicted peak: {_gib(plan.spare_bytes)} GiB")
+    console.print(f"needs {_gib(need_bytes(plan.estimate))} GiB (peak allocated + largest tensor + "
+                  f"memory outside the allocator) of the budget {_gib(plan.budget_bytes)} GiB = "
+                  f"{_gib(g.memory_bytes)} GiB - headroom {_gib(plan.headroom_bytes)} GiB ({plan.headroom:.1%} of the "
+                  f"{_gib(plan.usable_bytes)} GiB usable beyond the CUDA context); spare: {_gib(plan.spare_bytes)} GiB")
     if plan.alternatives:
         t = Table(title="alternatives", title_justify="left")
-        for col, just in (("setup", "left"), ("fits", "center"), ("device GiB", "right"), ("why not chosen", "left")):
+        for col, just in (("setup", "left"), ("fits", "center"), ("needs GiB", "right"), ("why not chosen", "left")):
             t.add_column(col, justify=just)
         for a in plan.alternatives:
-            t.add_row(describe(a.setup), "yes" if a.fits else "[red]no[/]", _gib(a.device_total_bytes), a.reason)
+            t.add_row(describe(a.setup), "yes" if a.fits else "[red]no[/]", _gib(a.need_bytes), a.reason)
         console.print(t)
     if written:
         console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes, split  # noqa: F401 (DEFAULT_HEADROOM: API)
 from memplan.errors import BadInput, MemplanError, SetupError
 from memplan.fit import largest_fitting
 from memplan.gpus import Gpu
@@ -42,7 +43,6 @@ RANKS = (256, 128, 64, 32, 16, 8, 4)
 TARGET_ORDER = ("all-linear", None)  # None = peft's default targets for the model type (attention projections)
 OPTIMIZER_ORDER = ("adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor")
 DEFAULT_EFFECTIVE_BATCH = 32
-DEFAULT_HEADROOM = 0.035
 SATURATING_TOKENS = 4096
 #: across several GPUs, (sharding, offload) in speed order. Relative step-time factors order candidates only (never
 #: reported): ZeRO-1/2 move as much data as DDP's all-reduce (2 Psi); ZeRO-3/FSDP full shard add a parameter
@@ -74,19 +74,20 @@ class Candidate:
     key: tuple = ()
 
     @property
-    def device_total_bytes(self) -> int:
-        return self.estimate.device_total_bytes
+    def need_bytes(self) -> int:
+        """What it needs from the GPU (memplan.budget.need_bytes)."""
+        return need_bytes(self.estimate)
 
 
 @dataclass(frozen=True, slots=True)
 class Alternative:
     setup: Setup
     fits: bool
-    device_total_bytes: int
+    need_bytes: int  # memplan.budget.need_bytes of its estimate
     reason: str
 
     def to_dict(self) -> dict:
-        return {"setup": self.setup.to_dict(), "fits": self.fits, "device_total_bytes": self.device_total_bytes,
+        return {"setup": self.setup.to_dict(), "fits": self.fits, "need_bytes": self.need_bytes,
                 "reason": self.reason}
 
 
@@ -95,7 +96,7 @@ class Plan:
     """The chosen setup (None when nothing fits), its estimate and the memory budget it was chosen against.
 
     usable_bytes = GPU memory - CUDA context; headroom_bytes = headroom x usable; budget_bytes (what the chosen
-    setup's device total may reach) = GPU memory - headroom_bytes.
+    setup's need may reach: memplan.budget) = GPU memory - headroom_bytes.
     """
 
     model: str
@@ -124,8 +125,8 @@ class Plan:
 
     @property
     def spare_bytes(self) -> int:
-        """Memory left below the GPU's total at the predicted device peak (headroom included)."""
-        return self.gpu.memory_bytes - self.estimate.device_total_bytes if self.estimate else 0
+        """Memory left below the GPU's total at the setup's need (headroom included)."""
+        return self.gpu.memory_bytes - need_bytes(self.estimate) if self.estimate else 0
 
     def to_dict(self) -> dict:
         return {
@@ -229,12 +230,6 @@ def speed_score(s: Setup, trainable_fraction: float, tokens_per_sample: int) -> 
 
 # ---------------------------------------------------------------------------------------------------- the search
 
-def _budget(gpu: Gpu, headroom: float, context_bytes: int) -> tuple[int, int, int]:
-    usable = max(0, gpu.memory_bytes - context_bytes)
-    reserve = int(usable * headroom)
-    return usable, reserve, gpu.memory_bytes - reserve
-
-
 def split_batch(effective: int, max_micro: int) -> tuple[int, int]:
     """(micro-batch, accumulation steps) for an effective batch: the largest divisor of `effective` not above
     max_micro when that loses at most half of max_micro (the effective batch is then exact), else max_micro with
@@ -268,7 +263,7 @@ class _Search:
         allocator releases its free cache and retries, so the uncapped reserved peak is not the limit; a setup
         OOMs when the live peak and one contiguous block for the largest request pass the cap, e.g. Llama-3.2-1B
         b5 s2048 on an H100 capped to an RTX 4090 asked for its 4.89 GiB logits with 3.2 GiB spare)."""
-        need = e.cap_need_bytes
+        need = need_bytes(e)
         host = getattr(e, "host_bytes", 0)
         if host and self.host_budget is not None and host * e.setup.num_gpus > self.host_budget:  # the node's ranks
             return max(need, self.budget + 1)  # does not fit: the node's RAM cannot hold the offloaded state
@@ -338,7 +333,7 @@ class _Search:
         if self.need(e) > self.budget:
             return Candidate(chosen, e, False, 0, ())
         frac = self.trainable_fraction(setup, e)
-        return Candidate(chosen, e, True, b, self.key(chosen, frac, first.device_total_bytes))
+        return Candidate(chosen, e, True, b, self.key(chosen, frac, need_bytes(first)))
 
 
 def _setups(spec, seq_len: int, bf16: bool, pinned: dict) -> list[Setup]:
@@ -457,9 +452,7 @@ def fewest_gpus(spec, gpu: Gpu, pinned: dict, single: Plan, opts: dict) -> Plan:
 
 
 def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> _Search:
-    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
-
-    _, _, budget = _budget(gpu, opts["headroom"], CUDA_CONTEXT_BYTES)
+    budget = budget_bytes(gpu.memory_bytes, opts["headroom"])
     per_rank = max(1, math.ceil(opts["effective_batch"] / _world(pinned)))
     return _Search(spec, gpu, opts["seq_len"], per_rank, opts["prefer"], pinned, opts["estimator"], budget,
                    opts["host_budget"])
@@ -467,10 +460,8 @@ def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> _Search:
 
 def _plan_at(spec, gpu: Gpu, pinned: dict, opts: dict) -> Plan:
     """The best plan with the GPU count (and any sharding) fixed by `pinned` (see plan; opts: its settings)."""
-    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
-
     seq_len, effective_batch, prefer, headroom = (opts[k] for k in ("seq_len", "effective_batch", "prefer", "headroom"))
-    usable, reserve, budget = _budget(gpu, headroom, CUDA_CONTEXT_BYTES)
+    usable, reserve, budget = split(gpu.memory_bytes, headroom)
     search = _search(spec, gpu, pinned, opts)
     setups = _setups(spec, seq_len, gpu.bf16, pinned)
     common = dict(model=spec.model_id, gpu=gpu, prefer=prefer, effective_batch=effective_batch, headroom=headroom,

@@ -41,7 +41,8 @@ def test_fit_json_contract(run):
     assert d["gpu"] == {"name": "GeForce RTX 3060 12GB", "memory_bytes": 12 * 2**30}
     assert len(d["options"]) == 7
     for row in d["options"]:
-        assert {"option", "mode", "setup", "fits", "max_batch_size", "device_total_bytes_at_batch_1"} <= set(row)
+        assert {"option", "mode", "setup", "fits", "max_batch_size", "need_bytes_at_batch_1",
+                "device_total_bytes_at_batch_1"} <= set(row)
         assert row["mode"] in ("train", "infer") and isinstance(row["max_batch_size"], int)
         assert row["fits"] == (row["max_batch_size"] > 0)
     by_name = {row["option"]: row for row in d["options"]}

@@ -8,6 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from memplan.budget import budget_bytes
 from memplan.doctor import diagnose, doctor_command, parse_oom_message, rank_key
 from memplan.errors import BadInput
 from memplan.estimate import estimate
@@ -87,13 +88,13 @@ def test_llama2_7b_full_on_rtx_3060_leads_with_a_change_that_fits():
     d = diagnose(spec, setup, gpu.memory_bytes)
     assert not d.fits and d.resolved and d.exit_code == 0
     final = d.fix[-1]
-    assert final.fits and estimate(spec, final.setup).device_total_bytes <= gpu.memory_bytes
+    assert final.fits and estimate(spec, final.setup).cap_need_bytes <= gpu.memory_bytes
     assert d.first_line.startswith("Smallest change that fits: ") and final.description in d.first_line
     # every step of a combination is needed: without any one of them it no longer fits
     from memplan.doctor import _chain, _Ctx
     c = _Ctx(spec, gpu.memory_bytes, estimate, True)
     for step in d.combination:
-        rest = _chain(setup, d.device_total_bytes, [r.order for r in d.combination if r is not step], c)
+        rest = _chain(setup, d.need_bytes, [r.order for r in d.combination if r is not step], c)
         assert not rest or not rest[-1].fits
 
 
@@ -106,7 +107,7 @@ def test_smaller_change_ranks_first_when_two_fit():
     assert fitting.index("grad-ckpt") < fitting.index("qlora")
     assert [rank_key(r) for r in d.remedies if r.fits] == sorted(rank_key(r) for r in d.remedies if r.fits)
     assert d.best.size == 1 and d.first_line.startswith("Smallest change that fits")
-    assert all(r.saved_bytes == d.device_total_bytes - r.device_total_bytes for r in d.remedies)
+    assert all(r.saved_bytes == d.need_bytes - r.need_bytes for r in d.remedies)
 
 
 def test_two_knobs_beat_truncating_the_data():
@@ -116,14 +117,14 @@ def test_two_knobs_beat_truncating_the_data():
     d = diagnose(spec, Setup(technique="qlora", batch_size=16, seq_len=1024), budget)
     assert d.best.name == "shorter-sequences"
     assert len(d.fix) > 1 and max(r.size for r in d.fix) < d.best.size and d.fix[-1].fits
-    assert estimate(spec, d.fix[-1].setup).device_total_bytes <= budget
+    assert estimate(spec, d.fix[-1].setup).cap_need_bytes <= budget
     assert d.fix[-1].setup.seq_len == 1024 and d.fix[-1].setup.batch_size * d.fix[-1].setup.grad_accum == 16
     assert "smaller changes than the best single one" in d.first_line
 
 
 def test_already_fits_and_barely_fits():
     spec, setup = load_spec("openai-community/gpt2"), Setup(batch_size=2, seq_len=256)
-    total = estimate(spec, setup).device_total_bytes
+    total = estimate(spec, setup).cap_need_bytes  # what doctor, fit and plan test against the budget
     d = diagnose(spec, setup, 2 * total)
     assert d.fits and not d.barely_fits and not d.remedies and d.first_line.startswith("Fits")
     d = diagnose(spec, setup, int(total * 1.02))
@@ -152,7 +153,7 @@ def test_oom_fragmentation_adds_the_allocator_remedy_without_estimate():
     oom = parse_oom_message(NEW.replace("2.41 GiB is reserved", "12.41 GiB is reserved"))
     d = diagnose(spec, Setup(technique="full", precision="bf16-mixed"), oom.total_capacity_bytes, oom=oom)
     alloc = [r for r in d.remedies if r.name == "expandable-segments"]
-    assert alloc and alloc[0].device_total_bytes is None and alloc[0].fits is None
+    assert alloc and alloc[0].need_bytes is None and alloc[0].fits is None
     assert "no estimate" in alloc[0].cost and any(n.startswith("measured") for n in d.notes)
     assert d.best is None or d.best.name != "expandable-segments"
 
@@ -163,7 +164,8 @@ def test_cli_llama_full_on_rtx_3060():
     r = _run("meta-llama/Llama-2-7b-hf", "--technique", "full", "--gpu", "RTX 3060")
     assert r.exit_code == 0, r.output
     first = r.output.splitlines()[0]
-    assert first.startswith("Smallest change that fits: ") and "of 12.00 GiB" in first
+    budget = budget_bytes(find_gpu("RTX 3060").memory_bytes)  # 12 GiB less the 3.5% headroom, as fit and plan
+    assert first.startswith("Smallest change that fits: ") and f"of {budget / GiB:.2f} GiB" in first
 
 
 def test_cli_oom_message_sets_budget_and_reports_measured():
@@ -171,7 +173,8 @@ def test_cli_oom_message_sets_budget_and_reports_measured():
              "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    assert d["budget_bytes"] == _b(79.15, GiB) and d["oom"]["process_in_use_bytes"] == _b(77.93, GiB)
+    assert d["budget_bytes"] == budget_bytes(_b(79.15, GiB)) and d["oom"]["process_in_use_bytes"] == _b(77.93, GiB)
+    assert "total capacity in the OOM message: 79.15 GiB less 3.5% headroom" == d["budget_source"]
     assert any("measured" in n for n in d["notes"]) and d["first_line"]
 
 

@@ -11,7 +11,7 @@ from memplan.setup import Setup
 
 @dataclass
 class _Fake:
-    device_total_bytes: int
+    cap_need_bytes: int  # what memplan.budget.need_bytes reads
 
 
 def _recorder(per_sample: int, fixed: int = 0):
@@ -38,16 +38,46 @@ def test_nothing_fits_and_limit():
 
 
 def test_fit_rows_agree_with_the_real_estimator():
+    """Each row's largest batch is the last whose need (live peak + largest tensor + memory outside the allocator)
+    is within the budget: the GPU memory less 3.5% of what the CUDA context leaves."""
+    import dataclasses
+
     from memplan.estimate import estimate
+    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
     spec = load_spec("gpt2")
     gpu = Gpu(name="test 8 GiB", memory_bytes=8 * 2**30)
     result = fit(spec, gpu, seq_len=256)
+    budget = gpu.memory_bytes - int(0.035 * (gpu.memory_bytes - CUDA_CONTEXT_BYTES))
+    assert result.budget_bytes == budget and any(r.fits for r in result.rows)
     for row in result.rows:
         if row.fits:
-            import dataclasses
             at = estimate(spec, dataclasses.replace(row.setup, batch_size=row.max_batch_size))
             over = estimate(spec, dataclasses.replace(row.setup, batch_size=row.max_batch_size + 1))
-            assert at.device_total_bytes <= gpu.memory_bytes < over.device_total_bytes
+            assert at.cap_need_bytes <= budget < over.cap_need_bytes
+            assert row.need_bytes_at_batch_1 == estimate(spec, row.setup).cap_need_bytes
+
+
+def test_fit_plan_and_doctor_share_one_fit_test():
+    """The planner's micro-batch for a pinned setup, fit's row and doctor's verdict agree (memplan.budget)."""
+    import dataclasses
+
+    from memplan.doctor import diagnose
+    from memplan.estimate import estimate
+    from memplan.budget import budget_bytes
+    from memplan.search import plan
+    spec = load_spec("gpt2")
+    gpu = Gpu(name="test 6 GiB", memory_bytes=6 * 2**30)
+    row = next(r for r in fit(spec, gpu, seq_len=512).rows if r.option.startswith("LoRA"))
+    b = row.max_batch_size
+    pins = {k: getattr(row.setup, k) for k in ("technique", "precision", "optimizer", "lora_r", "grad_ckpt")}
+    pins.update(lora_targets=row.setup.lora_targets or None, attn_impl=row.setup.attn_impl, grad_accum=1)
+    assert b > 1 and plan(spec, gpu, seq_len=512, effective_batch=b, batch_size=b, **pins).fits
+    assert not plan(spec, gpu, seq_len=512, effective_batch=b + 1, batch_size=b + 1, **pins).fits
+    budget = budget_bytes(gpu.memory_bytes)
+    at = dataclasses.replace(row.setup, batch_size=row.max_batch_size)
+    assert diagnose(spec, at, budget).fits
+    assert not diagnose(spec, dataclasses.replace(at, batch_size=at.batch_size + 1), budget).fits
+    assert estimate(spec, at).cap_need_bytes <= budget
 
 
 def test_inference_rows_respect_max_positions():

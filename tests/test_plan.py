@@ -121,7 +121,7 @@ def test_chosen_setup_plus_headroom_fits_usable_memory(model, mem_gib, seq, pref
         assert used + p.headroom_bytes <= p.usable_bytes
         assert p.achieved_effective_batch >= 32
     else:
-        assert p.smallest.device_total_bytes > p.budget_bytes and p.suggestions
+        assert p.smallest.need_bytes > p.budget_bytes and p.suggestions
 
 
 def test_pins_are_respected():
@@ -182,7 +182,7 @@ def test_cli_json_and_nothing_fits_exit_1(tmp_path):
                                   "-o", str(tmp_path / "p.json")])
     assert r.exit_code == 1
     d = json.loads(r.output)
-    assert d["fits"] is False and d["smallest"]["device_total_bytes"] > d["budget_bytes"] and d["written"] is None
+    assert d["fits"] is False and d["smallest"]["need_bytes"] > d["budget_bytes"] and d["written"] is None
     assert not (tmp_path / "p.json").exists()
 
 

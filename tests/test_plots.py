@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from memplan import plots
+from memplan.budget import budget_bytes
 from memplan.errors import BadInput
 from memplan.estimate import estimate
 from memplan.fit import largest_fitting, max_batch_size
@@ -80,7 +81,7 @@ def test_lora_r_needs_lora_cleanly(gpt2, cli):
 def test_largest_fitting_value_is_fit_largest_fitting(gpt2, knob):
     budget = int(3.5 * 2**30)
     value = plots.largest_fitting_value(gpt2, LORA, knob, budget)
-    total = lambda v: estimate(gpt2, dataclasses.replace(LORA, **{knob: v})).device_total_bytes  # noqa: E731
+    total = lambda v: estimate(gpt2, dataclasses.replace(LORA, **{knob: v})).cap_need_bytes  # noqa: E731
     cap = {"batch_size": 4096, "seq_len": 1024, "lora_r": gpt2.arch.hidden_size}[knob]
     assert value == largest_fitting(lambda v: total(v) <= budget, cap)
     if knob == "batch_size":
@@ -92,14 +93,14 @@ def test_largest_fitting_value_is_fit_largest_fitting(gpt2, knob):
 
 def test_curve_marks_the_exact_largest_value(gpt2):
     gpu = resolve_gpu(memory="4GiB")
-    best = plots.largest_fitting_value(gpt2, LORA, "batch_size", gpu.memory_bytes)
+    best = plots.largest_fitting_value(gpt2, LORA, "batch_size", budget_bytes(gpu.memory_bytes))
     points = plots.sweep(gpt2, LORA, "batch_size", plots.default_values("batch_size", gpt2, LORA))
     assert best not in [v for v, _ in points]  # between two plotted points: only the exact search finds it
     fig = plots.curve_figure(points, "batch_size", gpu, best)
     ax = fig.axes[0]
     assert f"largest that fits: batch {best}" in _annotations(fig)
-    assert [line.get_label() for line in ax.get_lines()][:3] == ["peak allocated", "peak reserved",
-                                                                 "device total (nvidia-smi)"]
+    assert [line.get_label() for line in ax.get_lines()][:4] == ["peak allocated", "peak reserved",
+                                                                 "device total (nvidia-smi)", "needs (fit test)"]
     assert ax.get_ylabel() == "GiB" and ax.get_xscale() == "log"
     nothing = plots.curve_figure(points, "batch_size", resolve_gpu(memory="100MiB"), 0)
     assert any("does not fit" in t for t in _annotations(nothing))
@@ -133,8 +134,9 @@ def test_plot_command_writes_png_and_prints_largest(gpt2, cli, tmp_path):
     r = cli("gpt2", "--technique", "lora", "--precision", "bf16", "--seq-len", "256", "--x", "batch_size",
             "--memory", "3GiB", "-o", str(out))
     assert r.exit_code == 0, r.output
-    best = plots.largest_fitting_value(gpt2, dataclasses.replace(LORA, seq_len=256), "batch_size", 3 * 2**30)
-    assert str(out) in r.output and f"fits on memory budget (3.00 GiB): {best}" in r.output
+    budget = budget_bytes(3 * 2**30)  # the 3.5% default headroom, as fit, plan and doctor
+    best = plots.largest_fitting_value(gpt2, dataclasses.replace(LORA, seq_len=256), "batch_size", budget)
+    assert str(out) in r.output and f"fits on memory budget (3.00 GiB, budget {budget / 2**30:.2f} GiB): {best}" in r.output
     assert out.read_bytes().startswith(PNG) and [p.name for p in tmp_path.iterdir()] == ["curve.png"]
 
 
