@@ -43,7 +43,14 @@ def _site(frames: list[dict]) -> str:
     return inner
 
 
-def _replay(trace: list[dict], marks: list[tuple[str, int]]) -> dict:
+def _label(e: dict, stacks: bool) -> str:
+    """Where an allocation came from, or (recorded without stacks) its size, the next best clue to the tensor."""
+    if stacks:
+        return _site(e.get("frames") or [])
+    return f"(no stacks) block of {e['size'] / 2**20:,.2f} MiB"
+
+
+def _replay(trace: list[dict], marks: list[tuple[str, int]], stacks: bool = True) -> dict:
     """Per phase (between marks): the peak live bytes and the live set at that peak, by site."""
     bounds = marks + [("end", len(trace))]
     live: dict[int, tuple[int, str]] = {}
@@ -55,7 +62,7 @@ def _replay(trace: list[dict], marks: list[tuple[str, int]]) -> dict:
             e = trace[i]
             a = e.get("action")
             if a == "alloc":
-                live[e["addr"]] = (e["size"], _site(e.get("frames") or []))
+                live[e["addr"]] = (e["size"], _label(e, stacks))
                 cur += e["size"]
                 if cur > best:
                     best, best_i = cur, i
@@ -73,7 +80,7 @@ def _replay(trace: list[dict], marks: list[tuple[str, int]]) -> dict:
     for i, e in enumerate(trace):
         a = e.get("action")
         if a == "alloc":
-            live[e["addr"]] = (e["size"], _site(e.get("frames") or []))
+            live[e["addr"]] = (e["size"], _label(e, stacks))
         elif a == "free_requested" and e["addr"] in live:
             live.pop(e["addr"])
         if i in want:
@@ -89,8 +96,9 @@ def _replay(trace: list[dict], marks: list[tuple[str, int]]) -> dict:
     return result
 
 
-def run_case(case: dict, fraction: float | None) -> dict:
-    """In this process: build, record, run, replay."""
+def run_case(case: dict, fraction: float | None, stacks: bool = True) -> dict:
+    """In this process: build, record, run, replay. stacks=False records sizes only (checkpointed T5/BERT runs
+    raised SystemError in run_backward while Python stacks were recorded, session 8)."""
     import torch
 
     from memplan.models import config_dict, load_spec
@@ -103,7 +111,10 @@ def run_case(case: dict, fraction: float | None) -> dict:
     torch.cuda.init()
     if fraction:
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
-    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    if stacks:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None)
     trace_len = lambda: len(torch.cuda.memory._snapshot()["device_traces"][0])  # noqa: E731
     marks: list[tuple[str, int]] = [("setup", 0)]
     peaks: dict[str, int] = {}
@@ -136,30 +147,37 @@ def run_case(case: dict, fraction: float | None) -> dict:
     snap = torch.cuda.memory._snapshot()
     trace = snap["device_traces"][0]
     dropped = len(trace) >= 4_000_000
-    phases = _replay(trace, marks)
-    return {"case": case, "status": status, "allocator_phase_peaks": peaks, "trace_events": len(trace),
+    phases = _replay(trace, marks, stacks)
+    return {"case": case, "status": status, "stacks": stacks, "allocator_phase_peaks": peaks, "trace_events": len(trace),
             "trace_truncated": dropped, "phases": phases}
 
 
 def _child(arg: str) -> None:
     c = json.loads(arg)
     try:
-        r = run_case(c["case"], c["fraction"])
+        r = run_case(c["case"], c["fraction"], c.get("stacks", True))
     except Exception as e:  # reported, not raised: one broken case must not stop the others
         import traceback
         r = {"case": c["case"], "status": f"error: {type(e).__name__}: {e}", "tb": traceback.format_exc()[-2000:]}
     print(_MARK + json.dumps(r), flush=True)
 
 
-def _spawn(case: dict, fraction: float | None, timeout: float) -> dict:
+def _spawn(case: dict, fraction: float | None, timeout: float, stacks: bool = True) -> dict:
+    """One case in a fresh process; a run that fails while recording stacks is run again recording sizes only."""
+    arg = json.dumps({"case": case, "fraction": fraction, "stacks": stacks})
     try:
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps({"case": case, "fraction": fraction})],
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, __file__, "--child", arg], capture_output=True, text=True,
+                           timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"case": case, "status": f"timed out after {timeout} s"}
     for line in p.stdout.splitlines():
         if line.startswith(_MARK):
-            return json.loads(line[len(_MARK):])
+            r = json.loads(line[len(_MARK):])
+            if stacks and r["status"].startswith("error"):
+                again = _spawn(case, fraction, timeout, stacks=False)
+                again["status"] += f" (sizes only: with stacks the run failed: {r['status'][:200]})"
+                return again
+            return r
     return {"case": case, "status": f"exited {p.returncode}: {p.stderr[-1500:]}"}
 
 
