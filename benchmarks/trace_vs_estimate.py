@@ -66,6 +66,7 @@ _add("google-t5/t5-small", technique="lora", precision="fp32", batch_size=4, seq
 _add("google-t5/t5-small", technique="freeze", precision="fp32", batch_size=4, seq_len=64, target_len=32, attn_impl="eager")
 _add("google-t5/t5-base", layers=2, technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256, target_len=64, attn_impl="eager", grad_ckpt=True)
 _add("google-t5/t5-base", layers=2, technique="qlora", precision="bf16", batch_size=2, seq_len=128, target_len=32, attn_impl="eager")
+_add("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512, attn_impl="sdpa")
 # BART (post-LN encoder-decoder, learned positions)
 _add("facebook/bart-base", technique="full", precision="fp32", optimizer="adamw-fused", batch_size=2, seq_len=128, target_len=64, attn_impl="eager")
 _add("facebook/bart-base", technique="lora", precision="bf16", batch_size=4, seq_len=128, target_len=64, attn_impl="sdpa")
@@ -84,7 +85,7 @@ _add("meta-llama/Llama-2-7b-hf", layers=2, technique="full", precision="bf16-mix
 # copies of the fp32 adapters (1.25 GiB; measured -4.0% on an H100 before they were counted)
 _add("meta-llama/Meta-Llama-3-8B", layers=2, technique="qlora", precision="bf16", lora_r=256, lora_targets="all-linear", batch_size=2, seq_len=1024, attn_impl="sdpa", grad_ckpt=True)
 
-QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 32, 36, 40, 43]  # the CI subset (tests/test_trace.py)
+QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44]  # the CI subset (tests/test_trace.py)
 
 
 def run_row(model: str, fields: dict, layers):

@@ -91,7 +91,7 @@ def test_llama2_7b_full_on_rtx_3060_leads_with_a_change_that_fits():
     assert final.fits and estimate(spec, final.setup).cap_need_bytes <= gpu.memory_bytes
     assert d.first_line.startswith("Smallest change that fits: ") and final.description in d.first_line
     # every step of a combination is needed: without any one of them it no longer fits
-    from memplan.doctor import _chain, _Ctx
+    from memplan.remedies import _chain, _Ctx
     c = _Ctx(spec, gpu.memory_bytes, estimate, True)
     for step in d.combination:
         rest = _chain(setup, d.need_bytes, [r.order for r in d.combination if r is not step], c)

@@ -274,3 +274,18 @@ def test_t5_mlp_dropout_uses_dropout_rate():
     from memplan.models import load_spec
     assert load_spec("google-t5/t5-base").arch.act_dropout == 0.1
     assert load_spec("facebook/opt-1.3b").arch.act_dropout == 0.0
+
+
+def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
+    """t5-base trained in its last decoder block (bf16-mixed, sdpa, 8 x 512): the frozen encoder records no graph,
+    so only the decoder's self- and cross-attention biases are saved, as autocast's bf16 casts [8, 12, 512, 512];
+    the 11 frozen decoder blocks' EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the
+    encoder's 512) live through the forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
+    from memplan import libs
+    from memplan.memory.activations import position_bias_bytes
+    from memplan.memory.inference import training_cache_bytes
+    ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,
+               attn_impl="sdpa")
+    with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (activations.MATH_SDPA_UNTIL)
+        assert position_bias_bytes(ctx) == 2 * 8 * 12 * 512 * 512 * 2
+    assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2

@@ -370,13 +370,21 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
 def position_bias_bytes(ctx: Ctx) -> float:
     """T5/mT5: one position-bias tensor per attention kind (encoder self, decoder self, decoder cross), shared by
     all layers of its stack: b x heads x q_len x k_len in the residual dtype (computed from fp32 or model-dtype
-    embedding weights)."""
+    embedding weights), or autocast's compute-dtype cast of it under mixed precision. The batch dimension comes
+    from the padding mask the bias is merged with (create_position_bias_mask); unpadded batches may keep [1, ...],
+    so this is the padded-batch upper bound. Only stacks with a recorded block keep theirs (graph_blocks: a frozen encoder below the
+    first trainable block saves nothing; found by the tracer on t5-base freeze, whose saved set held the decoder's
+    bias alone)."""
     a = ctx.spec.arch
     if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
         return 0.0  # eager adds the bias to the scores, which saves nothing
     b, src, tgt = ctx.setup.batch_size, ctx.src_len, ctx.tgt_len
+    recorded = {stack for stack, _ in graph_blocks(ctx)}
+    seq2seq_dec = a.kind == "seq2seq" and "decoder" in recorded
     # the math kernel adds the self-attentions' bias to its scores and keeps nothing of it
-    own = [] if attention_kernel(ctx, relative_bias=True) == "math" else [(src, src)] + (
-        [(tgt, tgt)] if a.kind == "seq2seq" else [])
-    pairs = own + ([(tgt, src)] if a.kind == "seq2seq" else [])
-    return sum(b * a.num_heads * q * k * ctx.residual_bytes for q, k in pairs)
+    own = [] if attention_kernel(ctx, relative_bias=True) == "math" else (
+        ([(src, src)] if "encoder" in recorded or a.kind != "seq2seq" else []) + ([(tgt, tgt)] if seq2seq_dec else []))
+    pairs = own + ([(tgt, src)] if seq2seq_dec else [])
+    # under autocast sdpa saves its compute-dtype cast of the float mask (autocast's lower-precision list)
+    dtype_bytes = ctx.compute_bytes if ctx.mixed else ctx.residual_bytes
+    return sum(b * a.num_heads * q * k * dtype_bytes for q, k in pairs)

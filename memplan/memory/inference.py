@@ -30,15 +30,19 @@ def training_cache_bytes(ctx: Ctx) -> int:
     block's activations); they are extra in blocks that record no graph, under autocast over fp32 projections
     (QLoRA: the kernel saves bf16 casts) and in eager attention with grouped K/V (repeat_kv saves expanded copies).
     Found by the tracer; measured on an H100: Llama-2-7b QLoRA b2 s512 peaked in forward 0.95 GiB above backward,
-    32 layers x [1024 tokens, 2 x 4096] fp32. Encoder-decoders are left out (unverified)."""
+    32 layers x [1024 tokens, 2 x 4096] fp32."""
     a, s = ctx.spec.arch, ctx.setup
-    if not ctx.training or s.grad_ckpt or a.kind != "causal":
+    if not ctx.training or s.grad_ckpt or a.kind == "encoder":
         return 0
     kv_dim = a.num_kv_heads * a.head_dim
-    per_block = 2 * kv_dim * s.batch_size * ctx.src_len * ctx.act_bytes
+    # decoder self-attention K/V over the decoder tokens; an encoder-decoder's cache also holds the cross-attention
+    # K/V over the encoder tokens (EncoderDecoderCache; t5-base freeze: 22 x 2 x [8, 12, 512, 64] in the trace)
+    tokens = ctx.tgt_len + (ctx.src_len if a.kind == "seq2seq" else 0)
+    per_block = 2 * kv_dim * s.batch_size * tokens * ctx.act_bytes
     if kernel_casts_kv(ctx) or (attention_kernel(ctx, False) == "eager" and kv_dim != a.num_heads * a.head_dim):
         return per_block * a.num_decoder_layers
-    return per_block * (a.num_decoder_layers - len(graph_blocks(ctx)))
+    recorded = sum(1 for stack, _ in graph_blocks(ctx) if stack == "decoder")
+    return per_block * (a.num_decoder_layers - recorded)
 
 
 def prompt_cache_bytes(ctx: Ctx) -> int:
