@@ -23,3 +23,18 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+
+
+def _callable_module(module_name: str, func) -> None:
+    """Python binds a loaded submodule over the package's same-named lazy export: once anything imports
+    memplan.estimate (the module), `memplan.estimate` is that module, not the function. The submodules named after
+    their function (estimate, fit, validate, check) therefore forward calls to it, so `memplan.estimate(...)`
+    works whatever was imported first."""
+    import sys
+    import types
+
+    class CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = CallableModule

@@ -181,3 +181,8 @@ def markdown(result: CheckResult) -> str:
         lines.append(f"| {r.verdict} | {r.model} | {r.label} | {r.quantity} | {_gib(r.measured_bytes)} | "
                      f"{_gib(r.predicted_bytes)} | {_err(r)} | {r.tolerance:.0%} | {r.reason} | {Path(r.file).name} |")
     return "\n".join(lines) + "\n"
+
+
+from memplan import _callable_module  # noqa: E402
+
+_callable_module(__name__, check)  # `memplan.check(...)` whatever was imported first (memplan/__init__.py)

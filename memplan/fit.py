@@ -212,3 +212,8 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
         rows.append(FitRow(name, setup, best > 0, best, need, max(0, need - budget), est))
     multi = scale_out(spec, gpu, seq_len, estimator, num_gpus, headroom)
     return FitResult(spec.model_id, gpu, seq_len, tuple(rows), tuple(multi), num_gpus, headroom, budget)
+
+
+from memplan import _callable_module  # noqa: E402
+
+_callable_module(__name__, fit)  # `memplan.fit(...)` whatever was imported first (memplan/__init__.py)

@@ -302,3 +302,8 @@ def _worker(arg: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+from memplan import _callable_module  # noqa: E402
+
+_callable_module(__name__, validate)  # `memplan.validate(...)` whatever was imported first (memplan/__init__.py)

@@ -289,3 +289,20 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (activations.MATH_SDPA_UNTIL)
         assert position_bias_bytes(ctx) == 2 * 8 * 12 * 512 * 512 * 2
     assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2
+
+
+def test_public_functions_stay_callable_in_any_import_order():
+    """`memplan.estimate(...)` worked once: the first call imported memplan.estimate, and Python bound that module
+    over the package's lazy export, so a second call raised "'module' object is not callable"."""
+    import subprocess
+    import sys
+    code = ("import memplan\n"
+            "memplan.fit(memplan.load_spec('gpt2'), memplan.find_gpu('t4'))\n"
+            "for _ in range(2):\n"
+            "    memplan.estimate('gpt2'); memplan.fit(memplan.load_spec('gpt2'), memplan.find_gpu('t4'))\n"
+            "import memplan.estimate as module\n"
+            "assert module.Estimate and module('gpt2').peak_allocated_bytes > 0\n"
+            "assert callable(memplan.check) and callable(memplan.validate)\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
