@@ -7,7 +7,8 @@ import dataclasses
 from memplan.errors import MemplanError
 from memplan.gpus import load_gpus
 from memplan.budget import budget_bytes, need_bytes
-from memplan.search import TECHNIQUE_ORDER, Alternative, Candidate, Plan, _Search
+from memplan.candidates import TECHNIQUE_ORDER
+from memplan.search import Alternative, Candidate, Plan, _Search
 from memplan.setup import Setup, sharding_label
 from memplan.units import fmt_gib
 

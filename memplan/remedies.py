@@ -6,7 +6,7 @@ Ranking rule for single remedies that make the setup fit (rank_key; smaller is b
      precision (mixed precision, 8-bit / paged 8-bit AdamW, fewer LoRA targets, smaller LoRA rank, 16-bit weights,
      Adafactor); 3 technique (LoRA on a 16-bit base, freezing all but the last block); 4 QLoRA (a 4-bit base);
      5 shorter sequences (changes the data: samples are truncated).
-  2. cost: among size-1 knobs the smaller slowdown by the planner's relative throughput (search.speed_score: a
+  2. cost: among size-1 knobs the smaller slowdown by the planner's relative throughput (candidates.speed_score: a
      recomputed forward, or micro-batches below ~4096 tokens); among larger changes the REMEDIES order, which lists
      each size's remedies by increasing quality cost.
   3. the lower new need (the larger margin).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from memplan.budget import need_bytes
 from memplan.errors import MemplanError
 from memplan.fit import largest_fitting, max_batch_size
-from memplan.search import speed_score, split_batch
+from memplan.candidates import speed_score, split_batch
 from memplan.setup import Setup
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class Remedy:
     cost: str
     size: int
     order: int = 0  # position in REMEDIES
-    slowdown: float = 0.0  # 1 - relative throughput after / before (search.speed_score); ranks size-1 knobs
+    slowdown: float = 0.0  # 1 - relative throughput after / before (candidates.speed_score); ranks size-1 knobs
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "size": self.size, "cost": self.cost,

@@ -261,11 +261,11 @@ def estimate_bytes_phase(ctx, phase: str, component: str) -> int:
 def test_qlora_attention_saves_compute_dtype_casts():
     """Under autocast the attention kernel runs on bf16 casts whatever dtype the projections return, so QLoRA's
     (fp32 projections) saved attention tensors equal LoRA bf16-mixed's, not twice them."""
-    from memplan.memory.activations import _attn_core
+    from memplan.memory.attention import attn_core
     kw = dict(precision="bf16", batch_size=2, seq_len=512, attn_impl="sdpa")
     q = _ctx("meta-llama/Llama-3.2-1B", technique="qlora", **kw)
     m = _ctx("meta-llama/Llama-3.2-1B", technique="lora", **{**kw, "precision": "bf16-mixed"})
-    assert q.act_bytes == 4 and _attn_core(q, 2048, 512, 1, 1, "fused") == _attn_core(m, 2048, 512, 1, 1, "fused")
+    assert q.act_bytes == 4 and attn_core(q, 2048, 512, 1, 1, "fused") == attn_core(m, 2048, 512, 1, 1, "fused")
 
 
 def test_t5_mlp_dropout_uses_dropout_rate():
@@ -286,7 +286,7 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     from memplan.memory.inference import training_cache_bytes
     ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,
                attn_impl="sdpa")
-    with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (activations.MATH_SDPA_UNTIL)
+    with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (attention.MATH_SDPA_UNTIL)
         assert position_bias_bytes(ctx) == 2 * 8 * 12 * 512 * 512 * 2
     assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2
 

@@ -2,7 +2,8 @@
 during prefill (no autograd)."""
 from __future__ import annotations
 
-from memplan.memory.activations import POSITION_BIAS, attention_kernel, graph_blocks, kernel_casts_kv
+from memplan.memory.activations import graph_blocks
+from memplan.memory.attention import POSITION_BIAS, attention_kernel, kernel_casts_kv
 from memplan.memory.context import Ctx
 
 
@@ -101,7 +102,7 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     kernel = attention_kernel(ctx, relative_bias=True)
     if kernel == "eager":
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)
-    elif kernel == "math":  # fp32 q/k/v copies, fp32 scores and their softmax (activations.attention_kernel)
+    elif kernel == "math":  # fp32 q/k/v copies, fp32 scores and their softmax (attention.attention_kernel)
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * 8 + MATH_QSIZED_FP32 * q_dim * 4 * t
     hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
     mlp = (hidden * a.hidden_size * c + _mlp_live(a) * a.intermediate_size * c * k) * t
@@ -111,7 +112,7 @@ def prefill_working_bytes(ctx: Ctx) -> int:
 def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
     """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
     compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
-    from transformers 5.20 sdpa gets it expanded over the batch and contiguous (activations.POSITION_BIAS)."""
+    from transformers 5.20 sdpa gets it expanded over the batch and contiguous (attention.POSITION_BIAS)."""
     a = ctx.spec.arch
     if a.model_type not in POSITION_BIAS:
         return 0

@@ -1,0 +1,82 @@
+"""Attention: which kernel a setup's attention runs (eager, sdpa's fused kernels or its math fallback), in which
+dtype, and what one attention saves for backward (memplan.memory.activations adds it per block)."""
+from __future__ import annotations
+
+from memplan import libs
+from memplan.memory.context import Ctx
+
+#: families whose eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy):
+#: `softmax(..., dtype=torch.float32).to(query.dtype)` in transformers 5.23 llama (and the families that copy its
+#: eager_attention_forward), opt, gpt_neox, phi, bloom, gpt_bigcode. gpt2, bert, bart, t5 and falcon call softmax
+#: in the input dtype (their modeling_*.py eager paths).
+SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "opt", "gpt_neox",
+                "bloom", "gpt_bigcode"}
+
+#: families with a learned relative position bias passed to every attention layer of a stack as one
+#: [b, heads, q, k] float tensor (T5Attention.compute_bias + mask), kept for backward by sdpa's efficient kernel.
+POSITION_BIAS = {"t5", "mt5"}
+
+#: transformers before 5.20 handed T5's relative position bias to sdpa as a permuted view (modeling_t5 compute_bias
+#: `values.permute([2, 0, 1])`; integrations/sdpa_attention.create_position_bias_mask made it contiguous from 5.20
+#: on). torch's fused kernels need the mask's last dimension contiguous (aten sdp_utils
+#: check_last_dim_stride_equals_1), so the self-attentions ran sdpa's math kernel. Measured on an H100 (torch 2.11,
+#: transformers 5.17, benchmarks/diagnose/cases-1.yaml): t5-base bf16-mixed b8 s512 kept 5.98 GiB in its 24
+#: self-attentions' sdpa calls, as the math kernel's accounting below gives; the cross-attentions (zero bias) ran fused.
+MATH_SDPA_UNTIL = (5, 20)
+
+
+def kernel_casts_kv(ctx: Ctx) -> bool:
+    """Autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype): the
+    attention computes on compute-dtype casts of q, k and v, which it saves instead of the tensors themselves."""
+    return ctx.mixed and ctx.act_bytes != ctx.compute_bytes
+
+
+def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
+    """eager | math | fused: what one attention's scores cost (relative_bias: it gets a learned position bias)."""
+    if ctx.attn_impl == "eager":
+        return "eager"
+    if (relative_bias and ctx.attn_impl == "sdpa" and ctx.spec.arch.model_type in POSITION_BIAS
+            and libs.older_than("transformers", MATH_SDPA_UNTIL)):
+        return "math"
+    return "fused"
+
+
+#: families whose attention reads k and v as views of one fused projection that stays saved (GPT-2's c_attn split in
+#: GPT2Attention.forward; the view q keeps it alive). Training without checkpointing still builds a DynamicCache
+#: (config use_cache defaults to True; GradientCheckpointingLayer turns it off only with checkpointing), whose update
+#: concatenates k and v into new tensors (cache_utils DynamicLayer.update, torch.cat) that the fused kernel then saves
+#: beside the fused output q keeps alive (eager's count already has k and v as tensors of their own). Where k and v are separate projections (or rotated copies) the concatenated copies replace them instead.
+#: Measured: gpt2 bf16-mixed b8 s512 on an H100 kept 0.14 GiB at cache_utils.py:146/147 (benchmarks/diagnose).
+FUSED_QKV_CACHE = {"gpt2"}
+
+
+def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel: str) -> tuple[float, float]:
+    """(bytes per query token, bytes per score element) saved by one attention.
+
+    sdpa/flash (torch _scaled_dot_product_{flash,efficient}_attention): q, k, v, out and fp32 logsumexp per head;
+    k/v at kv_dim (transformers passes enable_gqa when no mask is needed: integrations/sdpa_attention.py
+    use_gqa_in_sdpa). Eager: repeat_kv expands k/v to all heads; QK^T saves q and k, PV saves probs and v; the
+    probabilities are one fp32 softmax output plus a compute-dtype copy, or with dropout a mask and a dropped copy.
+    Math kernel (aten _scaled_dot_product_attention_math): 16-bit q/k/v are upcast to fp32 (torch >= 2.5, unless
+    allow_fp16_bf16_reduction_math_sdp), q and k scaled by sqrt(scale) are saved by QK^T, v by PV; the fp32 softmax
+    output, and with dropout a bool mask and the dropped fp32 probabilities.
+    """
+    a = ctx.spec.arch
+    # autocast runs sdpa and the eager matmuls in the compute dtype (both on its lower-precision list), whatever
+    # dtype the projections return: QLoRA's fp32 q/k/v are saved as bf16 casts (found by the tracer, Llama-3.2-1B
+    # QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024 +7.0% before)
+    c = ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
+    ratio = k_tok / q_tok
+    if kernel == "math":
+        return (q_dim + 2 * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
+    if kernel == "fused":
+        return (2 * q_dim + 2 * kv_dim * ratio) * c + a.num_heads * 4, 0.0
+    fp32_softmax = ctx.mixed or c == 4 or a.model_type in SOFTMAX_FP32
+    probs = 4 if fp32_softmax else c
+    drop = a.attn_dropout > 0
+    if drop:
+        probs += 1 + c
+    elif fp32_softmax and c != 4:
+        probs += c
+    # repeat_kv - or, in falcon, a broadcasting batched matmul - materialises K and V at all heads
+    return q_dim * c + 2 * q_dim * ratio * c, probs
