@@ -176,9 +176,9 @@ def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None =
 def print_diagnosis(diag: Diagnosis, console=None) -> None:
     """First line (the smallest fix), the ranked remedies, the combination and the notes, as rich tables."""
     from rich.console import Console
-    from rich.table import Table
 
     from memplan.explain import describe
+    from memplan.report import table
 
     console = console or Console()
     colour = "green" if diag.fits and not diag.barely_fits else ("yellow" if diag.resolved else "red")
@@ -188,10 +188,8 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
                   f"of the budget {fmt_gib(diag.budget_bytes)}"
                   + (f" ({diag.budget_source})" if diag.budget_source else ""), highlight=False)
     if diag.remedies:
-        t = Table(title="remedies, smallest change first (size 1 knob ... 5 data)", title_justify="left")
-        for col, just in (("#", "right"), ("change · its cost", "left"), ("size", "right"), ("saves GiB", "right"),
-                          ("new need GiB", "right"), ("fits", "center")):
-            t.add_column(col, justify=just)
+        t = table("remedies, smallest change first (size 1 knob ... 5 data)", ("#", "right"), "change · its cost",
+                  ("size", "right"), ("saves GiB", "right"), ("new need GiB", "right"), ("fits", "center"))
         for n, r in enumerate(diag.remedies, 1):
             peak = "n/a" if r.need_bytes is None else f"{r.need_bytes / GiB:,.2f}"
             fits = "?" if r.fits is None else ("[green]yes[/]" if r.fits else "[red]no[/]")
@@ -199,10 +197,8 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
             t.add_row(str(n), f"{r.description}\n[dim]{r.cost}[/]", str(r.size), saves, peak, fits)
         console.print(t)
     if diag.combination:
-        t = Table(title="combined (cumulative, in order of application)", title_justify="left")
-        for col, just in (("step · its cost", "left"), ("saves GiB", "right"), ("needs GiB", "right"),
-                          ("fits", "center")):
-            t.add_column(col, justify=just)
+        t = table("combined (cumulative, in order of application)", "step · its cost", ("saves GiB", "right"),
+                  ("needs GiB", "right"), ("fits", "center"))
         for r in diag.combination:
             t.add_row(f"{r.description}\n[dim]{r.cost}[/]", f"{r.saved_bytes / GiB:,.2f}",
                       f"{r.need_bytes / GiB:,.2f}", "[green]yes[/]" if r.fits else "[red]no[/]")

@@ -12,6 +12,20 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
 
+def table(title: str, *columns) -> Table:
+    """A left-titled table; each column is a name (left-aligned) or (name, "right" | "center")."""
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        name, just = (col, "left") if isinstance(col, str) else col
+        t.add_column(name, justify=just)
+    return t
+
+
+def _error_row(t: Table, option: str, error: str, width: int) -> None:
+    """An option that does not apply to the model: n/a and the first line of why, in the last column."""
+    t.add_row(option, "n/a", *["-"] * (width - 3), error.splitlines()[0][:60])
+
+
 def estimate_table(e) -> Table:
     """Components at the peak (GiB and % of the device total), then the three peaks and what the fit test needs."""
     s = e.setup
@@ -47,14 +61,12 @@ def print_estimate(e, console: Console | None = None) -> None:
 
 def fit_table(result) -> Table:
     g = result.gpu
-    t = Table(title=f"{result.model} on {g.name} ({_gib(g.memory_bytes)} GiB; budget {_gib(result.budget_bytes)} GiB "
-                    f"with {result.headroom:.1%} headroom), seq_len {result.seq_len}", title_justify="left")
-    for col, just in (("option", "left"), ("fits", "center"), ("max micro-batch", "right"),
-                      ("needs GiB at batch 1", "right"), ("missing", "right")):
-        t.add_column(col, justify=just)
+    t = table(f"{result.model} on {g.name} ({_gib(g.memory_bytes)} GiB; budget {_gib(result.budget_bytes)} GiB "
+              f"with {result.headroom:.1%} headroom), seq_len {result.seq_len}", "option", ("fits", "center"),
+              ("max micro-batch", "right"), ("needs GiB at batch 1", "right"), ("missing", "right"))
     for r in result.rows:
         if r.error:
-            t.add_row(r.option, "n/a", "-", "-", r.error.splitlines()[0][:60])
+            _error_row(t, r.option, r.error, 5)
             continue
         t.add_row(r.option, "[green]yes[/]" if r.fits else "[red]no[/]", str(r.max_batch_size) if r.fits else "0",
                   _gib(r.need_bytes_at_batch_1), f"{_gib(r.shortfall_bytes)} GiB" if r.shortfall_bytes else "")
@@ -64,13 +76,12 @@ def fit_table(result) -> Table:
 def scale_out_table(result) -> Table:
     g = result.gpu
     what = f"on {result.num_gpus} x {g.name}" if result.num_gpus else f"fewest {g.name} cards"
-    t = Table(title=f"training across GPUs: {what} (per-GPU memory; checkpointing on)", title_justify="left")
-    for col, just in (("option", "left"), ("GPUs", "right"), ("needs GiB per GPU at batch 1", "right"),
-                      ("max micro-batch", "right"), ("host RAM per node (GiB)", "right")):
-        t.add_column(col, justify=just)
+    t = table(f"training across GPUs: {what} (per-GPU memory; checkpointing on)", "option", ("GPUs", "right"),
+              ("needs GiB per GPU at batch 1", "right"), ("max micro-batch", "right"),
+              ("host RAM per node (GiB)", "right"))
     for r in result.scale_out:
         if r.error:
-            t.add_row(r.option, "n/a", "-", "-", r.error.splitlines()[0][:60])
+            _error_row(t, r.option, r.error, 5)
             continue
         if r.fits:
             gpus = str(r.gpus)
@@ -139,9 +150,7 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
                   f"{_gib(g.memory_bytes)} GiB - headroom {_gib(plan.headroom_bytes)} GiB ({plan.headroom:.1%} of the "
                   f"{_gib(plan.usable_bytes)} GiB usable beyond the CUDA context); spare: {_gib(plan.spare_bytes)} GiB")
     if plan.alternatives:
-        t = Table(title="alternatives", title_justify="left")
-        for col, just in (("setup", "left"), ("fits", "center"), ("needs GiB", "right"), ("why not chosen", "left")):
-            t.add_column(col, justify=just)
+        t = table("alternatives", "setup", ("fits", "center"), ("needs GiB", "right"), "why not chosen")
         for a in plan.alternatives:
             t.add_row(describe(a.setup), "yes" if a.fits else "[red]no[/]", _gib(a.need_bytes), a.reason)
         console.print(t)
