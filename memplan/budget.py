@@ -34,4 +34,5 @@ def need_bytes(est) -> int:
 
 
 def fits(est, budget: int) -> bool:
+    """The fit test: the setup's need is within `budget` (fit, plan, doctor and plot all call this)."""
     return need_bytes(est) <= budget

@@ -15,7 +15,7 @@ from functools import partial
 
 import click
 
-from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes
+from memplan.budget import DEFAULT_HEADROOM, budget_bytes, fits, need_bytes
 from memplan.cli_common import given_setup_fields, handle_errors, headroom_option, setup_options
 from memplan.errors import BadInput
 from memplan.oom import OomInfo, parse_oom_message  # noqa: F401 (parse_oom_message: part of this module's API)
@@ -46,7 +46,7 @@ class Diagnosis:
 
     @property
     def fits(self) -> bool:
-        return self.need_bytes <= self.budget_bytes
+        return fits(self.estimate, self.budget_bytes)
 
     @property
     def margin_bytes(self) -> int:
@@ -112,7 +112,7 @@ class Diagnosis:
                 "oom": self.oom.to_dict() if self.oom else None, "notes": list(self.notes)}
 
 
-def _oom_findings(oom: OomInfo, estimated: int, budget: int) -> tuple[list[str], list[Remedy]]:
+def _oom_findings(oom: OomInfo, estimated: int, budget: int, memory: int) -> tuple[list[str], list[Remedy]]:
     """Measured vs estimated, other processes on the card, and the allocator remedy when memory is fragmented."""
     notes, extra = [], []
     held = oom.process_in_use_bytes or oom.reserved_by_pytorch_bytes
@@ -130,9 +130,9 @@ def _oom_findings(oom: OomInfo, estimated: int, budget: int) -> tuple[list[str],
     if oom.other_processes_bytes:
         notes.append(f"other processes hold {fmt_gib(oom.other_processes_bytes)} on this GPU: that memory is not "
                      "available to this run")
-    if oom.total_capacity_bytes and abs(oom.total_capacity_bytes - budget) > BARELY * budget:
-        notes.append(f"the OOM message reports {fmt_gib(oom.total_capacity_bytes)} total capacity; the budget "
-                     f"used is {fmt_gib(budget)}")
+    if oom.total_capacity_bytes and abs(oom.total_capacity_bytes - memory) > BARELY * memory:
+        notes.append(f"the OOM message reports {fmt_gib(oom.total_capacity_bytes)} total capacity; the GPU memory "
+                     f"used is {fmt_gib(memory)} (budget {fmt_gib(budget)})")
     reserved, loose = oom.reserved_by_pytorch_bytes, oom.reserved_unallocated_bytes
     if reserved and loose and loose > FRAGMENTED * reserved:
         extra.append(Remedy("expandable-segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
@@ -142,9 +142,10 @@ def _oom_findings(oom: OomInfo, estimated: int, budget: int) -> tuple[list[str],
 
 
 def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None = None, *, bf16: bool = True,
-             oom: OomInfo | None = None, budget_source: str = "") -> Diagnosis:
+             oom: OomInfo | None = None, budget_source: str = "", gpu_memory_bytes: int | None = None) -> Diagnosis:
     """Estimate `setup` on `spec` against `budget_bytes` and rank the remedies (module docstring). `bf16`: the GPU
-    runs bf16 (else remedies use fp16). `oom`: a parsed OOM message to compare with. Training setups only."""
+    runs bf16 (else remedies use fp16). `oom`: a parsed OOM message to compare with; `gpu_memory_bytes`: the card the
+    budget was taken from (default: the budget itself). Training setups only."""
     if setup.mode != "train":
         raise BadInput("doctor diagnoses training setups; for inference use `memplan fit` or "
                        "`memplan estimate --mode infer`")
@@ -153,7 +154,8 @@ def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None =
     c = _Ctx(spec, int(budget_bytes), estimator, bf16)
     est = c.est(setup)
     before = need_bytes(est)
-    notes, advice = _oom_findings(oom, before, c.budget) if oom else ([], [])
+    memory = gpu_memory_bytes or c.budget  # the card the budget was taken from (the OOM message is compared with it)
+    notes, advice = _oom_findings(oom, before, c.budget, memory) if oom else ([], [])
     done = partial(Diagnosis, spec.model_id, setup, c.budget, est, oom=oom, notes=tuple(notes),
                    budget_source=budget_source)
     if before < c.budget * (1 - BARELY) and not oom:  # fits with room to spare: nothing to change
@@ -264,7 +266,8 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
         raise BadInput("name a MODEL (e.g. meta-llama/Llama-2-7b-hf) or a plan file with --from plan.yaml")
     gpu_bytes, source, bf16 = _gpu_memory(gpu_name, memory, oom, doc)
     return diagnose(load_spec(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
-                    bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom")
+                    bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
+                    gpu_memory_bytes=gpu_bytes)
 
 
 @click.command("doctor")

@@ -21,7 +21,8 @@ from memplan.spec import ModelSpec
 #: display order of components; device-only terms last.
 COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
               "gathered_params", "comm_buffers", "activations", "autocast_weight_copies", "logits", "attention_mask",
-              "dequant_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace", "allocator_reserve",
+              "dequant_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace",
+              "allocator_reserve",
               "paged_optimizer_state", "nccl_buffers", "cuda_context")
 _DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "nccl_buffers", "cuda_context")
 _PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache",
@@ -144,6 +145,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
     back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True)}
     bwd_work = recompute + _backward_temp_bytes(ctx)
+    tied = lg.tied_accumulation_bytes(ctx)
     return {
         "forward": {**common, "logits": lg.logits_forward_bytes(ctx), "attention_mask": _mask_bytes(ctx),
                     "dequant_temporaries": deq, "forward_kv_cache": inf.training_cache_bytes(ctx)},
@@ -152,19 +154,18 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "lm_head_backward": {**back, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
-        "embedding_backward": {**res, "gradients": grads, "backward_temporaries": lg.tied_accumulation_bytes(ctx)},
-        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks),
+        "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
+        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, tied),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
 
 
-def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks) -> dict:
+def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
     """Encoder-decoders whose shared embedding trains (T5, BART): the decoder's embedding backward adds its
     contribution to lm_head's in the engine's input buffer (logits.tied_accumulation_bytes) before the encoder's
     backward starts, so the encoder's saved activations are still alive beside the decoder's gradients. Found by
     the tracer on t5-small full bf16-mixed Adafactor (-4.9% before): its peak held the encoder's activations, the
-    decoder blocks' gradients and three [V, H] fp32 copies."""
-    tied = lg.tied_accumulation_bytes(ctx)
+    decoder blocks' gradients and three [V, H] fp32 copies. tied: logits.tied_accumulation_bytes."""
     if ctx.spec.arch.kind != "seq2seq" or not tied:
         return {}
     enc = [full if not ctx.setup.grad_ckpt else ck

@@ -6,7 +6,7 @@ import dataclasses
 
 from memplan.errors import MemplanError
 from memplan.gpus import load_gpus
-from memplan.budget import budget_bytes, need_bytes
+from memplan.budget import budget_bytes, fits
 from memplan.candidates import TECHNIQUE_ORDER
 from memplan.search import Alternative, Candidate, Plan, _Search
 from memplan.setup import Setup, sharding_label
@@ -123,16 +123,16 @@ def nothing_fits(search: _Search, setups, results, common) -> Plan:
 
 def _largest_seq_len(search: _Search, s: Setup) -> int:
     """Largest seq_len below the current one at which `s` fits at micro-batch 1 (0 if none >= 16)."""
-    def fits(n: int) -> bool:
+    def fits_at(n: int) -> bool:
         try:
-            return need_bytes(search.estimate(dataclasses.replace(s, seq_len=n))) <= search.budget
+            return fits(search.estimate(dataclasses.replace(s, seq_len=n)), search.budget)
         except MemplanError:
             return False
 
     lo, hi = 16, s.seq_len  # invariant once checked: lo fits, hi does not
-    if not fits(lo):
+    if not fits_at(lo):
         return 0
     while hi - lo > 16:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     return lo // 16 * 16 if lo >= 32 else lo

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memplan import budget as _budget
-from memplan.budget import DEFAULT_HEADROOM, need_bytes
+from memplan.budget import DEFAULT_HEADROOM, fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.gpus import Gpu
 from memplan.setup import Setup
@@ -123,7 +123,8 @@ class FitResult:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
-                "headroom": self.headroom, "budget_bytes": self.budget_bytes, "seq_len": self.seq_len, "options": [r.to_dict() for r in self.rows], "num_gpus": self.num_gpus,
+                "headroom": self.headroom, "budget_bytes": self.budget_bytes, "seq_len": self.seq_len,
+                "options": [r.to_dict() for r in self.rows], "num_gpus": self.num_gpus,
                 "multi_gpu": [r.to_dict() for r in self.scale_out]}
 
 
@@ -162,7 +163,7 @@ def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, l
     """Largest batch whose need (memplan.budget.need_bytes) is within `budget_bytes` (the estimate is monotone in
     batch size - a property the tests check). 0 when batch 1 does not fit."""
     return largest_fitting(
-        lambda b: need_bytes(estimator(spec, dataclasses.replace(setup, batch_size=b))) <= budget_bytes, limit)
+        lambda b: fits(estimator(spec, dataclasses.replace(setup, batch_size=b)), budget_bytes), limit)
 
 
 def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int | None = None,
@@ -179,7 +180,7 @@ def scale_out(spec, gpu: Gpu, seq_len: int, estimator: Callable, num_gpus: int |
             for n in counts:
                 tried = dataclasses.replace(setup, **gpu_layout(n))
                 est = estimator(spec, tried)
-                if need_bytes(est) <= budget:
+                if fits(est, budget):
                     found = n
                     break
                 if setup.sharding == "ddp" and n >= 2:
@@ -208,7 +209,7 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
             rows.append(FitRow(name, setup, False, 0, 0, 0, None, str(e)))
             continue
         need = need_bytes(est)
-        best = max_batch_size(spec, setup, budget, estimator) if need <= budget else 0
+        best = max_batch_size(spec, setup, budget, estimator) if fits(est, budget) else 0
         rows.append(FitRow(name, setup, best > 0, best, need, max(0, need - budget), est))
     multi = scale_out(spec, gpu, seq_len, estimator, num_gpus, headroom)
     return FitResult(spec.model_id, gpu, seq_len, tuple(rows), tuple(multi), num_gpus, headroom, budget)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes
+from memplan.budget import DEFAULT_HEADROOM, budget_bytes, fits, need_bytes
 from memplan.errors import BadInput
 from memplan.fileio import write_bytes_atomic
 from memplan.fit import largest_fitting
@@ -30,7 +30,8 @@ COLOURS = {
     "weights": "#4c72b0", "quant_state": "#9bb7e0", "lora_adapters": "#17becf", "gradients": "#dd8452",
     "optimizer_state": "#55a868", "optimizer_temporaries": "#a6d96a", "activations": "#c44e52",
     "autocast_weight_copies": "#f2a7a9", "logits": "#8172b3", "attention_mask": "#c5b0d5",
-    "dequant_temporaries": "#ffbe7d", "backward_temporaries": "#937860", "kv_cache": "#da8bc3", "forward_kv_cache": "#e7a9d5",
+    "dequant_temporaries": "#ffbe7d", "backward_temporaries": "#937860", "kv_cache": "#da8bc3",
+    "forward_kv_cache": "#e7a9d5",
     "cublas_workspace": "#ccb974", "allocator_reserve": "#c7c7c7", "paged_optimizer_state": "#a0a0a0",
     "cuda_context": "#6b6b6b",
 }
@@ -162,7 +163,7 @@ def trim(points: Sequence[tuple], budget_bytes: int, beyond: int = 2) -> list[tu
         if over >= beyond:
             break
         out.append((v, e))
-        over += e is not None and need_bytes(e) > budget_bytes
+        over += e is not None and not fits(e, budget_bytes)
     return out
 
 
@@ -175,13 +176,13 @@ def largest_fitting_value(spec, setup, knob: str, budget_bytes: int, estimator: 
     if knob == "seq_len" and spec.arch.max_positions:
         cap = spec.arch.max_positions
 
-    def fits(v: int) -> bool:
+    def fits_at(v: int) -> bool:
         try:
-            return need_bytes(run(spec, dataclasses.replace(setup, **{knob: v}))) <= budget_bytes
+            return fits(run(spec, dataclasses.replace(setup, **{knob: v})), budget_bytes)
         except BadInput:
             return False
 
-    return largest_fitting(fits, cap)
+    return largest_fitting(fits_at, cap)
 
 
 def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | None = None,
@@ -222,7 +223,7 @@ def curve_figure(points: Sequence[tuple], knob: str, gpu=None, largest: int | No
                    label=f"budget: {headroom:.1%} headroom")
         exact = largest is not None
         if not exact:
-            largest = max((v for v, e in valid if need_bytes(e) <= budget), default=0)
+            largest = max((v for v, e in valid if fits(e, budget)), default=0)
         left = ax.get_xlim()[0]
         if largest:
             ax.axvspan(left, largest, color="#55a868", alpha=0.13, zorder=0,

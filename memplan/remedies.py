@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memplan.budget import need_bytes
+from memplan.budget import fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.fit import largest_fitting, max_batch_size
 from memplan.candidates import speed_score, split_batch
@@ -68,7 +68,7 @@ class _Ctx:
 
     def fits(self, s: Setup) -> bool:
         try:
-            return self.total(s) <= self.budget
+            return fits(self.est(s), self.budget)
         except MemplanError:
             return False
 

@@ -136,7 +136,8 @@ def test_plot_command_writes_png_and_prints_largest(gpt2, cli, tmp_path):
     assert r.exit_code == 0, r.output
     budget = budget_bytes(3 * 2**30)  # the 3.5% default headroom, as fit, plan and doctor
     best = plots.largest_fitting_value(gpt2, dataclasses.replace(LORA, seq_len=256), "batch_size", budget)
-    assert str(out) in r.output and f"fits on memory budget (3.00 GiB, budget {budget / 2**30:.2f} GiB): {best}" in r.output
+    expected = f"fits on memory budget (3.00 GiB, budget {budget / 2**30:.2f} GiB): {best}"
+    assert str(out) in r.output and expected in r.output
     assert out.read_bytes().startswith(PNG) and [p.name for p in tmp_path.iterdir()] == ["curve.png"]
 
 

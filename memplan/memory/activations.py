@@ -297,9 +297,9 @@ def position_bias_bytes(ctx: Ctx) -> float:
     all layers of its stack: b x heads x q_len x k_len in the residual dtype (computed from fp32 or model-dtype
     embedding weights), or autocast's compute-dtype cast of it under mixed precision. The batch dimension comes
     from the padding mask the bias is merged with (create_position_bias_mask); unpadded batches may keep [1, ...],
-    so this is the padded-batch upper bound. Only stacks with a recorded block keep theirs (graph_blocks: a frozen encoder below the
-    first trainable block saves nothing; found by the tracer on t5-base freeze, whose saved set held the decoder's
-    bias alone)."""
+    so this is the padded-batch upper bound. Only stacks with a recorded block keep theirs (graph_blocks: a frozen
+    encoder below the first trainable block saves nothing; found by the tracer on t5-base freeze, whose saved set
+    held the decoder's bias alone)."""
     a = ctx.spec.arch
     if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
         return 0.0  # eager adds the bias to the scores, which saves nothing

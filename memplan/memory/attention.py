@@ -45,7 +45,8 @@ def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
 #: GPT2Attention.forward; the view q keeps it alive). Training without checkpointing still builds a DynamicCache
 #: (config use_cache defaults to True; GradientCheckpointingLayer turns it off only with checkpointing), whose update
 #: concatenates k and v into new tensors (cache_utils DynamicLayer.update, torch.cat) that the fused kernel then saves
-#: beside the fused output q keeps alive (eager's count already has k and v as tensors of their own). Where k and v are separate projections (or rotated copies) the concatenated copies replace them instead.
+#: beside the fused output q keeps alive (eager's count already has k and v as tensors of their own). Where k and v
+#: are separate projections (or rotated copies) the concatenated copies replace them instead.
 #: Measured: gpt2 bf16-mixed b8 s512 on an H100 kept 0.14 GiB at cache_utils.py:146/147 (benchmarks/diagnose).
 FUSED_QKV_CACHE = {"gpt2"}
 
