@@ -197,7 +197,7 @@ def refresh_catalog():
 
 from memplan.cli_measure import check_cmd, validate_cmd  # noqa: E402  (command modules import cli_common only)
 from memplan.doctor import doctor_command  # noqa: E402
-from memplan.plots import plot_command  # noqa: E402
+from memplan.plots_cli import plot_command  # noqa: E402
 
 for _command in (validate_cmd, check_cmd, doctor_command, plot_command):
     main.add_command(_command)

@@ -1,8 +1,6 @@
 """Pictures: the per-phase breakdown of one estimate (`memplan estimate --plot`) and memory against one knob
 (`memplan plot --x batch_size|seq_len|lora_r`). matplotlib (Agg, imported lazily), GiB on the axes, atomic writes.
-
-The click command `plot_command` is built on first access (module __getattr__) so that memplan.cli and this module
-can import each other in either order.
+The `memplan plot` command: memplan.plots_cli.
 """
 from __future__ import annotations
 
@@ -69,13 +67,13 @@ def _figure(size: tuple[float, float]):
     return Figure(figsize=size, layout="constrained")
 
 
-def _card_name(gpu) -> str:
+def card_name(gpu) -> str:
     return "memory budget" if gpu.source == "--memory" else gpu.name
 
 
 def _card_line(ax, gpu, right: bool = True) -> None:
     ax.axhline(gpu.memory_bytes / GiB, color="black", linestyle="--", linewidth=1.3, zorder=3)
-    ax.annotate(f"{_card_name(gpu)}: {gpu.memory_bytes / GiB:.1f} GiB", (int(right), gpu.memory_bytes / GiB),
+    ax.annotate(f"{card_name(gpu)}: {gpu.memory_bytes / GiB:.1f} GiB", (int(right), gpu.memory_bytes / GiB),
                 xycoords=("axes fraction", "data"), xytext=(-4 if right else 4, 4), textcoords="offset points",
                 ha="right" if right else "left", va="bottom", fontsize=9, fontweight="bold")
 
@@ -272,66 +270,3 @@ def save_figure(fig, path) -> Path:
 def write_breakdown_png(spec, setup, est, path, gpu=None) -> Path:
     """`memplan estimate --plot PATH`: the per-phase breakdown of `est` (of spec, setup) against `gpu`."""
     return save_figure(breakdown_figure(est, phase_breakdown(spec, setup), gpu), path)
-
-
-def _parse_values(text: str) -> list[int]:
-    try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        raise BadInput(f"--values {text!r}: give whole numbers separated by commas, e.g. 1,2,4,8") from None
-    if not values or values[0] < 1:
-        raise BadInput(f"--values {text!r}: give whole numbers >= 1, e.g. 1,2,4,8")
-    return values
-
-
-def _build_plot_command():
-    import click
-
-    from memplan.cli import handle_errors, headroom_option, setup_from_options, setup_options
-
-    @click.command("plot")
-    @click.argument("model")
-    @click.option("--x", "knob", type=click.Choice(KNOBS), required=True, help="the setup field on the x axis")
-    @click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060"; default: the detected GPU, if any')
-    @click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
-    @click.option("--values", help="comma-separated values of --x (default: doubling values)")
-    @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="picture: .png/.svg/.pdf")
-    @headroom_option
-    @setup_options
-    @click.option("--trust-remote-code", is_flag=True)
-    @handle_errors
-    def plot(model, knob, gpu_name, memory, values, output, headroom, trust_remote_code, **options):
-        """Peak allocated / reserved / device total and the need the fit test uses against batch_size, seq_len or
-        lora_r, with the card's memory and budget, the range that fits shaded and the largest value that fits."""
-        from memplan.gpus import detect_gpus, resolve_gpu
-        from memplan.models import load_spec
-
-        setup = setup_from_options(options)
-        spec = load_spec(model, trust_remote_code=trust_remote_code)
-        xs = _parse_values(values) if values else default_values(knob, spec, setup)
-        gpu = resolve_gpu(gpu_name, memory) if gpu_name or memory else next(iter(detect_gpus()), None)
-        points = sweep(spec, setup, knob, xs)
-        budget = budget_bytes(gpu.memory_bytes, headroom) if gpu else None
-        if gpu and not values:
-            points = trim(points, budget)
-        if all(e is None for _, e in points):  # re-run one to raise the estimator's own reason
-            from memplan.estimate import estimate
-            estimate(spec, dataclasses.replace(setup, **{knob: xs[0]}))
-        best = largest_fitting_value(spec, setup, knob, budget) if gpu else None
-        written = save_figure(curve_figure(points, knob, gpu, best, headroom), output)
-        click.echo(f"wrote {written}")
-        if gpu is None:
-            click.echo("no GPU given (--gpu/--memory) or detected: drawn without a card limit")
-        else:
-            card = f"{_card_name(gpu)} ({gpu.memory_bytes / GiB:.2f} GiB, budget {budget / GiB:.2f} GiB)"
-            click.echo(f"largest {knob} that fits on {card}: {best}" if best
-                       else f"even {knob}=1 does not fit on {card}")
-
-    return plot
-
-
-def __getattr__(name: str):
-    if name == "plot_command":  # built lazily: memplan.cli imports this module at its end
-        globals()[name] = _build_plot_command()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

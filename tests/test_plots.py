@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from memplan import plots
+from memplan.plots_cli import plot_command
 from memplan.budget import budget_bytes
 from memplan.errors import BadInput
 from memplan.estimate import estimate
@@ -29,7 +30,7 @@ def gpt2():
 def cli(monkeypatch):
     monkeypatch.setattr("memplan.gpus.detect_gpus", lambda: [])  # the same answer on a machine with a GPU
     group = click.Group()
-    group.add_command(plots.plot_command)
+    group.add_command(plot_command)
     return lambda *args: CliRunner().invoke(group, ["plot", *args])
 
 
