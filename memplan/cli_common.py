@@ -15,7 +15,7 @@ import click
 
 from memplan.errors import MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
-                           Setup)
+                           Setup, parse_targets, parse_trainable)
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
             "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS, "sharding": SHARDINGS, "offload": OFFLOADS}
@@ -23,18 +23,6 @@ _HELP = {
     "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
     "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
 }
-
-
-def _parse_targets(value):
-    if value is None:
-        return None
-    return value if value.lower() == "all-linear" else tuple(v.strip() for v in value.split(",") if v.strip())
-
-
-def _parse_trainable(value):
-    if value is None:
-        return None
-    return int(value) if value.strip().isdigit() else tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def setup_options(func):
@@ -59,13 +47,13 @@ def setup_options(func):
 
 
 def given_setup_fields(options: dict) -> dict:
-    """The Setup fields the user set on the command line, parsed (lists split, block counts as ints)."""
+    """The Setup fields the user set on the command line, parsed (target lists split, block counts as ints)."""
     names = {f.name for f in dataclasses.fields(Setup)}
     given = {k: v for k, v in options.items() if k in names and v is not None}
     if "lora_targets" in given:
-        given["lora_targets"] = _parse_targets(given["lora_targets"])
+        given["lora_targets"] = parse_targets(given["lora_targets"])
     if "trainable" in given:
-        given["trainable"] = _parse_trainable(given["trainable"])
+        given["trainable"] = parse_trainable(given["trainable"])
     return given
 
 

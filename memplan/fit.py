@@ -140,7 +140,13 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS) -> list[tup
         fields = {k: (v.format(bf=bf) if isinstance(v, str) else v) for k, v in overrides.items()}
         if fields.get("mode") == "infer":
             fields.update(prompt_len=seq_len, new_tokens=new)
-        out.append((name.format(bf=bf), Setup(batch_size=1, seq_len=seq_len, **fields)))
+        label = name.format(bf=bf)
+        if fields.get("technique") in ("lora", "qlora") and not a.lora_default_targets:
+            # peft has no default targets for this model type (LoraConfig would raise): the row shows the common
+            # choice, every Linear, instead of nothing
+            fields["lora_targets"] = "all-linear"
+            label += " (all-linear)"
+        out.append((label, Setup(batch_size=1, seq_len=seq_len, **fields)))
     return out
 
 

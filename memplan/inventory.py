@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from memplan.errors import BadInput
-from memplan.spec import Arch, Linear, ModelSpec, Param
+from memplan.spec import Arch, Buffer, Linear, ModelSpec, Param
 
 _BLOCK_RE = re.compile(r"\.(?:layers|layer|h|block|blocks)\.(\d+)\.")
 
@@ -63,7 +63,15 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
     linears = _linears(model, torch)
     arch = _arch(config, config_dict, model, cls.__name__, linears)
     return ModelSpec(model_id=model_id, arch=arch, params=tuple(params), linears=tuple(linears), tied=tuple(tied),
-                     config_file=config_file, transformers_version=transformers.__version__)
+                     config_file=config_file, transformers_version=transformers.__version__,
+                     buffers=_buffers(model))
+
+
+def _buffers(model) -> list[Buffer]:
+    """Every registered buffer, persistent or not (both live on the device): floating ones are built in the
+    model's dtype (from_config(dtype=...)), the others keep theirs."""
+    return [Buffer(name, tuple(b.shape), "float" if b.is_floating_point() else str(b.dtype).removeprefix("torch."))
+            for name, b in model.named_buffers()]
 
 
 def _stack(name: str, model) -> str | None:

@@ -50,6 +50,26 @@ PRECISION_DTYPES: dict[str, tuple[str, str]] = {
 TORCH_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def parse_targets(value):
+    """LoRA targets as peft needs them: "all-linear", or a tuple of module names ("q_proj,v_proj" split). peft reads
+    a plain string as one regular expression that must match a module's full name, so a comma-separated or bare
+    module name string would wrap nothing (tuners_utils.check_target_module_exists)."""
+    if not isinstance(value, str):
+        return tuple(value) if isinstance(value, list) else value
+    if value.strip().lower() == "all-linear":
+        return "all-linear"
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def parse_trainable(value):
+    """freeze's trainable: N (the last N blocks, "3" included) or a tuple of parameter-name patterns."""
+    if isinstance(value, list):
+        return tuple(value)
+    if not isinstance(value, str):
+        return value
+    return int(value) if value.strip().isdigit() else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Setup:
     """What the user wants to run. Each field's comment says its memory effect."""
@@ -80,10 +100,8 @@ class Setup:
     offload: Offload = "none"  # DeepSpeed/FSDP CPU offload: optimizer state (and params) live in host RAM
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_targets, list):
-            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-        if isinstance(self.trainable, list):
-            object.__setattr__(self, "trainable", tuple(self.trainable))
+        object.__setattr__(self, "lora_targets", parse_targets(self.lora_targets))
+        object.__setattr__(self, "trainable", parse_trainable(self.trainable))
         if self.technique == "qlora" and self.quant is None:
             object.__setattr__(self, "quant", "nf4")
         problems = validate(self)

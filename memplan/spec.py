@@ -9,7 +9,8 @@ Inventory JSON (version 1)::
      "arch": {<Arch fields>},
      "params":  [[name, shape, role, block, stack], ...],          # unique parameters only
      "linears": [[name, in, out, bias, block, stack, kind, is_output], ...],
-     "tied":    [[alias_name, target_name], ...]}                  # aliases not listed in params
+     "tied":    [[alias_name, target_name], ...],                  # aliases not listed in params
+     "buffers": [[name, shape, dtype], ...]}                       # registered buffers (absent: none recorded)
 
 Roles: "embedding" (token embeddings), "pos_embedding" (learned positions, token types, relative-position
 tables), "linear" (weight of an nn.Linear / GPT-2 Conv1D), "bias" (any bias), "norm" (LayerNorm/RMSNorm
@@ -57,6 +58,23 @@ class Linear:
     @property
     def short_name(self) -> str:
         return self.name.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One registered buffer: resident on the GPU beside the weights (GPT-BigCode's [n_positions, n_positions] bool
+    causal mask, rotary inverse frequencies, BART's final_logits_bias)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name ("bool", "int64"); "float": built in the model's weight dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +131,7 @@ class ModelSpec:
     tied: tuple[tuple[str, str], ...] = ()
     config_file: str = ""
     transformers_version: str = ""
+    buffers: tuple[Buffer, ...] = ()
     numel_total: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +151,7 @@ class ModelSpec:
             tied=tuple((a, t) for a, t in d.get("tied", ())),
             config_file=d.get("config_file", ""),
             transformers_version=d.get("transformers_version", ""),
+            buffers=tuple(Buffer(n, tuple(s), dt) for n, s, dt in d.get("buffers", ())),
         )
 
     def to_dict(self) -> dict:
@@ -148,4 +168,5 @@ class ModelSpec:
             "linears": [[m.name, m.in_features, m.out_features, m.bias, m.block, m.stack, m.kind, m.is_output]
                         for m in self.linears],
             "tied": [list(t) for t in self.tied],
+            "buffers": [[b.name, list(b.shape), b.dtype] for b in self.buffers],
         }

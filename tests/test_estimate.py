@@ -306,3 +306,15 @@ def test_public_functions_stay_callable_in_any_import_order():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_registered_buffers_are_resident_beside_the_weights():
+    """GPT-BigCode registers its causal mask as an [n_positions, n_positions] bool buffer (modeling_gpt_bigcode.py
+    GPTBigCodeModel): 64 MiB for StarCoder's 8192 positions, on the GPU with the weights. The tracer counted it
+    (santacoder: 4 MiB) before the estimate did."""
+    from memplan.models import load_spec
+
+    spec = load_spec("bigcode/starcoder")
+    assert [(b.name, b.shape, b.dtype) for b in spec.buffers] == [("transformer.bias", (8192, 8192), "bool")]
+    e = estimate("bigcode/starcoder", mode="infer", precision="bf16", batch_size=1, seq_len=128)
+    assert e.components["weights"] == spec.numel_total * 2 + 8192 * 8192

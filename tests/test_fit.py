@@ -84,3 +84,17 @@ def test_inference_rows_respect_max_positions():
     rows = fit(load_spec("gpt2"), Gpu(name="x", memory_bytes=80 * 2**30), seq_len=1000).rows
     infer = [r for r in rows if r.setup.mode == "infer"]
     assert all(r.setup.prompt_len + r.setup.new_tokens <= 1024 and not r.error for r in infer)
+
+
+def test_lora_rows_fall_back_to_all_linear_where_peft_has_no_default_targets():
+    """peft has no default LoRA targets for Phi-3 (LoraConfig raises without target_modules): fit shows the
+    all-linear rows, labelled, instead of 'n/a'."""
+    from memplan.fit import option_setups
+    from memplan.gpus import resolve_gpu
+    from memplan.models import load_spec
+
+    rows = dict(option_setups(load_spec("microsoft/Phi-3-mini-4k-instruct"), resolve_gpu("rtx-4090"), 512))
+    lora = {name: s for name, s in rows.items() if s.technique in ("lora", "qlora")}
+    assert lora and all(s.lora_targets == "all-linear" and name.endswith("(all-linear)") for name, s in lora.items())
+    gpt2 = dict(option_setups(load_spec("gpt2"), resolve_gpu("rtx-4090"), 512))
+    assert all(s.lora_targets is None for s in gpt2.values())

@@ -86,3 +86,18 @@ def test_quantized_modules_skip_the_output_head():
     assert len(q) == 32 * 7 and not any(m.name == "lm_head" for m in q)
     gpt2 = load_spec("gpt2")
     assert all(m.kind == "conv1d" for m in quantized_linears(gpt2))  # transformers converts Conv1D too
+
+
+def test_comma_separated_lora_targets_become_module_names_everywhere():
+    """peft reads a string target as one full-name regex (tuners_utils.check_target_module_exists), so "q,v" from
+    the Python API must be split like the CLI splits it: the estimate, the tracer/validate model and the exported
+    LoraConfig all see module names."""
+    from memplan.export import peft_section
+    from memplan.models import load_spec
+    from memplan.setup import Setup
+
+    s = Setup(technique="lora", lora_targets="c_attn, c_proj")
+    assert s.lora_targets == ("c_attn", "c_proj")
+    assert Setup(technique="lora", lora_targets="ALL-LINEAR").lora_targets == "all-linear"
+    assert Setup(technique="freeze", trainable="3").trainable == 3
+    assert peft_section(load_spec("gpt2"), s)["target_modules"] == ["c_attn", "c_proj"]

@@ -30,7 +30,19 @@ def weights_bytes(ctx: Ctx) -> int:
     embedding and an untied lm_head by added_tokens x hidden rows (transformers resize_token_embeddings).
     """
     total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params)
-    return int(total) + _added_token_bytes(ctx) * ctx.weight_bytes
+    return int(total) + _added_token_bytes(ctx) * ctx.weight_bytes + buffer_bytes(ctx)
+
+
+#: bytes per element of the non-floating buffer dtypes transformers registers
+_BUFFER_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8}
+
+
+def buffer_bytes(ctx: Ctx) -> int:
+    """Registered buffers, each its own allocation: GPT-BigCode's causal-mask table alone is n_positions^2 bool
+    bytes (modeling_gpt_bigcode.py GPTBigCodeModel: register_buffer("bias", torch.tril(ones(max_positions,
+    max_positions, dtype=bool)))) - 64 MiB for StarCoder."""
+    return sum(alloc_bytes(b.numel * (ctx.weight_bytes if b.dtype == "float" else _BUFFER_ITEMSIZE.get(b.dtype, 8)))
+               for b in ctx.spec.buffers)
 
 
 def _added_token_bytes(ctx: Ctx) -> int:
