@@ -18,6 +18,7 @@ weights), "lm_head" (untied output projection), "expert" (fused MoE expert weigh
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 INVENTORY_FORMAT = 1
@@ -35,10 +36,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +69,7 @@ class Buffer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
