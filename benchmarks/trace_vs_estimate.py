@@ -84,8 +84,24 @@ _add("meta-llama/Llama-2-7b-hf", layers=2, technique="full", precision="bf16-mix
 # Llama-3-8B QLoRA at rank 256 on every Linear with checkpointing: the forward peak holds autocast's cached bf16
 # copies of the fp32 adapters (1.25 GiB; measured -4.0% on an H100 before they were counted)
 _add("meta-llama/Meta-Llama-3-8B", layers=2, technique="qlora", precision="bf16", lora_r=256, lora_targets="all-linear", batch_size=2, seq_len=1024, attn_impl="sdpa", grad_ckpt=True)
+# Gemma-2: final-logit and attention soft-capping (tanh saves its output), two masks (full + sliding), eager only
+_add("google/gemma-2-2b", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
+_add("google/gemma-2-2b", layers=2, technique="qlora", precision="bf16", batch_size=1, seq_len=1024, grad_ckpt=True)
+# Falcon-7B: multi-query attention handed to sdpa without enable_gqa (math kernel), parallel block
+_add("tiiuae/falcon-7b", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=512)
+_add("tiiuae/falcon-7b", layers=2, technique="lora", precision="bf16", batch_size=1, seq_len=2048, grad_ckpt=True)
+# Mixtral-8x7B: fused experts through grouped_mm in the weights' dtype; peft's W + BA expert copies
+_add("mistralai/Mixtral-8x7B-v0.1", layers=2, technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=128)
+_add("mistralai/Mixtral-8x7B-v0.1", layers=2, technique="lora", precision="bf16-mixed", batch_size=2, seq_len=512)
+_add("mistralai/Mixtral-8x7B-v0.1", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=1, seq_len=128)
+# Phi-3 (fused qkv and gate_up, no peft default targets), GPT-BigCode (multi-query, causal-mask buffer), BLOOM
+# (ALiBi), OPT (post-LN option, learned positions)
+_add("microsoft/Phi-3-mini-4k-instruct", layers=2, technique="qlora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256, grad_ckpt=True)
+_add("bigcode/gpt_bigcode-santacoder", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
+_add("bigscience/bloom-560m", layers=2, technique="qlora", precision="bf16", batch_size=2, seq_len=256, grad_ckpt=True)
+_add("facebook/opt-1.3b", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
 
-QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44]  # the CI subset (tests/test_trace.py)
+QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51]  # the CI subset (tests/test_trace.py)
 
 
 def run_row(model: str, fields: dict, layers):

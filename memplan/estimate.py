@@ -15,6 +15,7 @@ from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
 from memplan.memory import layout, overhead, quant, weights
 from memplan.memory.context import Ctx, resolve
+from memplan.memory.attention import score_grad_bytes
 from memplan.setup import Setup, sharding_label
 from memplan.spec import ModelSpec
 
@@ -143,7 +144,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     casts = quant.autocast_copy_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
     common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
-    back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True)}
+    back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True),
+            "attention_mask": _checkpointed_mask_bytes(ctx)}
     bwd_work = recompute + _backward_temp_bytes(ctx)
     tied = lg.tied_accumulation_bytes(ctx)
     return {
@@ -157,9 +159,27 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
+        **_attention_backward_phase(ctx, res, held_grads, int(saved + recompute), back),
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, tied),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
+
+
+def _attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
+    """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
+    the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed),
+    the in-block autocast copies, the hidden-state gradients and two score-sized gradients
+    (attention.score_grad_bytes). Fused kernels add nothing here."""
+    scores = score_grad_bytes(ctx)
+    if not scores:
+        return {}
+    s, a = ctx.setup, ctx.spec.arch
+    tokens = s.batch_size * max(ctx.src_len, ctx.tgt_len)
+    return {"attention_backward": {
+        **res, "gradients": held or lg.head_grad_bytes(ctx), "activations": activations,
+        "autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx),
+        "attention_mask": back["attention_mask"],
+        "backward_temporaries": 2 * tokens * a.hidden_size * ctx.residual_bytes + scores}}
 
 
 def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
@@ -192,6 +212,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
                 "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
+                "attention_backward": rs.gathered_backward,
                 "optimizer_step": 0}
     out = {}
     for name, parts in phases.items():
@@ -218,19 +239,31 @@ def _larger(*items: tuple[str, int]) -> dict[str, int]:
 
 def _mask_bytes(ctx: Ctx) -> int:
     """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
-    (transformers masking_utils eager_mask); sdpa without padding passes is_causal instead."""
+    (transformers masking_utils eager_mask), one per mask kind (Gemma2 builds its full and its sliding mask even
+    below the window); sdpa without padding passes is_causal instead."""
     if ctx.attn_impl != "eager":
         return 0
-    return ctx.setup.batch_size * ctx.src_len * ctx.src_len * ctx.residual_bytes
+    return ctx.setup.batch_size * ctx.src_len * ctx.src_len * ctx.residual_bytes * ctx.spec.arch.mask_kinds
+
+
+def _checkpointed_mask_bytes(ctx: Ctx) -> int:
+    """With checkpointing the masks are inputs of every checkpointed block, kept for its recompute until the
+    backward is done (torch.utils.checkpoint saves the inputs); without it they die with the model's forward,
+    before the loss. Found by the tracer: gemma-2-2b QLoRA b1 s2048 eager checkpointed held 2 x 16 MiB."""
+    return _mask_bytes(ctx) if ctx.setup.grad_ckpt else 0
 
 
 def _backward_temp_bytes(ctx: Ctx) -> int:
     """Working gradients inside one block's backward: the fp32/compute-dtype grad of the residual stream and of
-    the normed input, plus two MLP-intermediate-sized grads (dL/d gate, dL/d up or dL/d fc1 out)."""
+    the normed input, plus two MLP-intermediate-sized grads (dL/d gate, dL/d up or dL/d fc1 out); with LoRA on
+    fused experts, the gradient of the largest W + BA copy (act.expert_lora_copy_bytes)."""
     a = ctx.spec.arch
     t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
     k = a.experts_per_token if a.num_experts else 1
-    return t * (2 * a.hidden_size * ctx.residual_bytes + 2 * a.intermediate_size * k * ctx.compute_bytes)
+    lora = {m.name for m in ctx.lora}
+    expert_copy = max((p.numel for p in ctx.spec.params if p.role == "expert" and p.name in lora), default=0)
+    return t * (2 * a.hidden_size * ctx.residual_bytes + 2 * a.intermediate_size * k * ctx.compute_bytes) + \
+        expert_copy * ctx.weight_bytes
 
 
 def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:

@@ -100,6 +100,12 @@ class Arch:
     hidden_dropout: float = 0.0
     act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
     sliding_window: int | None = None
+    #: Gemma2's soft-capping (config final_logit_softcapping / attn_logit_softcapping): cap * tanh(x / cap) on the
+    #: logits and, in eager attention, on the scores; tanh saves its output for backward (modeling_gemma2.py)
+    final_logit_softcap: float | None = None
+    #: distinct attention masks the model builds per forward (config.layer_types: Gemma2's full and sliding)
+    mask_kinds: int = 1
+    attn_logit_softcap: float | None = None
     has_lm_head: bool = True  # a vocabulary-sized output head (MaskedLM/CausalLM/Seq2SeqLM)
     supports_sdpa: bool = True
     supports_flash: bool = False

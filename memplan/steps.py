@@ -72,7 +72,7 @@ def cut_config(d: dict, layers: int) -> dict:
 @contextlib.contextmanager
 def cuda_like():
     """The CUDA code paths the CPU would not take (memplan.trace.EMULATIONS): native_dropout for dropout, the
-    flash-style sdpa kernel with attention dropout."""
+    flash-style sdpa kernel with attention dropout, grouped_mm's output for fp32/fp16 experts."""
     import torch
     import torch.nn.functional as F
 
@@ -111,10 +111,52 @@ def cuda_like():
     F.dropout = dropout
     F.scaled_dot_product_attention = sdpa
     try:
-        yield
+        with _grouped_mm_any_dtype():
+            yield
     finally:
         F.dropout = original
         F.scaled_dot_product_attention = original_sdpa
+
+
+def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """What CUDA's _grouped_mm allocates: one output in mat_a's dtype, its last dimension's stride padded to 16 bytes
+    (aten/src/ATen/native/GroupedMMUtils.h create_grouped_gemm_output_tensor); fp32/fp16 inputs run through
+    _grouped_mm_fallback, a loop of mm_out into that output (native/cuda/GroupedBlas.cpp)."""
+    import torch
+
+    torch._check(mat_a.dtype == mat_b.dtype, lambda: f"grouped_mm: {mat_a.dtype} x {mat_b.dtype}")
+    torch._check(bias is None and out_dtype in (None, mat_a.dtype), lambda: "grouped_mm: bias / out_dtype")
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    align = 16 // mat_a.element_size()
+    padded = -(-size[-1] // align) * align
+    stride = [padded, 1] if a2 != b2 else [size[1] * padded, padded, 1]
+    return torch.empty_strided(size, stride, dtype=mat_a.dtype, device=mat_a.device)
+
+
+def _grouped_mm_any_dtype():
+    """torch's meta kernel for aten._grouped_mm (fake tensors) accepts bf16 only, while the CUDA kernel also runs
+    fp32 and fp16 (transformers' MoE experts call it in the weights' dtype: fp32 under bf16-mixed and QLoRA). A
+    dispatch mode (the backward calls it from C++) allocates the CUDA output for those."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._grouped_mm.default and _is_fake(args[0]) and not (
+                    args[0].dtype == args[1].dtype == torch.bfloat16):
+                return _grouped_mm_output(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return _Mode()
 
 
 def _is_fake(t) -> bool:

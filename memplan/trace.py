@@ -46,6 +46,8 @@ EMULATIONS = {
     "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
                            "fp32 absmax per 256 elements; fp32 below 4096 elements); paged state lives outside the "
                            "allocator (cudaMallocManaged) and is excluded from the allocated peak",
+    "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
+                  "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
                 "matches CUDA's for matmuls; some fp32-listed ops differ",
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "

@@ -31,10 +31,26 @@ def kernel_casts_kv(ctx: Ctx) -> bool:
     return ctx.mixed and ctx.act_bytes != ctx.compute_bytes
 
 
+#: families that hand sdpa K/V with fewer heads than q and no enable_gqa (falcon-7b's multi-query attention:
+#: modeling_falcon.py FalconAttention._split_heads keeps one K/V head and calls F.scaled_dot_product_attention
+#: without enable_gqa): torch's check_batch_size_and_num_heads_dense (aten sdp_utils_cpp.h, shared by CPU and CUDA)
+#: rules out every fused kernel, so the math kernel runs, in fp32 with the full score matrix. Found by the tracer:
+#: falcon-7b LoRA b2 s512 -25% before.
+SDPA_HEADS_BROADCAST = {"falcon"}
+
+
+def heads_broadcast(ctx: Ctx) -> bool:
+    """K/V reach the attention matmuls with fewer heads and are broadcast, not repeated (SDPA_HEADS_BROADCAST)."""
+    a = ctx.spec.arch
+    return a.model_type in SDPA_HEADS_BROADCAST and a.num_kv_heads != a.num_heads
+
+
 def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
     """eager | math | fused: what one attention's scores cost (relative_bias: it gets a learned position bias)."""
     if ctx.attn_impl == "eager":
         return "eager"
+    if ctx.attn_impl == "sdpa" and heads_broadcast(ctx):
+        return "math"
     if (relative_bias and ctx.attn_impl == "sdpa" and ctx.spec.arch.model_type in POSITION_BIAS
             and libs.older_than("transformers", MATH_SDPA_UNTIL)):
         return "math"
@@ -68,6 +84,10 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     # QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024 +7.0% before)
     c = ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
     ratio = k_tok / q_tok
+    # broadcast K/V (heads_broadcast): torch.matmul expands them to every head and reshapes to 3-D - a copy, except
+    # at batch 1 where the reshape is a stride-0 view and they stay at kv_dim
+    if heads_broadcast(ctx) and ctx.setup.batch_size > 1:
+        kv_dim = q_dim
     if kernel == "math":
         return (q_dim + 2 * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
     if kernel == "fused":
@@ -79,5 +99,22 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
         probs += 1 + c
     elif fp32_softmax and c != 4:
         probs += c
-    # repeat_kv - or, in falcon, a broadcasting batched matmul - materialises K and V at all heads
-    return q_dim * c + 2 * q_dim * ratio * c, probs
+    if a.attn_logit_softcap:  # Gemma2 eager_attention_forward: tanh(scores / cap) saves its output
+        probs += c
+    # repeat_kv - or, in falcon, a broadcasting batched matmul (above) - materialises K and V at all heads
+    return q_dim * c + 2 * (kv_dim if heads_broadcast(ctx) else q_dim) * ratio * c, probs
+
+
+def score_grad_bytes(ctx: Ctx) -> int:
+    """Inside an eager or math attention's backward, beside the saved probabilities: the gradient of the
+    probabilities (PV's backward) and the softmax backward's output, both [b, heads, s_q, s_k] in the softmax dtype
+    (aten bmm / _softmax_backward_data allocate full-size results). Fused kernels recompute the scores tile by tile.
+    Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing, -11% before."""
+    a = ctx.spec.arch
+    kernel = attention_kernel(ctx, relative_bias=True)
+    if kernel == "fused":
+        return 0
+    c = ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
+    fp32 = kernel == "math" or ctx.mixed or c == 4 or a.model_type in SOFTMAX_FP32
+    s = max(ctx.src_len, ctx.tgt_len)
+    return 2 * ctx.setup.batch_size * a.num_heads * s * s * (4 if fp32 else c)

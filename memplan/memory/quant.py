@@ -53,6 +53,13 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
     return (n + max(per_block.values(), default=0)) * ctx.compute_bytes
 
 
+def outside_cast_bytes(ctx: Ctx) -> int:
+    """The autocast copies of Linears outside the blocks (the lm_head): alive until the head's backward."""
+    if not (ctx.mixed and ctx.training):
+        return 0
+    return sum(size for m, size, _ in _cast_weights(ctx) if m.block is None) * ctx.compute_bytes
+
+
 def _cast_weights(ctx: Ctx):
     """(Linear, elements autocast casts, whether they train) for every weight a Linear's matmul casts: the base
     weight unless bitsandbytes holds it, and the LoRA adapters on it (fp32 trainable leaves, weights.lora_bytes, so
