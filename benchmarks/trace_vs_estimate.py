@@ -100,8 +100,13 @@ _add("microsoft/Phi-3-mini-4k-instruct", layers=2, technique="qlora", precision=
 _add("bigcode/gpt_bigcode-santacoder", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
 _add("bigscience/bloom-560m", layers=2, technique="qlora", precision="bf16", batch_size=2, seq_len=256, grad_ckpt=True)
 _add("facebook/opt-1.3b", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
+# T5 family: a trainable position bias under sdpa with dropout (CUDA's efficient kernel returns its gradient);
+# flan-t5 / mT5 checkpoints keep their own lm_head, gated gelu_new MLPs, the shared embedding's two contributions
+_add("google-t5/t5-small", technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=128, attn_impl="sdpa")
+_add("google/flan-t5-xl", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
+_add("bigscience/mt0-xxl", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=1, seq_len=128)
 
-QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51]  # the CI subset (tests/test_trace.py)
+QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57]  # the CI subset (tests/test_trace.py)
 
 
 def run_row(model: str, fields: dict, layers):

@@ -28,6 +28,12 @@ class NotFound(BadInput):
     """A named thing (model, GPU, module) is not known; the message lists close matches."""
 
 
+class TraceFailed(MemplanError):
+    """The traced step (real transformers/peft/torch code on fake tensors) raised inside those libraries."""
+
+    exit_code = 1
+
+
 class OfflineError(MemplanError):
     """Something needed the network (the Hugging Face Hub) and it is not reachable."""
 

@@ -160,7 +160,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **_attention_backward_phase(ctx, res, held_grads, int(saved + recompute), back),
-        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, tied),
+        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, lg.tied_accumulation_bytes(ctx, head_only=True)),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
 

@@ -61,7 +61,7 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
     params, tied = _params(model, torch)
     params, tied = _honour_untied_file(config_dict, model, params, tied)
     linears = _linears(model, torch)
-    arch = _arch(config, config_dict, model, cls.__name__, linears)
+    arch = _arch(config, config_dict, model, cls.__name__, linears, tied)
     return ModelSpec(model_id=model_id, arch=arch, params=tuple(params), linears=tuple(linears), tied=tuple(tied),
                      config_file=config_file, transformers_version=transformers.__version__,
                      buffers=_buffers(model))
@@ -202,7 +202,17 @@ def _kv_heads(config, heads: int) -> int:
     return int(_first(config, "num_key_value_heads", "num_kv_heads", default=heads) or heads)
 
 
-def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
+def _head_tied(model, tied) -> bool:
+    """The output embedding shares the input embedding's weight (after _honour_untied_file: T5/mT5 checkpoints
+    with their own lm_head are untied)."""
+    out = model.get_output_embeddings()
+    if out is None:
+        return False
+    head = _module_name(model, out) + ".weight"
+    return any(alias == head for alias, _ in tied)
+
+
+def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as LORA_DEFAULTS
 
     hidden = int(_first(config, "hidden_size", "d_model", "n_embd"))
@@ -224,7 +234,7 @@ def _arch(config, d: dict, model, auto_class: str, linears) -> Arch:
         hidden_act=_activation(config),
         norm="rmsnorm" if any("RMS" in n or n == "T5LayerNorm" for n in norms) else "layernorm",
         max_positions=_max_positions(config),
-        tie_word_embeddings=any(a.endswith(".weight") for a, _ in _tied_pairs(model)),
+        tie_word_embeddings=_head_tied(model, tied),
         num_experts=int(_first(config, "num_local_experts", "num_experts", default=0) or 0),
         experts_per_token=int(_first(config, "num_experts_per_tok", default=0) or 0),
         parallel_block=_parallel(config),
@@ -265,12 +275,3 @@ def _max_positions(config) -> int | None:
     if config.model_type in ("t5", "mt5", "bloom"):
         return None
     return _first(config, "max_position_embeddings", "n_positions")
-
-
-def _tied_pairs(model):
-    seen, pairs = {}, []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            pairs.append((name, seen[id(p)]))
-        seen.setdefault(id(p), name)
-    return pairs

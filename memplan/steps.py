@@ -85,6 +85,32 @@ def cuda_like():
 
     original_sdpa = F.scaled_dot_product_attention
 
+    class FlashWithBiasGrad(torch.autograd.Function):
+        """CUDA's memory-efficient sdpa kernel with a trainable bias (aten _scaled_dot_product_efficient_attention,
+        derivatives.yaml: query, key, value, attn_bias all differentiable): forward saves q, k, v, the bias, the
+        output and the logsumexp; backward returns q/k/v gradients and a [b, h, q, k] bias gradient, allocated with
+        its last dim padded to 16 like attention_backward.cu _efficient_attention_backward (grad_bias =
+        at::empty(padded).slice(-1, 0, k)). Fake tensors only: the bias gradient's values are not computed."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, mask, is_causal, scale):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+            ctx.save_for_backward(q, k, v, mask, out, lse)
+            ctx.is_causal, ctx.scale = is_causal, scale
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, mask, out, lse = ctx.saved_tensors
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
+            shape = torch.broadcast_shapes(mask.shape, (*q.shape[:-1], k.shape[-2]))
+            t = shape[-1]
+            gbias = torch.empty((*shape[:-1], -(-t // 16) * 16), dtype=mask.dtype, device=mask.device)[..., :t]
+            return gq, gk, gv, gbias, None, None  # the engine sums gbias down to the mask's shape
+
+
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
             return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -100,11 +126,15 @@ def cuda_like():
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~attn_mask, float("-inf"))
-        if attn_mask is not None and attn_mask.requires_grad and not _is_fake(query):
-            # a trainable bias as mask (T5's relative positions): the real CPU flash kernel refuses its gradient
-            # (fake tensors do not check); real CPU runs then take the math kernel, dropout mask included
-            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 scale=scale)
+        if attn_mask is not None and attn_mask.requires_grad:
+            # a trainable bias as mask (T5's relative positions: full fine-tuning trains relative_attention_bias;
+            # gradient checkpointing sets position_bias.requires_grad): the CPU flash kernel refuses its gradient
+            # (autograd's check runs above the fake mode, so fake tensors refuse it too). Real CPU tensors: the
+            # math kernel, dropout mask included; fake ones: CUDA's efficient kernel, which returns the bias gradient
+            if not _is_fake(query):
+                return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                     is_causal=is_causal, scale=scale)
+            return FlashWithBiasGrad.apply(query, key, value, attn_mask, is_causal, scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
@@ -188,6 +218,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
     with accelerate.init_empty_weights(include_buffers=True):
         model = cls.from_config(config, attn_implementation=ctx.attn_impl, dtype=weight_dtype)
+        untie_like_checkpoint(model, spec)
     if setup.quant:
         names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
         quantizer(model, names, setup, dtypes[setup.compute_dtype])
@@ -218,6 +249,26 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         model = peft.get_peft_model(model, cfg)
     model.train()
     return model
+
+
+def untie_like_checkpoint(model, spec) -> None:
+    """Give the model a separate output embedding where the inventory has one (spec.tied lacks the head).
+
+    transformers 5.23 forces T5Config/MT5Config.tie_word_embeddings=True (configuration_t5.py / configuration_mt5.py
+    __post_init__), so from_config ties lm_head to shared; from_pretrained does not when the checkpoint holds both
+    with different values (modeling_utils.PreTrainedModel.tie_weights: "both are present in the checkpoints with
+    different values, so we will NOT tie them") - flan-t5-xl, T0_3B, mt0-xxl. memplan.inventory._honour_untied_file
+    counts that head; the traced model must hold it too."""
+    import torch
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return
+    head = next(n for n, m in model.named_modules() if m is out) + ".weight"
+    if head in dict(spec.tied):
+        return
+    w = out.weight
+    out.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=w.device), requires_grad=w.requires_grad)
+    getattr(model, "all_tied_weights_keys", {}).pop(head, None)  # as from_pretrained does when it skips the tie
 
 
 def materialize(model, fake: bool, device: str = "cpu") -> None:

@@ -24,7 +24,7 @@ import itertools
 import weakref
 from dataclasses import dataclass, field
 
-from memplan.errors import BadInput
+from memplan.errors import BadInput, TraceFailed
 from memplan.setup import Setup
 from memplan.standins import StandIn8bitAdam
 from memplan.steps import (build_model, cut_config, cuda_like, make_optimizer, materialize,  # noqa: F401
@@ -53,8 +53,10 @@ EMULATIONS = {
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
-            "output + logsumexp saved) with the mask and without dropout (real CPU tensors with a trainable mask, T5's "
-            "position bias: the math kernel, which the CPU kernel's gradient rules require); under autocast q, k, v "
+            "output + logsumexp saved) with the mask and without dropout. A trainable mask (T5's position bias in full "
+            "fine-tuning or under checkpointing) has no gradient in the CPU kernel: fake tensors go through a "
+            "stand-in of CUDA's efficient kernel (saves q, k, v, bias, output, logsumexp; returns a [b, h, q, k] bias "
+            "gradient padded to 16), real ones through the math kernel; under autocast q, k, v "
             "and a float mask are first cast to the compute dtype, as autocast's sdpa entry does",
 }
 __doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
@@ -199,7 +201,19 @@ def _dispatch_mode(tracker: StorageTracker, compute=None):
 def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
          on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
     """One traced run. shard(model): applies data-parallel sharding to the meta model and returns a context the
-    run happens in (memplan.trace_sharded); the sharded model is then materialised with to_empty."""
+    run happens in (memplan.trace_sharded); the sharded model is then materialised with to_empty. An error raised
+    inside torch/transformers/peft becomes TraceFailed: one message, not a traceback."""
+    try:
+        return _traced_run(spec, setup, d, layers, steps, fake, on_step_end, tracker, shard)
+    except (RuntimeError, NotImplementedError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TraceFailed(f"the traced training step of {spec.model_id} failed inside torch/transformers/peft: "
+                          f"{type(e).__name__}: {first}\nThis is a limit of the tracer (fake tensors on the CPU), not "
+                          f"of the setup; `memplan estimate` does not run the model and is unaffected.") from e
+
+
+def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
+                on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 

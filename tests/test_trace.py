@@ -111,3 +111,15 @@ def test_cli_trace_json_has_the_estimate_keys():
 def test_cli_trace_bad_input_exit_2():
     r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer"])
     assert r.exit_code == 2 and "training" in r.output
+
+
+def test_a_failure_inside_the_traced_libraries_is_one_message_not_a_traceback(monkeypatch):
+    """torch/transformers errors in the traced step (an op the fake tensors cannot run) reach the user as one
+    message naming the tracer's limit, with exit code 1."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float32\nmore detail")
+    monkeypatch.setattr(T, "_traced_run", fail)
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--batch-size", "1", "--seq-len", "32", "--layers", "1"])
+    assert r.exit_code == 1, r.output
+    assert "failed inside torch/transformers/peft" in r.output and "Expected inputs of BF16" in r.output
+    assert "Traceback" not in r.output and "more detail" not in r.output
