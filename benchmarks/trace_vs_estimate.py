@@ -105,8 +105,11 @@ _add("facebook/opt-1.3b", layers=2, technique="lora", precision="bf16", batch_si
 _add("google-t5/t5-small", technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=128, attn_impl="sdpa")
 _add("google/flan-t5-xl", layers=2, technique="lora", precision="bf16", batch_size=2, seq_len=128)
 _add("bigscience/mt0-xxl", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=1, seq_len=128)
+# T5 under sdpa with transformers >= 5.20: every self-attention layer keeps its own merged bias mask
+_add("google-t5/t5-base", layers=2, technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256, attn_impl="sdpa")
+_add("google-t5/t5-base", layers=2, technique="lora", precision="bf16-mixed", batch_size=8, seq_len=512, attn_impl="sdpa")
 
-QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57]  # the CI subset (tests/test_trace.py)
+QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59]  # the CI subset (tests/test_trace.py)
 
 
 def run_row(model: str, fields: dict, layers):

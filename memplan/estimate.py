@@ -260,8 +260,9 @@ def _backward_temp_bytes(ctx: Ctx) -> int:
     a = ctx.spec.arch
     t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
     k = a.experts_per_token if a.num_experts else 1
-    lora = {m.name for m in ctx.lora}
-    expert_copy = max((p.numel for p in ctx.spec.params if p.role == "expert" and p.name in lora), default=0)
+    lora = {m.name for m in ctx.lora} if a.num_experts else set()
+    expert_copy = max((p.numel for p in ctx.spec.params if p.role == "expert" and p.name in lora), default=0) \
+        if lora else 0
     return t * (2 * a.hidden_size * ctx.residual_bytes + 2 * a.intermediate_size * k * ctx.compute_bytes) + \
         expert_copy * ctx.weight_bytes
 

@@ -135,7 +135,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += m.in_features * c if _trains(ctx, m.name) else 0
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
-    total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names)
+    total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
+        self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel)
     if cross:
         total += _cross_bytes(ctx, by_slot, tokens, seqs, lora_names)
     return total
@@ -326,24 +327,33 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     return total + position_bias_bytes(ctx)
 
 
+def _bias_mask_dtype_bytes(ctx: Ctx) -> int:
+    """The float mask sdpa keeps: autocast's compute-dtype cast of it under mixed precision (sdpa is on autocast's
+    lower-precision list), else the bias's own dtype (the residual dtype of the embedding it comes from)."""
+    return ctx.compute_bytes if ctx.mixed else ctx.residual_bytes
+
+
+def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str) -> float:
+    """T5/mT5 self-attention under a fused sdpa kernel (transformers >= 5.20): every layer's call builds its own
+    [b, heads, q, q] mask from the shared position bias (integrations/sdpa_attention.py create_position_bias_mask:
+    merged with the padding or causal mask, then `.contiguous()`; autocast casts it again), which the kernel keeps
+    for backward - one per layer, not one per stack. The batch dimension comes from the padding mask (unpadded
+    batches may keep [1, ...]: the padded-batch upper bound). Found by the tracer: t5-base LoRA bf16 r64 b16 s256
+    sdpa -9.5% before. Math kernel (older transformers): added to the scores, nothing kept."""
+    a = ctx.spec.arch
+    if a.model_type not in POSITION_BIAS or ctx.attn_impl != "sdpa" or kernel != "fused":
+        return 0.0
+    return batch * a.num_heads * q_len * q_len * _bias_mask_dtype_bytes(ctx)
+
+
 def position_bias_bytes(ctx: Ctx) -> float:
-    """T5/mT5: one position-bias tensor per attention kind (encoder self, decoder self, decoder cross), shared by
-    all layers of its stack: b x heads x q_len x k_len in the residual dtype (computed from fp32 or model-dtype
-    embedding weights), or autocast's compute-dtype cast of it under mixed precision. The batch dimension comes
-    from the padding mask the bias is merged with (create_position_bias_mask); unpadded batches may keep [1, ...],
-    so this is the padded-batch upper bound. Only stacks with a recorded block keep theirs (graph_blocks: a frozen
-    encoder below the first trainable block saves nothing; found by the tracer on t5-base freeze, whose saved set
-    held the decoder's bias alone)."""
+    """T5/mT5 decoders: the cross-attention's zero bias, one [b, heads, q_len, k_len] tensor shared by every layer
+    (the self-attentions' per-layer masks are in the blocks: self_bias_mask_bytes). Only a recorded decoder keeps
+    it (graph_blocks: found by the tracer on t5-base freeze)."""
     a = ctx.spec.arch
     if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
         return 0.0  # eager adds the bias to the scores, which saves nothing
-    b, src, tgt = ctx.setup.batch_size, ctx.src_len, ctx.tgt_len
     recorded = {stack for stack, _ in graph_blocks(ctx)}
-    seq2seq_dec = a.kind == "seq2seq" and "decoder" in recorded
-    # the math kernel adds the self-attentions' bias to its scores and keeps nothing of it
-    own = [] if attention_kernel(ctx, relative_bias=True) == "math" else (
-        ([(src, src)] if "encoder" in recorded or a.kind != "seq2seq" else []) + ([(tgt, tgt)] if seq2seq_dec else []))
-    pairs = own + ([(tgt, src)] if seq2seq_dec else [])
-    # under autocast sdpa saves its compute-dtype cast of the float mask (autocast's lower-precision list)
-    dtype_bytes = ctx.compute_bytes if ctx.mixed else ctx.residual_bytes
-    return sum(b * a.num_heads * q * k * dtype_bytes for q, k in pairs)
+    if a.kind != "seq2seq" or "decoder" not in recorded:
+        return 0.0
+    return ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)
