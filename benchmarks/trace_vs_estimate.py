@@ -108,8 +108,13 @@ _add("bigscience/mt0-xxl", layers=2, technique="full", precision="bf16-mixed", o
 # T5 under sdpa with transformers >= 5.20: every self-attention layer keeps its own merged bias mask
 _add("google-t5/t5-base", layers=2, technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256, attn_impl="sdpa")
 _add("google-t5/t5-base", layers=2, technique="lora", precision="bf16-mixed", batch_size=8, seq_len=512, attn_impl="sdpa")
+# Checkpointing hooks the embedding output (enable_input_require_grads): frozen blocks record and are back-propagated
+_add("mistralai/Mistral-7B-v0.1", layers=2, technique="freeze", precision="bf16-mixed", batch_size=2, seq_len=256, grad_ckpt=True)
+# CUDA autocast's fp32 ops (gelu_new's pow) and a rotary model's fp32 training cache under bf16-mixed
+_add("openai-community/gpt2", technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256)
+_add("microsoft/phi-2", layers=2, technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256)
 
-QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59]  # the CI subset (tests/test_trace.py)
+QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62]  # the CI subset (tests/test_trace.py)
 
 
 def run_row(model: str, fields: dict, layers):

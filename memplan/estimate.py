@@ -148,21 +148,42 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
             "attention_mask": _checkpointed_mask_bytes(ctx)}
     bwd_work = recompute + _backward_temp_bytes(ctx)
     tied = lg.tied_accumulation_bytes(ctx)
+    # with checkpointing the recomputed block's autocast copies exist only once its recompute starts, after the
+    # loss's and the head's backward (the forward's cache was cleared when autocast exited: torch/amp
+    # autocast_mode.py clear_autocast_cache); those two phases hold the head's copy alone. Found by the tracer:
+    # Llama-3.2-1B freeze bf16-mixed b2 s512 checkpointed, one block's copies too many.
+    head_casts = {"autocast_weight_copies": quant.outside_cast_bytes(ctx)} if s.grad_ckpt else {}
+    loss_side = {**back, **head_casts, "logits": lg.logits_backward_bytes(ctx)}
+    recompute_side = {**back, "backward_temporaries": bwd_work}
     return {
         # a block's dequantized weight is freed before the head computes the logits (the tracer's forward peak on
         # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
         "forward": {**common, "attention_mask": _mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
-        "backward_start": {**back, **_larger(("logits", lg.logits_backward_bytes(ctx)),
-                                             ("backward_temporaries", bwd_work))},
-        "lm_head_backward": {**back, "gradients": held_grads or lg.head_grad_bytes(ctx),
+        "backward_start": max(loss_side, recompute_side, key=lambda parts: sum(parts.values())),
+        "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **_attention_backward_phase(ctx, res, held_grads, int(saved + recompute), back),
+        **_frozen_backward_phase(ctx, res, grads),
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, lg.tied_accumulation_bytes(ctx, head_only=True)),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
+
+
+def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int) -> dict:
+    """Checkpointing below the first trainable block (layer freezing): every weight gradient exists while the
+    backward still recomputes and back-propagates the frozen blocks for the input gradient
+    (act.input_grads): their checkpoint inputs, the largest one's recompute, its autocast copies and the
+    working gradients. Found by the tracer: Mistral-7B freeze bf16-mixed b2 s256 peaked in block 30's backward."""
+    keys, inputs, full = act.frozen_tail(ctx)
+    if not keys:
+        return {}
+    return {"frozen_backward": {**res, "gradients": grads, "activations": int(inputs),
+                                "autocast_weight_copies": quant.largest_block_cast_bytes(ctx, keys),
+                                "attention_mask": _checkpointed_mask_bytes(ctx),
+                                "backward_temporaries": int(full) + _backward_temp_bytes(ctx)}}
 
 
 def _attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
@@ -212,7 +233,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
                 "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
-                "attention_backward": rs.gathered_backward,
+                "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
                 "optimizer_step": 0}
     out = {}
     for name, parts in phases.items():

@@ -49,7 +49,9 @@ EMULATIONS = {
     "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
                   "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
-                "matches CUDA's for matmuls; some fp32-listed ops differ",
+                "matches CUDA's for matmuls; CUDA's fp32 list (pow, exp, log, rsqrt, softplus, layer_norm, "
+                "logsumexp, softmax/log_softmax/cumsum with dtype=float32, ...) is applied by a function mode "
+                "(steps.AUTOCAST_FP32)",
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "

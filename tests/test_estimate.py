@@ -243,10 +243,15 @@ def test_training_forward_holds_the_dynamic_cache_copies():
     ckpt = _ctx("meta-llama/Llama-2-7b-hf", technique="qlora", precision="bf16", batch_size=2, seq_len=512,
                 attn_impl="sdpa", grad_ckpt=True)
     assert training_cache_bytes(ckpt) == 0  # GradientCheckpointingLayer turns use_cache off
-    full = _ctx("meta-llama/Llama-2-7b-hf", technique="full", precision="bf16-mixed", batch_size=2, seq_len=512,
+    full = _ctx("meta-llama/Llama-2-7b-hf", technique="full", precision="bf16", batch_size=2, seq_len=512,
                 attn_impl="sdpa")
     assert training_cache_bytes(full) == 0  # sdpa saves the cache's own bf16 tensors
-    freeze = _ctx("meta-llama/Llama-2-7b-hf", technique="freeze", trainable=2, precision="bf16-mixed", batch_size=2,
+    # bf16-mixed: rotary promotes k to the fp32 residual dtype and the cache makes v in k's dtype, so every layer's
+    # cache holds fp32 K and V beside the kernel's bf16 casts (inference.rotary_promotes_kv)
+    mixed = _ctx("meta-llama/Llama-2-7b-hf", technique="full", precision="bf16-mixed", batch_size=2, seq_len=512,
+                 attn_impl="sdpa")
+    assert training_cache_bytes(mixed) == 32 * tokens * 2 * 4096 * 4
+    freeze = _ctx("meta-llama/Llama-2-7b-hf", technique="freeze", trainable=2, precision="bf16", batch_size=2,
                   seq_len=512, attn_impl="sdpa")
     frozen = 32 - len(graph_blocks(freeze))
     assert frozen > 0 and training_cache_bytes(freeze) == frozen * tokens * 2 * 4096 * 2
@@ -278,16 +283,22 @@ def test_t5_mlp_dropout_uses_dropout_rate():
 
 def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     """t5-base trained in its last decoder block (bf16-mixed, sdpa, 8 x 512): the frozen encoder records no graph,
-    so only the decoder's self- and cross-attention biases are saved, as autocast's bf16 casts [8, 12, 512, 512];
+    so only the decoder's masks are saved, as autocast's bf16 casts [8, 12, 512, 512]: the cross-attention's shared
+    one and the trainable block's own self-attention mask (one per recorded layer under transformers >= 5.20);
     the 11 frozen decoder blocks' EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the
     encoder's 512) live through the forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
     from memplan import libs
-    from memplan.memory.activations import position_bias_bytes
+    from memplan.memory.activations import position_bias_bytes, self_bias_mask_bytes
+    from memplan.memory.attention import attention_kernel
     from memplan.memory.inference import training_cache_bytes
     ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,
                attn_impl="sdpa")
     with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (attention.MATH_SDPA_UNTIL)
-        assert position_bias_bytes(ctx) == 2 * 8 * 12 * 512 * 512 * 2
+        assert position_bias_bytes(ctx) == 8 * 12 * 512 * 512 * 2
+        kernel = attention_kernel(ctx, relative_bias=True)
+        assert kernel == "fused" and self_bias_mask_bytes(ctx, 8, 512, kernel) == 8 * 12 * 512 * 512 * 2
+    with libs.assume(transformers="5.17.0"):  # the math kernel adds the bias to its scores and keeps no mask
+        assert self_bias_mask_bytes(ctx, 8, 512, attention_kernel(ctx, relative_bias=True)) == 0
     assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2
 
 

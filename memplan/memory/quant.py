@@ -53,6 +53,18 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
     return (n + max(per_block.values(), default=0)) * ctx.compute_bytes
 
 
+def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
+    """The autocast copies of the block among `keys` ((stack, index)) whose Linears cast the most: what its
+    recompute under checkpointing makes and its matmuls save for the input gradient."""
+    if not (ctx.mixed and ctx.training):
+        return 0
+    keys, per = set(keys), {}
+    for m, size, _ in _cast_weights(ctx):
+        if (m.stack, m.block) in keys:
+            per[(m.stack, m.block)] = per.get((m.stack, m.block), 0) + size
+    return max(per.values(), default=0) * ctx.compute_bytes
+
+
 def outside_cast_bytes(ctx: Ctx) -> int:
     """The autocast copies of Linears outside the blocks (the lm_head): alive until the head's backward."""
     if not (ctx.mixed and ctx.training):
