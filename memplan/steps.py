@@ -186,6 +186,16 @@ def _cuda_autocast_fp32():
     return _Mode()
 
 
+def _checkpoint_kwargs() -> dict:
+    """torch.utils.checkpoint arguments (non-reentrant, as Trainer's plan files set): the recompute re-enters the
+    CPU emulation of CUDA autocast's fp32 ops (_cuda_autocast_fp32), which the autograd engine does not carry into
+    backward; otherwise recomputed values differ from the forward's and checkpoint raises. The mode only acts under
+    CPU autocast: a no-op on the GPU."""
+    import contextlib
+
+    return {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _cuda_autocast_fp32())}
+
+
 def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """What CUDA's _grouped_mm allocates: one output in mat_a's dtype, its last dimension's stride padded to 16 bytes
     (aten/src/ATen/native/GroupedMMUtils.h create_grouped_gemm_output_tensor); fp32/fp16 inputs run through
@@ -269,9 +279,9 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         return model
     if setup.quant:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
-                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
+                                                     gradient_checkpointing_kwargs=_checkpoint_kwargs())
     elif setup.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=_checkpoint_kwargs())
     if setup.technique == "freeze":
         keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}
         for name, p in model.named_parameters():
