@@ -113,7 +113,7 @@ _add("mistralai/Mistral-7B-v0.1", layers=2, technique="freeze", precision="bf16-
 # CUDA autocast's fp32 ops (gelu_new's pow) and a rotary model's fp32 training cache under bf16-mixed
 _add("openai-community/gpt2", technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256)
 _add("microsoft/phi-2", layers=2, technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256)
-# ... and under checkpointing, whose recompute must see the same fp32 ops (steps._checkpoint_kwargs)
+# ... and under checkpointing, whose recompute must see the same fp32 ops (emulations.checkpoint_kwargs)
 _add("openai-community/gpt2", technique="lora", precision="fp16-mixed", lora_r=16, lora_dropout=0.05, batch_size=2, seq_len=512, grad_ckpt=True)
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)

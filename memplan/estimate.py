@@ -167,7 +167,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **_attention_backward_phase(ctx, res, held_grads, int(saved + recompute), back),
         **_frozen_backward_phase(ctx, res, grads),
-        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, lg.tied_accumulation_bytes(ctx, head_only=True)),
+        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,
+                                   lg.tied_accumulation_bytes(ctx, head_only=True)),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
 

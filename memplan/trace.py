@@ -27,40 +27,14 @@ from dataclasses import dataclass, field
 from memplan.errors import BadInput, TraceFailed
 from memplan.setup import Setup
 from memplan.standins import StandIn8bitAdam
-from memplan.steps import (build_model, cut_config, cuda_like, make_optimizer, materialize,  # noqa: F401
+from memplan.emulations import EMULATIONS, cuda_like
+from memplan.steps import (build_model, cut_config, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
 
 BLOCK = 512
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = TRAIN_PHASES
 
-#: Where the CPU path differs from CUDA, what the tracer does instead (documented once, applied in memplan.steps.cuda_like()).
-EMULATIONS = {
-    "adamw": "torch.optim.AdamW(foreach=True): CUDA's default (torch.optim.optimizer._default_to_fused_or_foreach "
-             "picks foreach only for CUDA tensors; on CPU it would pick the per-tensor loop)",
-    "adamw-fused": "torch.optim.AdamW(fused=True) (Trainer's adamw_torch_fused); the fused kernel also exists on CPU",
-    "dropout": "F.dropout -> torch.native_dropout: the CUDA path (one bool mask saved); the CPU path draws a float "
-               "mask with bernoulli_",
-    "bitsandbytes": "bnb Linear4bit/Linear8bitLt do not run on fake tensors: stand-in layers hold exactly the "
-                    "storages bnb allocates and dequantize to the compute dtype in forward and backward",
-    "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
-                           "fp32 absmax per 256 elements; fp32 below 4096 elements); paged state lives outside the "
-                           "allocator (cudaMallocManaged) and is excluded from the allocated peak",
-    "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
-                  "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
-    "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
-                "matches CUDA's for matmuls; CUDA's fp32 list (pow, exp, log, rsqrt, softplus, layer_norm, "
-                "logsumexp, softmax/log_softmax/cumsum with dtype=float32, ...) is applied by a function mode "
-                "(steps.AUTOCAST_FP32)",
-    "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
-            "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
-            "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
-            "output + logsumexp saved) with the mask and without dropout. A trainable mask (T5's position bias in full "
-            "fine-tuning or under checkpointing) has no gradient in the CPU kernel: fake tensors go through a "
-            "stand-in of CUDA's efficient kernel (saves q, k, v, bias, output, logsumexp; returns a [b, h, q, k] bias "
-            "gradient padded to 16), real ones through the math kernel; under autocast q, k, v "
-            "and a float mask are first cast to the compute dtype, as autocast's sdpa entry does",
-}
 __doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
 
 

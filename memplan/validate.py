@@ -220,7 +220,8 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
     import contextlib
 
     from memplan.models import config_dict
-    from memplan.steps import build_model, cuda_like, inference_loop, make_optimizer, materialize, training_loop
+    from memplan.emulations import cuda_like
+    from memplan.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
     from memplan.trace import StorageTracker, _dispatch_mode
 
     tracker = StorageTracker()

@@ -320,8 +320,9 @@ def _outside_tokens(ctx: Ctx, name: str) -> int:
 
 def outside_blocks_bytes(ctx: Ctx) -> float:
     """Saved outside the blocks: every norm (embedding norms only when the embeddings train or checkpointing hooks
-    their output - else no gradient flows below frozen ones), non-output Linears such as BERT's MLM transform (input if it trains, plus its activation),
-    the lm_head input when lm_head trains (its own compute-dtype copy under autocast), embedding dropout masks."""
+    their output - else no gradient flows below frozen ones), non-output Linears such as BERT's MLM transform
+    (input if it trains, plus its activation), the lm_head input when lm_head trains (its own compute-dtype copy
+    under autocast), embedding dropout masks."""
     a = ctx.spec.arch
     if not ctx.trainable and not ctx.lora:
         return 0.0
