@@ -166,19 +166,20 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **_attention_backward_phase(ctx, res, held_grads, int(saved + recompute), back),
-        **_frozen_backward_phase(ctx, res, grads),
+        **_frozen_backward_phase(ctx, res, grads, blocks),
+        # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,
-                                   lg.tied_accumulation_bytes(ctx, head_only=True)),
+                                   tied if ctx.spec.arch.tie_word_embeddings else 0),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
 
 
-def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int) -> dict:
+def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dict:
     """Checkpointing below the first trainable block (layer freezing): every weight gradient exists while the
     backward still recomputes and back-propagates the frozen blocks for the input gradient
     (act.input_grads): their checkpoint inputs, the largest one's recompute, its autocast copies and the
     working gradients. Found by the tracer: Mistral-7B freeze bf16-mixed b2 s256 peaked in block 30's backward."""
-    keys, inputs, full = act.frozen_tail(ctx)
+    keys, inputs, full = act.frozen_tail(ctx, blocks)
     if not keys:
         return {}
     return {"frozen_backward": {**res, "gradients": grads, "activations": int(inputs),

@@ -244,16 +244,17 @@ def _block_training(ctx: Ctx) -> tuple[set, set, bool]:
     return lora_blocks, trained_blocks, live
 
 
-def frozen_tail(ctx: Ctx) -> tuple[list[tuple], float, float]:
+def frozen_tail(ctx: Ctx, sizes: list[tuple[float, float]]) -> tuple[list[tuple], float, float]:
     """Blocks the backward still passes once every weight gradient exists: with input_grads, the recorded blocks
     below the first block with anything trainable (execution order), recomputed and back-propagated for the input
-    gradient alone. -> (their keys, their checkpoint inputs, the largest one's recompute)."""
+    gradient alone. sizes: per_block_bytes(ctx). -> (their keys, their checkpoint inputs, the largest one's
+    recompute)."""
     if not input_grads(ctx):
         return [], 0.0, 0.0
     lora_blocks = {(m.stack, m.block) for m in ctx.lora}
     trained = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
     keys, inputs, full = [], 0.0, 0.0
-    for (f, ck), blk in zip(per_block_bytes(ctx), blocks(ctx.spec)):
+    for (f, ck), blk in zip(sizes, blocks(ctx.spec)):
         key = (blk.stack, blk.index)
         if key in trained or key in lora_blocks:
             break

@@ -87,21 +87,19 @@ def head_grad_bytes(ctx: Ctx) -> int:
     return 0
 
 
-def tied_accumulation_bytes(ctx: Ctx, head_only: bool = False) -> int:
+def tied_accumulation_bytes(ctx: Ctx) -> int:
     """A trainable tied embedding gets two gradient contributions: lm_head's weight grad (computed first and held
     by the autograd engine's input buffer) and the embedding's dense backward (at the very end). The engine sums
     them out of place (torch/csrc/autograd/input_buffer.cpp; seen as an aten::add allocation of [V, H] with
     torch.profiler on plain CPU autograd, and by the tracer), so both contributions and their sum are alive at once:
     two extra copies beyond the gradient itself; with accumulation the sum is then added into the held .grad
-    (three extra). head_only: only an embedding tied to the output head."""
+    (three extra)."""
     tied = dict(ctx.spec.tied)
     copies = 3 if ctx.setup.grad_accum > 1 else 2
     for m in ctx.spec.linears:
         target = tied.get(m.name + ".weight")
         if m.is_output and target in ctx.trainable:
             return copies * m.in_features * m.out_features * ctx.weight_bytes
-    if head_only:
-        return 0
     # encoder-decoders whose checkpoint keeps its own lm_head (flan-t5-xl, T0_3B, mt0-xxl): the shared embedding
     # still serves the encoder and the decoder, whose contributions the engine sums the same way (found by the
     # tracer: mt0-xxl full fine-tuning held 2 x [V, H] fp32 at the end of backward, -3.8% before)
