@@ -15,6 +15,9 @@ EMULATIONS = {
     "adamw-fused": "torch.optim.AdamW(fused=True) (Trainer's adamw_torch_fused); the fused kernel also exists on CPU",
     "dropout": "F.dropout -> torch.native_dropout: the CUDA path (one bool mask saved); the CPU path draws a float "
                "mask with bernoulli_",
+    "padding mask": "decoder-only models get their unpadded batch without attention_mask: transformers cannot "
+                    "read a fake all-ones mask to skip it (masking_utils is_tracing), so it would build the causal "
+                    "mask and sdpa would repeat grouped K/V to every head, unlike a real run (steps.make_batch)",
     "bitsandbytes": "bnb Linear4bit/Linear8bitLt do not run on fake tensors: stand-in layers hold exactly the "
                     "storages bnb allocates and dequantize to the compute dtype in forward and backward",
     "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
@@ -99,7 +102,7 @@ def cuda_like():
             # gradient checkpointing sets position_bias.requires_grad): the CPU flash kernel refuses its gradient
             # (autograd's check runs above the fake mode, so fake tensors refuse it too). Real CPU tensors: the
             # math kernel, dropout mask included; fake ones: CUDA's efficient kernel, which returns the bias gradient
-            if not _is_fake(query):
+            if not is_fake(query):
                 return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                      is_causal=is_causal, scale=scale)
             return FlashWithBiasGrad.apply(query, key, value, attn_mask, is_causal, scale)
@@ -196,7 +199,7 @@ def _grouped_mm_any_dtype():
     class _Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.ops.aten._grouped_mm.default and _is_fake(args[0]) and not (
+            if func is torch.ops.aten._grouped_mm.default and is_fake(args[0]) and not (
                     args[0].dtype == args[1].dtype == torch.bfloat16):
                 return _grouped_mm_output(*args, **kwargs)
             return func(*args, **kwargs)
@@ -204,6 +207,6 @@ def _grouped_mm_any_dtype():
     return _Mode()
 
 
-def _is_fake(t) -> bool:
+def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import is_fake
     return is_fake(t)

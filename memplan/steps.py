@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from memplan.emulations import checkpoint_kwargs
+from memplan.emulations import checkpoint_kwargs, is_fake
 from memplan.errors import BadInput
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 
@@ -203,6 +203,12 @@ def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
     b, s = setup.batch_size, setup.seq_len
     ids = torch.randint(0, vocab, (b, s), device=device)
     batch = {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long, device=device)}
+    if spec.arch.kind == "causal" and is_fake(ids):
+        # a real all-ones mask lets transformers skip the causal mask (sdpa's is_causal, grouped K/V passed through
+        # with enable_gqa); on fake tensors it cannot read the values (masking_utils _ignore_causal_mask_sdpa:
+        # is_tracing) and builds one, which also makes sdpa repeat K/V to every head. The same unpadded batch without
+        # the mask takes the real path.
+        del batch["attention_mask"]
     if spec.arch.kind == "seq2seq":
         batch["labels"] = torch.randint(0, vocab, (b, setup.target_len or s), device=device)
     else:
