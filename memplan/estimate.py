@@ -279,15 +279,12 @@ def _checkpointed_mask_bytes(ctx: Ctx) -> int:
 def _backward_temp_bytes(ctx: Ctx) -> int:
     """Working gradients inside one block's backward: the fp32/compute-dtype grad of the residual stream and of
     the normed input, plus two MLP-intermediate-sized grads (dL/d gate, dL/d up or dL/d fc1 out); with LoRA on
-    fused experts, the gradient of the largest W + BA copy (act.expert_lora_copy_bytes)."""
+    fused experts, the gradient of the largest W + BA copy (act.largest_expert_lora_copy_bytes)."""
     a = ctx.spec.arch
     t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
     k = a.experts_per_token if a.num_experts else 1
-    lora = {m.name for m in ctx.lora} if a.num_experts else set()
-    expert_copy = max((p.numel for p in ctx.spec.params if p.role == "expert" and p.name in lora), default=0) \
-        if lora else 0
     return t * (2 * a.hidden_size * ctx.residual_bytes + 2 * a.intermediate_size * k * ctx.compute_bytes) + \
-        expert_copy * ctx.weight_bytes
+        act.largest_expert_lora_copy_bytes(ctx)
 
 
 def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:

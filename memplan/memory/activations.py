@@ -206,6 +206,15 @@ def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> int
     return sum(p.numel for p in experts if p.name in lora_names) * ctx.weight_bytes
 
 
+def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
+    """The largest single W + BA copy (expert_lora_copy_bytes) of any expert tensor: its gradient is a working
+    tensor of that block's backward."""
+    if not ctx.spec.arch.num_experts or not ctx.lora:
+        return 0
+    lora = {m.name for m in ctx.lora}
+    return max((expert_lora_copy_bytes(ctx, [p], lora) for p in ctx.spec.params if p.role == "expert"), default=0)
+
+
 def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
     """Cross-attention of a decoder block: q over decoder tokens, k/v over encoder tokens (inputs: the encoder
     output, shared by every decoder block)."""
@@ -251,8 +260,7 @@ def frozen_tail(ctx: Ctx, sizes: list[tuple[float, float]]) -> tuple[list[tuple]
     recompute)."""
     if not input_grads(ctx):
         return [], 0.0, 0.0
-    lora_blocks = {(m.stack, m.block) for m in ctx.lora}
-    trained = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
+    lora_blocks, trained, _ = _block_training(ctx)
     keys, inputs, full = [], 0.0, 0.0
     for (f, ck), blk in zip(sizes, blocks(ctx.spec)):
         key = (blk.stack, blk.index)

@@ -31,6 +31,20 @@ def kernel_casts_kv(ctx: Ctx) -> bool:
     return ctx.mixed and ctx.act_bytes != ctx.compute_bytes
 
 
+def _kernel_bytes(ctx: Ctx) -> int:
+    """Bytes per element of what the attention computes on: autocast runs sdpa and the eager matmuls in the compute
+    dtype (both on its lower-precision list), whatever dtype the projections return - QLoRA's fp32 q/k/v are saved
+    as bf16 casts (found by the tracer, Llama-3.2-1B QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024
+    +7.0% before)."""
+    return ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
+
+
+def _softmax_fp32(ctx: Ctx, c: int) -> bool:
+    """Eager softmax in fp32: under autocast (softmax is on its fp32 list), in fp32 models, or where the family
+    asks for it (SOFTMAX_FP32)."""
+    return ctx.mixed or c == 4 or ctx.spec.arch.model_type in SOFTMAX_FP32
+
+
 #: families that hand sdpa K/V with fewer heads than q and no enable_gqa (falcon-7b's multi-query attention:
 #: modeling_falcon.py FalconAttention._split_heads keeps one K/V head and calls F.scaled_dot_product_attention
 #: without enable_gqa): torch's check_batch_size_and_num_heads_dense (aten sdp_utils_cpp.h, shared by CPU and CUDA)
@@ -79,10 +93,7 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     output, and with dropout a bool mask and the dropped fp32 probabilities.
     """
     a = ctx.spec.arch
-    # autocast runs sdpa and the eager matmuls in the compute dtype (both on its lower-precision list), whatever
-    # dtype the projections return: QLoRA's fp32 q/k/v are saved as bf16 casts (found by the tracer, Llama-3.2-1B
-    # QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024 +7.0% before)
-    c = ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
+    c = _kernel_bytes(ctx)
     ratio = k_tok / q_tok
     # broadcast K/V (heads_broadcast): torch.matmul expands them to every head and reshapes to 3-D - a copy, except
     # at batch 1 where the reshape is a stride-0 view and they stay at kv_dim
@@ -92,7 +103,7 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
         return (q_dim + 2 * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
     if kernel == "fused":
         return (2 * q_dim + 2 * kv_dim * ratio) * c + a.num_heads * 4, 0.0
-    fp32_softmax = ctx.mixed or c == 4 or a.model_type in SOFTMAX_FP32
+    fp32_softmax = _softmax_fp32(ctx, c)
     probs = 4 if fp32_softmax else c
     drop = a.attn_dropout > 0
     if drop:
@@ -114,7 +125,7 @@ def score_grad_bytes(ctx: Ctx) -> int:
     kernel = attention_kernel(ctx, relative_bias=True)
     if kernel == "fused":
         return 0
-    c = ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
-    fp32 = kernel == "math" or ctx.mixed or c == 4 or a.model_type in SOFTMAX_FP32
+    c = _kernel_bytes(ctx)
+    fp32 = kernel == "math" or _softmax_fp32(ctx, c)
     s = max(ctx.src_len, ctx.tgt_len)
     return 2 * ctx.setup.batch_size * a.num_heads * s * s * (4 if fp32 else c)

@@ -33,24 +33,18 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
     from memplan.memory.activations import graph_blocks
 
     recorded = graph_blocks(ctx)
+    per = _casts_by_block(ctx)
+    inside = {k: v for k, v in per.items() if k[1] is not None and k in recorded}
+    ckpt = ctx.setup.grad_ckpt
     if stack is not None:
-        if ctx.setup.grad_ckpt:
-            return 0
-        return sum(size for m, size, _ in _cast_weights(ctx)
-                   if m.stack == stack and m.block is not None and (m.stack, m.block) in recorded) * ctx.compute_bytes
-    n = 0
-    per_block: dict[tuple, int] = {}
-    for m, size, trains in _cast_weights(ctx):
-        if m.block is not None and (m.stack, m.block) not in recorded:
-            continue
-        if m.block is None or not ctx.setup.grad_ckpt:
-            n += size
-        elif backward:
-            key = (m.stack, m.block)
-            per_block[key] = per_block.get(key, 0) + size
-        elif trains:
-            n += size
-    return (n + max(per_block.values(), default=0)) * ctx.compute_bytes
+        return 0 if ckpt else sum(n for k, (n, _) in inside.items() if k[0] == stack) * ctx.compute_bytes
+    if not ckpt:
+        in_blocks = sum(n for n, _ in inside.values())
+    elif backward:
+        in_blocks = max((n for n, _ in inside.values()), default=0)
+    else:
+        in_blocks = sum(trains for _, trains in inside.values())
+    return (_outside(per) + in_blocks) * ctx.compute_bytes
 
 
 def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
@@ -58,18 +52,28 @@ def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
     recompute under checkpointing makes and its matmuls save for the input gradient."""
     if not (ctx.mixed and ctx.training):
         return 0
-    keys, per = set(keys), {}
-    for m, size, _ in _cast_weights(ctx):
-        if (m.stack, m.block) in keys:
-            per[(m.stack, m.block)] = per.get((m.stack, m.block), 0) + size
-    return max(per.values(), default=0) * ctx.compute_bytes
+    per = _casts_by_block(ctx)
+    return max((per[k][0] for k in keys if k in per), default=0) * ctx.compute_bytes
 
 
 def outside_cast_bytes(ctx: Ctx) -> int:
     """The autocast copies of Linears outside the blocks (the lm_head): alive until the head's backward."""
     if not (ctx.mixed and ctx.training):
         return 0
-    return sum(size for m, size, _ in _cast_weights(ctx) if m.block is None) * ctx.compute_bytes
+    return _outside(_casts_by_block(ctx)) * ctx.compute_bytes
+
+
+def _outside(per: dict) -> int:
+    return sum(n for k, (n, _) in per.items() if k[1] is None)
+
+
+def _casts_by_block(ctx: Ctx) -> dict[tuple, tuple[int, int]]:
+    """(stack, block index; None outside the blocks) -> (elements autocast casts there, of which trainable)."""
+    per: dict[tuple, tuple[int, int]] = {}
+    for m, size, trains in _cast_weights(ctx):
+        n, t = per.get((m.stack, m.block), (0, 0))
+        per[(m.stack, m.block)] = (n + size, t + (size if trains else 0))
+    return per
 
 
 def _cast_weights(ctx: Ctx):
