@@ -39,7 +39,8 @@ def phase_breakdown(spec, setup) -> dict[str, dict[str, int]]:
     """Phase -> component -> bytes (COMPONENTS order): the estimator's phases plus the device-only terms the
     Estimate reports at its peak (reserve, paged optimizer state, CUDA context). The allocated components of a
     phase sum to Estimate.phases[phase]; the peak phase's bar sums to Estimate.device_total_bytes."""
-    from memplan.estimate import COMPONENTS, estimate, inference_phases, training_phases
+    from memplan.estimate import COMPONENTS, estimate
+    from memplan.phases import inference_phases, training_phases
     from memplan.memory.context import resolve
 
     ctx = resolve(spec, setup)

@@ -125,7 +125,7 @@ class StandIn8bitAdam:
     plus one fp32 absmax per 256 elements each, fp32 states for tensors below 4096 elements; the blockwise update
     is one fused kernel (no temporaries). Paged state is allocated in unified memory, outside torch's allocator."""
 
-    def __init__(self, params, tracker, paged: bool):  # tracker: memplan.trace.StorageTracker
+    def __init__(self, params, tracker, paged: bool):  # tracker: memplan.tracker.StorageTracker
         self.params = [p for p in params if p.requires_grad]
         self.state: dict = {}
         self.tracker, self.paged = tracker, paged

@@ -26,7 +26,8 @@ import contextlib
 
 from memplan.errors import BadInput
 from memplan.setup import FSDP_SHARDINGS, Setup
-from memplan.trace import StorageTracker, TraceResult, _dispatch_mode, _extrapolate, _result, _round, _run
+from memplan.trace import TraceResult, _extrapolate, _result, _run
+from memplan.tracker import StorageTracker, _dispatch_mode, _round
 
 
 class ShardedTracker(StorageTracker):

@@ -222,7 +222,7 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
     from memplan.models import config_dict
     from memplan.emulations import cuda_like
     from memplan.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
-    from memplan.trace import StorageTracker, _dispatch_mode
+    from memplan.tracker import StorageTracker, _dispatch_mode
 
     tracker = StorageTracker()
     model = build_model(spec, setup, None, config_dict(spec))

@@ -234,7 +234,7 @@ def test_training_forward_holds_the_dynamic_cache_copies():
     """Without checkpointing the training forward builds a DynamicCache whose torch.cat copies of K and V live until
     the loss: extra where the attention does not save those tensors (QLoRA's fp32 projections are cast to bf16 for
     the kernel; frozen blocks save nothing), free where it does. Llama-2-7b: 32 layers, K+V = 2 x 4096 per token."""
-    from memplan.memory.activations import graph_blocks
+    from memplan.memory.recording import graph_blocks
     from memplan.memory.inference import training_cache_bytes
     tokens = 2 * 512
     qlora = _ctx("meta-llama/Llama-2-7b-hf", technique="qlora", precision="bf16", batch_size=2, seq_len=512,
@@ -259,7 +259,7 @@ def test_training_forward_holds_the_dynamic_cache_copies():
 
 
 def estimate_bytes_phase(ctx, phase: str, component: str) -> int:
-    from memplan.estimate import training_phases
+    from memplan.phases import training_phases
     return training_phases(ctx)[phase].get(component, 0)
 
 
@@ -288,7 +288,7 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     the 11 frozen decoder blocks' EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the
     encoder's 512) live through the forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
     from memplan import libs
-    from memplan.memory.activations import position_bias_bytes, self_bias_mask_bytes
+    from memplan.memory.attention import position_bias_bytes, self_bias_mask_bytes
     from memplan.memory.attention import attention_kernel
     from memplan.memory.inference import training_cache_bytes
     ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import memplan.trace as T
+import memplan.tracker as TK
 from memplan.standins import standin_linear_classes
 from memplan.cli import main
 from memplan.models import config_dict, load_spec
@@ -74,7 +75,7 @@ def test_real_tensor_accounting_equals_live_tensors(fields):
         for st in getattr(opt, "state", {}).values():
             tensors += [t for t in (st.values() if isinstance(st, dict) else st) if isinstance(t, torch.Tensor)]
         for t in tensors:
-            storages[t.untyped_storage()._cdata] = T._round(t.untyped_storage().nbytes())
+            storages[t.untyped_storage()._cdata] = TK._round(t.untyped_storage().nbytes())
         seen.append((tracker.current, sum(storages.values())))
 
     tracker = T._run(spec, setup, T.cut_config(config_dict(spec), 2), 2, 2, fake=False, on_step_end=check)

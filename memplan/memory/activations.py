@@ -10,10 +10,12 @@ the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face 
 """
 from __future__ import annotations
 
-from memplan.memory.attention import FUSED_QKV_CACHE, POSITION_BIAS, attention_kernel, attn_core, kernel_casts_kv
+from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_core, kernel_casts_kv,
+                                      position_bias_bytes, self_bias_mask_bytes)
 from memplan.memory.context import Ctx
 from memplan.memory.layout import BlockLayout, blocks
-
+from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
+from memplan.memory.recording import block_training, input_grads
 
 
 #: activation -> bytes saved per element of its input, as f(c) for compute bytes c; `mixed` variant under autocast.
@@ -130,7 +132,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
             # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
             per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
     experts = expert_params(ctx, blk)
-    per_tok += _moe_bytes(ctx, experts, lora_names) if experts else _mlp_bytes(ctx, by_slot, lora_names)
+    per_tok += moe_bytes(ctx, experts, lora_names) if experts else _mlp_bytes(ctx, by_slot, lora_names)
     for m in by_slot.get("other", []):
         per_tok += m.in_features * c if _trains(ctx, m.name) else 0
     if a.hidden_dropout > 0:
@@ -176,45 +178,6 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     return k * (core + moe) + down_lora
 
 
-def expert_params(ctx: Ctx, blk: BlockLayout) -> list:
-    """The fused expert tensors of a block (transformers 5 MoE: [E, out, in] parameters, not Linears)."""
-    if not ctx.spec.arch.num_experts:
-        return []
-    return [p for p in ctx.spec.params if p.role == "expert" and p.block == blk.index and p.stack == blk.stack]
-
-
-def _moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
-    """Fused experts (transformers integrations/moe.py grouped_mm_experts_forward): each token visits k experts;
-    the matmuls run in the experts' weight dtype - _grouped_mm casts its input to weight.dtype and aten::_grouped_mm
-    has no autocast kernel, so bf16-mixed and QLoRA (peft casts the unquantized experts to fp32) compute them in
-    fp32. Saved per visit: the gate_up output [2I] and act(gate) [I]; the product [I] when down_proj needs a weight
-    gradient; the down output [H] (the routing-weight multiply); the gathered input [H] when gate_up needs one.
-    Found by the tracer on Mixtral-8x7B (bf16-mixed LoRA -3.0% before)."""
-    a = ctx.spec.arch
-    e, i, h = ctx.weight_bytes, a.intermediate_size, a.hidden_size
-
-    def grads(suffix: str) -> bool:
-        return any(p.name.endswith(suffix) and (p.name in ctx.trainable or p.name in lora_names) for p in experts)
-    up, down = grads("gate_up_proj") or grads("up_proj"), grads("down_proj")
-    return a.experts_per_token * (3 * i * e + (i * e if down else 0) + h * e + (h * e if up else 0))
-
-
-def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> int:
-    """peft's LoRA on fused expert tensors (tuners/lora/layer.py ParamWrapper) forms W + BA with baddbmm: a full copy
-    of each targeted expert tensor in its dtype every forward, which grouped_mm saves for the input gradient
-    (Mixtral all-linear: 2.6 GiB per block in bf16; the tracer's -48% before)."""
-    return sum(p.numel for p in experts if p.name in lora_names) * ctx.weight_bytes
-
-
-def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
-    """The largest single W + BA copy (expert_lora_copy_bytes) of any expert tensor: its gradient is a working
-    tensor of that block's backward."""
-    if not ctx.spec.arch.num_experts or not ctx.lora:
-        return 0
-    lora = {m.name for m in ctx.lora}
-    return max((expert_lora_copy_bytes(ctx, [p], lora) for p in ctx.spec.params if p.role == "expert"), default=0)
-
-
 def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
     """Cross-attention of a decoder block: q over decoder tokens, k/v over encoder tokens (inputs: the encoder
     output, shared by every decoder block)."""
@@ -235,56 +198,6 @@ def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
     return b * ctx.src_len, (ctx.src_len, ctx.src_len)
 
 
-def input_grads(ctx: Ctx) -> bool:
-    """Checkpointing makes the embedding output require grad: transformers' gradient_checkpointing_enable calls
-    enable_input_require_grads() for input_ids models (modeling_utils.py _activation_checkpointing_enable; peft's
-    k-bit preparation does the same), so every block records a graph, frozen ones included. Found by the tracer:
-    Mistral-7B freeze bf16-mixed checkpointed -2.0%, SmolLM2 freeze bf16 -3.7%, Phi-3 freeze eager -6.9% before."""
-    return ctx.training and ctx.setup.grad_ckpt and bool(ctx.trainable or ctx.lora)
-
-
-def _block_training(ctx: Ctx) -> tuple[set, set, bool]:
-    """(blocks with LoRA adapters, blocks with trainable base params, whether every block records from the start:
-    the embeddings train, or checkpointing hooks their output - input_grads)."""
-    lora_blocks = {(m.stack, m.block) for m in ctx.lora}
-    trained_blocks = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
-    live = input_grads(ctx) or any(p.block is None and p.role in ("embedding", "pos_embedding")
-                                   and p.name in ctx.trainable for p in ctx.spec.params)
-    return lora_blocks, trained_blocks, live
-
-
-def frozen_tail(ctx: Ctx, sizes: list[tuple[float, float]]) -> tuple[list[tuple], float, float]:
-    """Blocks the backward still passes once every weight gradient exists: with input_grads, the recorded blocks
-    below the first block with anything trainable (execution order), recomputed and back-propagated for the input
-    gradient alone. sizes: per_block_bytes(ctx). -> (their keys, their checkpoint inputs, the largest one's
-    recompute)."""
-    if not input_grads(ctx):
-        return [], 0.0, 0.0
-    lora_blocks, trained, _ = _block_training(ctx)
-    keys, inputs, full = [], 0.0, 0.0
-    for (f, ck), blk in zip(sizes, blocks(ctx.spec)):
-        key = (blk.stack, blk.index)
-        if key in trained or key in lora_blocks:
-            break
-        keys.append(key)
-        inputs += ck
-        full = max(full, f)
-    return keys, inputs, full
-
-
-def graph_blocks(ctx: Ctx) -> set[tuple]:
-    """(stack, index) of the blocks autograd records: from the first block with anything trainable on (in execution
-    order), or all of them when the embeddings train. Below it no tensor requires grad, so nothing is saved."""
-    lora_blocks, trained_blocks, live = _block_training(ctx)
-    out = set()
-    for blk in blocks(ctx.spec):
-        key = (blk.stack, blk.index)
-        live = live or key in trained_blocks or key in lora_blocks
-        if live:
-            out.add(key)
-    return out
-
-
 def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     """[(full saved bytes, checkpointed bytes)] for every block, in execution order. A checkpointed block keeps
     only its input (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses).
@@ -294,7 +207,7 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     pre-LN model the input norm runs before any adapter.
     """
     lora_names = {m.name for m in ctx.lora}
-    lora_blocks, trained_blocks, live = _block_training(ctx)
+    lora_blocks, trained_blocks, live = block_training(ctx)
     h = ctx.spec.arch.hidden_size
     out = []
     same: dict[tuple, float] = {}  # blocks of identical structure save identical bytes (speed: 80-layer models)
@@ -365,34 +278,3 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
         total += h * ctx.setup.batch_size * ctx.src_len
     return total + position_bias_bytes(ctx)
 
-
-def _bias_mask_dtype_bytes(ctx: Ctx) -> int:
-    """The float mask sdpa keeps: autocast's compute-dtype cast of it under mixed precision (sdpa is on autocast's
-    lower-precision list), else the bias's own dtype (the residual dtype of the embedding it comes from)."""
-    return ctx.compute_bytes if ctx.mixed else ctx.residual_bytes
-
-
-def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str) -> float:
-    """T5/mT5 self-attention under a fused sdpa kernel (transformers >= 5.20): every layer's call builds its own
-    [b, heads, q, q] mask from the shared position bias (integrations/sdpa_attention.py create_position_bias_mask:
-    merged with the padding or causal mask, then `.contiguous()`; autocast casts it again), which the kernel keeps
-    for backward - one per layer, not one per stack. The batch dimension comes from the padding mask (unpadded
-    batches may keep [1, ...]: the padded-batch upper bound). Found by the tracer: t5-base LoRA bf16 r64 b16 s256
-    sdpa -9.5% before. Math kernel (older transformers): added to the scores, nothing kept."""
-    a = ctx.spec.arch
-    if a.model_type not in POSITION_BIAS or ctx.attn_impl != "sdpa" or kernel != "fused":
-        return 0.0
-    return batch * a.num_heads * q_len * q_len * _bias_mask_dtype_bytes(ctx)
-
-
-def position_bias_bytes(ctx: Ctx) -> float:
-    """T5/mT5 decoders: the cross-attention's zero bias, one [b, heads, q_len, k_len] tensor shared by every layer
-    (the self-attentions' per-layer masks are in the blocks: self_bias_mask_bytes). Only a recorded decoder keeps
-    it (graph_blocks: found by the tracer on t5-base freeze)."""
-    a = ctx.spec.arch
-    if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
-        return 0.0  # eager adds the bias to the scores, which saves nothing
-    recorded = {stack for stack, _ in graph_blocks(ctx)}
-    if a.kind != "seq2seq" or "decoder" not in recorded:
-        return 0.0
-    return ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)

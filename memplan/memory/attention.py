@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memplan import libs
 from memplan.memory.context import Ctx
+from memplan.memory.recording import graph_blocks
 
 #: families whose eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy):
 #: `softmax(..., dtype=torch.float32).to(query.dtype)` in transformers 5.23 llama (and the families that copy its
@@ -129,3 +130,35 @@ def score_grad_bytes(ctx: Ctx) -> int:
     fp32 = kernel == "math" or _softmax_fp32(ctx, c)
     s = max(ctx.src_len, ctx.tgt_len)
     return 2 * ctx.setup.batch_size * a.num_heads * s * s * (4 if fp32 else c)
+
+
+def _bias_mask_dtype_bytes(ctx: Ctx) -> int:
+    """The float mask sdpa keeps: autocast's compute-dtype cast of it under mixed precision (sdpa is on autocast's
+    lower-precision list), else the bias's own dtype (the residual dtype of the embedding it comes from)."""
+    return ctx.compute_bytes if ctx.mixed else ctx.residual_bytes
+
+
+def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str) -> float:
+    """T5/mT5 self-attention under a fused sdpa kernel (transformers >= 5.20): every layer's call builds its own
+    [b, heads, q, q] mask from the shared position bias (integrations/sdpa_attention.py create_position_bias_mask:
+    merged with the padding or causal mask, then `.contiguous()`; autocast casts it again), which the kernel keeps
+    for backward - one per layer, not one per stack. The batch dimension comes from the padding mask (unpadded
+    batches may keep [1, ...]: the padded-batch upper bound). Found by the tracer: t5-base LoRA bf16 r64 b16 s256
+    sdpa -9.5% before. Math kernel (older transformers): added to the scores, nothing kept."""
+    a = ctx.spec.arch
+    if a.model_type not in POSITION_BIAS or ctx.attn_impl != "sdpa" or kernel != "fused":
+        return 0.0
+    return batch * a.num_heads * q_len * q_len * _bias_mask_dtype_bytes(ctx)
+
+
+def position_bias_bytes(ctx: Ctx) -> float:
+    """T5/mT5 decoders: the cross-attention's zero bias, one [b, heads, q_len, k_len] tensor shared by every layer
+    (the self-attentions' per-layer masks are in the blocks: self_bias_mask_bytes). Only a recorded decoder keeps
+    it (graph_blocks: found by the tracer on t5-base freeze)."""
+    a = ctx.spec.arch
+    if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
+        return 0.0  # eager adds the bias to the scores, which saves nothing
+    recorded = {stack for stack, _ in graph_blocks(ctx)}
+    if a.kind != "seq2seq" or "decoder" not in recorded:
+        return 0.0
+    return ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)

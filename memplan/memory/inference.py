@@ -2,7 +2,7 @@
 during prefill (no autograd)."""
 from __future__ import annotations
 
-from memplan.memory.activations import graph_blocks
+from memplan.memory.recording import graph_blocks
 from memplan.memory.attention import POSITION_BIAS, attention_kernel, kernel_casts_kv
 from memplan.memory.context import Ctx
 

@@ -22,7 +22,7 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
     cached_cast). With checkpointing, frozen weights' casts inside the checkpointed blocks are dropped and re-made in
     recompute; trainable ones stay cached through the forward, and Linears outside the blocks (the lm_head) are not
     checkpointed (found by the tracer). Quantized weights are not cast (bitsandbytes dequantizes instead). Blocks
-    below the first trainable one record no graph: their casts are freed at once (act.graph_blocks).
+    below the first trainable one record no graph: their casts are freed at once (recording.graph_blocks).
     backward=True: once the forward's autocast region exits its cache is cleared, so with checkpointing the backward
     holds the casts outside the blocks plus those of the one block being recomputed (torch.utils.checkpoint re-enters
     autocast for the recompute). Measured on an H100: Qwen2.5-1.5B bf16-mixed b1 s4096 with checkpointing peaked
@@ -30,7 +30,7 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
     stack: only the blocks of that stack, as saved for their backward (none with checkpointing)."""
     if not (ctx.mixed and ctx.training):
         return 0
-    from memplan.memory.activations import graph_blocks
+    from memplan.memory.recording import graph_blocks
 
     recorded = graph_blocks(ctx)
     per = _casts_by_block(ctx)

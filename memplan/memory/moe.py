@@ -1,0 +1,45 @@
+"""Fused mixture-of-experts layers (transformers 5: [E, out, in] expert parameters run through grouped_mm): what
+one block's experts save for backward, and peft's LoRA copies of them."""
+from __future__ import annotations
+
+from memplan.memory.context import Ctx
+from memplan.memory.layout import BlockLayout
+
+
+def expert_params(ctx: Ctx, blk: BlockLayout) -> list:
+    """The fused expert tensors of a block (transformers 5 MoE: [E, out, in] parameters, not Linears)."""
+    if not ctx.spec.arch.num_experts:
+        return []
+    return [p for p in ctx.spec.params if p.role == "expert" and p.block == blk.index and p.stack == blk.stack]
+
+
+def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
+    """Fused experts (transformers integrations/moe.py grouped_mm_experts_forward): each token visits k experts;
+    the matmuls run in the experts' weight dtype - _grouped_mm casts its input to weight.dtype and aten::_grouped_mm
+    has no autocast kernel, so bf16-mixed and QLoRA (peft casts the unquantized experts to fp32) compute them in
+    fp32. Saved per visit: the gate_up output [2I] and act(gate) [I]; the product [I] when down_proj needs a weight
+    gradient; the down output [H] (the routing-weight multiply); the gathered input [H] when gate_up needs one.
+    Found by the tracer on Mixtral-8x7B (bf16-mixed LoRA -3.0% before)."""
+    a = ctx.spec.arch
+    e, i, h = ctx.weight_bytes, a.intermediate_size, a.hidden_size
+
+    def grads(suffix: str) -> bool:
+        return any(p.name.endswith(suffix) and (p.name in ctx.trainable or p.name in lora_names) for p in experts)
+    up, down = grads("gate_up_proj") or grads("up_proj"), grads("down_proj")
+    return a.experts_per_token * (3 * i * e + (i * e if down else 0) + h * e + (h * e if up else 0))
+
+
+def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> int:
+    """peft's LoRA on fused expert tensors (tuners/lora/layer.py ParamWrapper) forms W + BA with baddbmm: a full copy
+    of each targeted expert tensor in its dtype every forward, which grouped_mm saves for the input gradient
+    (Mixtral all-linear: 2.6 GiB per block in bf16; the tracer's -48% before)."""
+    return sum(p.numel for p in experts if p.name in lora_names) * ctx.weight_bytes
+
+
+def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
+    """The largest single W + BA copy (expert_lora_copy_bytes) of any expert tensor: its gradient is a working
+    tensor of that block's backward."""
+    if not ctx.spec.arch.num_experts or not ctx.lora:
+        return 0
+    lora = {m.name for m in ctx.lora}
+    return max((expert_lora_copy_bytes(ctx, [p], lora) for p in ctx.spec.params if p.role == "expert"), default=0)

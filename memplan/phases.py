@@ -1,0 +1,197 @@
+"""The phases of a step and what is alive in each (bytes per component): training, inference, and the per-rank
+view under data parallelism. memplan.estimate takes the largest phase as the peak."""
+from __future__ import annotations
+
+from memplan.memory import activations as act
+from memplan.memory import distributed as dist
+from memplan.memory import inference as inf
+from memplan.memory import logits as lg
+from memplan.memory import optimizer as opt
+from memplan.memory import layout, moe, overhead, quant, recording, weights
+from memplan.memory.attention import score_grad_bytes
+from memplan.memory.context import Ctx
+
+
+def _resident(ctx: Ctx) -> dict[str, int]:
+    paged = ctx.training and opt.is_paged(ctx)
+    return {
+        "weights": weights.weights_bytes(ctx),
+        "quant_state": weights.quant_state_bytes(ctx),
+        "lora_adapters": weights.lora_bytes(ctx) if ctx.training else 0,
+        "optimizer_state": opt.optimizer_state_bytes(ctx) if ctx.training and not paged else 0,
+        "cublas_workspace": overhead.cublas_workspace_bytes(ctx.training),
+    }
+
+
+def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
+    """forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
+    the loss gradients, or (checkpointing) the last block's recompute. lm_head_backward: the logits gradient
+    and the head's weight gradient. backward_end: all gradients. embedding_backward: a tied embedding's two gradient
+    contributions summed (lg.tied_accumulation_bytes); decoder_embedding_backward: the same sum for an
+    encoder-decoder's decoder embedding, with the encoder's activations still saved. In between,
+    backward frees the activations of block i as it allocates the gradients of block i, so the live bytes move
+    linearly from the start to the end and the two ends bound the whole backward. optimizer_step: grads + state +
+    step temporaries."""
+    s = ctx.setup
+    res = _resident(ctx)
+    grads = opt.gradient_bytes(ctx)
+    held_grads = grads if s.grad_accum > 1 else 0  # zero_grad(set_to_none=True) frees them between steps
+    blocks = act.per_block_bytes(ctx)
+    saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + act.outside_blocks_bytes(ctx)
+    recompute = max((full for full, _ in blocks), default=0) if s.grad_ckpt else 0
+    casts = quant.autocast_copy_bytes(ctx)
+    deq = quant.dequant_temp_bytes(ctx)
+    common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
+    back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True),
+            "attention_mask": _checkpointed_mask_bytes(ctx)}
+    bwd_work = recompute + _backward_temp_bytes(ctx)
+    tied = lg.tied_accumulation_bytes(ctx)
+    # with checkpointing the recomputed block's autocast copies exist only once its recompute starts, after the
+    # loss's and the head's backward (the forward's cache was cleared when autocast exited: torch/amp
+    # autocast_mode.py clear_autocast_cache); those two phases hold the head's copy alone. Found by the tracer:
+    # Llama-3.2-1B freeze bf16-mixed b2 s512 checkpointed, one block's copies too many.
+    head_casts = {"autocast_weight_copies": quant.outside_cast_bytes(ctx)} if s.grad_ckpt else {}
+    loss_side = {**back, **head_casts, "logits": lg.logits_backward_bytes(ctx)}
+    recompute_side = {**back, "backward_temporaries": bwd_work}
+    return {
+        # a block's dequantized weight is freed before the head computes the logits (the tracer's forward peak on
+        # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
+        "forward": {**common, "attention_mask": _mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
+                    **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
+        "backward_start": max(loss_side, recompute_side, key=lambda parts: sum(parts.values())),
+        "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
+                             "logits": lg.head_backward_bytes(ctx)},
+        "backward_end": {**res, "gradients": grads, "backward_temporaries": bwd_work, "dequant_temporaries": deq},
+        "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
+        **_attention_backward_phase(ctx, res, held_grads, int(saved + recompute), back),
+        **_frozen_backward_phase(ctx, res, grads, blocks),
+        # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
+        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,
+                                   tied if ctx.spec.arch.tie_word_embeddings else 0),
+        "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
+    }
+
+
+def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dict:
+    """Checkpointing below the first trainable block (layer freezing): every weight gradient exists while the
+    backward still recomputes and back-propagates the frozen blocks for the input gradient
+    (recording.input_grads): their checkpoint inputs, the largest one's recompute, its autocast copies and the
+    working gradients. Found by the tracer: Mistral-7B freeze bf16-mixed b2 s256 peaked in block 30's backward."""
+    keys, inputs, full = recording.frozen_tail(ctx, blocks)
+    if not keys:
+        return {}
+    return {"frozen_backward": {**res, "gradients": grads, "activations": int(inputs),
+                                "autocast_weight_copies": quant.largest_block_cast_bytes(ctx, keys),
+                                "attention_mask": _checkpointed_mask_bytes(ctx),
+                                "backward_temporaries": int(full) + _backward_temp_bytes(ctx)}}
+
+
+def _attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
+    """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
+    the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed),
+    the in-block autocast copies, the hidden-state gradients and two score-sized gradients
+    (attention.score_grad_bytes). Fused kernels add nothing here."""
+    scores = score_grad_bytes(ctx)
+    if not scores:
+        return {}
+    s, a = ctx.setup, ctx.spec.arch
+    tokens = s.batch_size * max(ctx.src_len, ctx.tgt_len)
+    return {"attention_backward": {
+        **res, "gradients": held or lg.head_grad_bytes(ctx), "activations": activations,
+        "autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx),
+        "attention_mask": back["attention_mask"],
+        "backward_temporaries": 2 * tokens * a.hidden_size * ctx.residual_bytes + scores}}
+
+
+def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
+    """Encoder-decoders whose shared embedding trains (T5, BART): the decoder's embedding backward adds its
+    contribution to lm_head's in the engine's input buffer (logits.tied_accumulation_bytes) before the encoder's
+    backward starts, so the encoder's saved activations are still alive beside the decoder's gradients. Found by
+    the tracer on t5-small full bf16-mixed Adafactor (-4.9% before): its peak held the encoder's activations, the
+    decoder blocks' gradients and three [V, H] fp32 copies. tied: logits.tied_accumulation_bytes."""
+    if ctx.spec.arch.kind != "seq2seq" or not tied:
+        return {}
+    enc = [full if not ctx.setup.grad_ckpt else ck
+           for (full, ck), blk in zip(blocks, layout.blocks(ctx.spec)) if blk.stack == "encoder"]
+    enc_grads = sum(p.numel for p in ctx.spec.params if p.stack == "encoder" and p.name in ctx.trainable)
+    later = 0 if held else enc_grads * ctx.weight_bytes  # the encoder's gradients do not exist yet
+    return {"decoder_embedding_backward": {**res, "gradients": grads - later, "activations": int(sum(enc)),
+                                           "autocast_weight_copies": quant.autocast_copy_bytes(ctx, stack="encoder"),
+                                           "backward_temporaries": tied}}
+
+
+def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], dist.RankState]:
+    """Per-rank phases under data parallelism: the activations, logits and temporaries of `compute` (the setup the
+    engine really computes: dist.compute_setup) with the model state of dist.rank_state(ctx) in place of the
+    single-GPU weights, gradients and optimizer state; gathered (unsharded) parameters in forward and backward."""
+    rs = dist.rank_state(ctx)
+    phases = training_phases(compute)
+    accum = ctx.setup.grad_accum > 1
+    state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
+             "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
+    grads = {"forward": rs.gradients if accum else 0, "backward_start": rs.gradients if accum else 0}
+    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
+                "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
+                "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
+                "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
+                "optimizer_step": 0}
+    out = {}
+    for name, parts in phases.items():
+        parts = {**parts, **state, "gathered_params": gathered[name]}
+        if name in grads:
+            parts["gradients"] = grads[name]
+        elif name == "lm_head_backward":  # the head's unsharded gradient, before it is reduced
+            parts["gradients"] = rs.gradients + parts.get("gradients", 0) if accum else parts.get("gradients", 0)
+        else:
+            parts["gradients"] = rs.gradients
+        if name == "optimizer_step":
+            parts["optimizer_temporaries"] = rs.step_temporaries
+        elif name != "forward":
+            parts["comm_buffers"] = rs.comm_buffers + rs.comm_backward
+        out[name] = parts
+    return out, rs
+
+
+def _larger(*items: tuple[str, int]) -> dict[str, int]:
+    """The one (component, bytes) of several non-overlapping transients that is largest."""
+    name, value = max(items, key=lambda kv: kv[1])
+    return {name: value}
+
+
+def _mask_bytes(ctx: Ctx) -> int:
+    """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
+    (transformers masking_utils eager_mask), one per mask kind (Gemma2 builds its full and its sliding mask even
+    below the window); sdpa without padding passes is_causal instead."""
+    if ctx.attn_impl != "eager":
+        return 0
+    return ctx.setup.batch_size * ctx.src_len * ctx.src_len * ctx.residual_bytes * ctx.spec.arch.mask_kinds
+
+
+def _checkpointed_mask_bytes(ctx: Ctx) -> int:
+    """With checkpointing the masks are inputs of every checkpointed block, kept for its recompute until the
+    backward is done (torch.utils.checkpoint saves the inputs); without it they die with the model's forward,
+    before the loss. Found by the tracer: gemma-2-2b QLoRA b1 s2048 eager checkpointed held 2 x 16 MiB."""
+    return _mask_bytes(ctx) if ctx.setup.grad_ckpt else 0
+
+
+def _backward_temp_bytes(ctx: Ctx) -> int:
+    """Working gradients inside one block's backward: the fp32/compute-dtype grad of the residual stream and of
+    the normed input, plus two MLP-intermediate-sized grads (dL/d gate, dL/d up or dL/d fc1 out); with LoRA on
+    fused experts, the gradient of the largest W + BA copy (moe.largest_expert_lora_copy_bytes)."""
+    a = ctx.spec.arch
+    t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
+    k = a.experts_per_token if a.num_experts else 1
+    return t * (2 * a.hidden_size * ctx.residual_bytes + 2 * a.intermediate_size * k * ctx.compute_bytes) + \
+        moe.largest_expert_lora_copy_bytes(ctx)
+
+
+def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
+    """prefill (one layer's working set + the cache so far) and decode (full cache + growth + last-token logits)."""
+    res = _resident(ctx)
+    kv = inf.kv_cache_bytes(ctx)
+    deq = quant.dequant_temp_bytes(ctx)
+    return {
+        "prefill": {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
+                    "dequant_temporaries": deq, "attention_mask": _mask_bytes(ctx)},
+        "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx)},
+    }

@@ -1,0 +1,125 @@
+"""Storage accounting for the tracer: every storage an op creates is counted (rounded up to 512 B like the CUDA
+caching allocator's smallest block, c10/cuda/CUDACachingAllocator.cpp kMinBlockSize) until a weakref callback
+reports its release; the peak live bytes per phase, and the bytes per category at the peak."""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+BLOCK = 512
+CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+def _round(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK if n else 0
+
+
+class StorageTracker:
+    """Live storages keyed by their C pointer; serial numbers identify allocations across pointer reuse."""
+
+    def __init__(self):
+        self.live: dict[int, tuple[int, int]] = {}  # key -> (serial, bytes)
+        self.serials = itertools.count()
+        self.born: dict[int, str] = {}  # serial -> phase allocated in
+        self.origin: dict[int, str] = {}  # serial -> the op that allocated it (for --detail and debugging)
+        self.op = ""
+        self.tags: dict[int, str] = {}  # serial -> category decided by the caller (weights, gradients, ...)
+        self.saved: set[int] = set()
+        self.excluded: set[int] = set()  # serials outside the allocator (paged optimizer state)
+        self.current = 0
+        self.phase = "setup"
+        self.peak = 0
+        self.peak_phase = ""
+        self.peak_snapshot: dict[int, int] = {}
+        self.phase_peaks: dict[str, int] = {}
+
+    def serial_of(self, t) -> int | None:
+        import torch
+        if not isinstance(t, torch.Tensor):
+            return None
+        st = t.untyped_storage()
+        key = st._cdata
+        hit = self.live.get(key)
+        if hit is not None:
+            return hit[0]
+        n = _round(st.nbytes())
+        if n == 0:
+            return None
+        serial = next(self.serials)
+        self.live[key] = (serial, n)
+        self.born[serial] = self.phase
+        self.origin[serial] = self.op
+        weakref.finalize(st, self._release, key, serial)
+        self.current += n
+        self._update()
+        return serial
+
+    def _release(self, key: int, serial: int) -> None:
+        hit = self.live.get(key)
+        if hit is not None and hit[0] == serial:
+            del self.live[key]
+            if serial not in self.excluded:
+                self.current -= hit[1]
+
+    def exclude(self, t) -> None:
+        """Count this storage outside the allocator (paged memory)."""
+        s = self.serial_of(t)
+        if s is not None and s not in self.excluded:
+            self.excluded.add(s)
+            self.current -= self.live[t.untyped_storage()._cdata][1]
+
+    def tag(self, t, category: str) -> None:
+        s = self.serial_of(t)
+        if s is not None:
+            self.tags.setdefault(s, category)
+
+    def _update(self) -> None:
+        if self.phase not in ("setup", "between"):  # training phases, or prefill/decode (validate --device cpu)
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_phase = self.phase
+                self.peak_snapshot = {s: n for s, n in self.live.values() if s not in self.excluded}
+
+    def category(self, serial: int, at_phase: str) -> str:
+        if serial in self.tags:
+            return self.tags[serial]
+        if serial in self.saved or (self.born.get(serial) == "forward" and at_phase != "forward"):
+            return "activations"
+        return "temporaries"
+
+    def breakdown(self) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for serial, n in self.peak_snapshot.items():
+            out[self.category(serial, self.peak_phase)] += n
+        return out
+
+    def excluded_bytes(self) -> int:
+        return sum(n for s, n in self.live.values() if s in self.excluded)
+
+
+def _dispatch_mode(tracker: StorageTracker, compute=None):
+    """The tracking mode; compute(func, args, kwargs), when given, runs each op instead of func itself."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = compute(func, args, kwargs or {}) if compute else func(*args, **(kwargs or {}))
+            tracker.op = func.__name__
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    tracker.serial_of(t)
+            return out
+
+    return _Mode()
+
+
+def _pack(tracker: StorageTracker):
+    def pack(t):
+        s = tracker.serial_of(t)
+        if s is not None:
+            tracker.saved.add(s)
+        return t
+    return pack
