@@ -3,7 +3,8 @@
 # deadline. Rows are appended (resumably) to data/measured/gpu-h100.csv and copied to $OUT.
 #   bash benchmarks/gpu_session.sh SECONDS [smoke] [tests] [planner] [pool:--planner|pool:] SWEEP.yaml...
 # pool: every gpu-*.yaml sweep side by side (benchmarks/gpu_pool.py), until SECONDS; pool:--planner adds the
-# planner check pairs.
+# planner check pairs. wheels:DIR:SWEEP.yaml runs SWEEP through the pool with DIR's wheels (another transformers,
+# say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions).
 set -u
 budget=$1; shift
 end=$(( $(date +%s) + budget ))
@@ -31,6 +32,11 @@ for step in "$@"; do
     planner) timeout "$left" python3 benchmarks/planner_check.py run ;;
     pool:*) timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" ${step#pool:} \
              benchmarks/sweeps/gpu-*.yaml 2>&1 | grep -v Warning ;;
+    wheels:*) spec=${step#wheels:}; dir=${spec%%:*}; name=$(basename "$dir" | tr -d .); site=/tmp/site-$name
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+               "$dir"/*.whl || continue
+             PYTHONPATH=$site:$PYTHONPATH timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) \
+               "data/measured/gpu-h100-$name.csv" "${spec#*:}" 2>&1 | grep -v Warning ;;
     *.yaml) timeout "$left" python3 -m memplan validate --sweep "$step" --out "$csv" --timeout 300 2>&1 \
              | grep -v "^\s*$" | tail -60 ;;
   esac
