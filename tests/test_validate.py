@@ -151,6 +151,16 @@ exclude: [{technique: full, batch_size: 2}]
     assert all(j.setup.seq_len == 64 for j in jobs)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_sweeps_load_and_estimate(path):
+    """Every sweep the GPU sessions run parses, and each of its setups suits its model (a setup the estimator refuses,
+    e.g. sdpa on Gemma-2, would cost device time to find out)."""
+    jobs, skipped, _ = load_sweep(path)
+    assert jobs and not skipped
+    for job in jobs:
+        assert estimate(job.model, job.setup).peak_allocated_bytes > 0
+
+
 @pytest.mark.parametrize("text,msg", [("models: [gpt2]\nmatrix: {bogus: [1]}", "unknown Setup field"),
                                       ("base: {}", "names no model"), ("models: [gpt2]\nfoo: 1", "unknown key"),
                                       (": :", "not valid YAML")])
