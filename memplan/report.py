@@ -1,11 +1,12 @@
 """Rendering: the only user of rich (and, later, pandas/matplotlib). GiB = 2**30, labelled GiB."""
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from memplan.budget import need_bytes
-from memplan.units import GiB
+from memplan.units import GiB, fmt_count
 
 
 def _gib(n: float) -> str:
@@ -104,19 +105,32 @@ def print_fit(result, console: Console | None = None) -> None:
         console.print(scale_out_table(result))
 
 
+def _id_column(t: Table, name: str, ids, **kw) -> None:
+    """A column of identifiers or exact figures the user copies: never cut with an ellipsis, however narrow the
+    terminal (the other columns fold instead)."""
+    t.add_column(name, no_wrap=True, min_width=max(map(len, ids), default=0), **kw)
+
+
 def print_models(index: dict, console: Console | None = None) -> None:
     t = Table(title="built-in model catalog")
-    for col in ("model", "type", "kind", "parameters", "aliases"):
-        t.add_column(col)
-    for mid, row in sorted(index.items(), key=lambda kv: kv[0].lower()):
-        t.add_row(mid, row["model_type"], row["kind"], f"{row['params_total']:,}", ", ".join(row["aliases"]))
+    rows = [(mid, row["model_type"], row["kind"], fmt_count(row["params_total"]), ", ".join(row["aliases"]))
+            for mid, row in sorted(index.items(), key=lambda kv: kv[0].lower())]
+    _id_column(t, "model", [r[0] for r in rows])
+    _id_column(t, "type", [r[1] for r in rows])
+    _id_column(t, "kind", [r[2] for r in rows])
+    _id_column(t, "params", [r[3] for r in rows], justify="right")  # exact counts: models --json
+    t.add_column("aliases", overflow="fold")
+    for r in rows:
+        t.add_row(*r)
     (console or Console()).print(t)
 
 
 def print_gpus(gpus, console: Console | None = None) -> None:
     t = Table(title="GPU catalog (memory as the vendor states it: GB = GiB)")
-    for col in ("name", "GiB", "compute", "bf16", "aliases"):
+    _id_column(t, "name", [g.name for g in gpus])
+    for col in ("GiB", "compute", "bf16"):
         t.add_column(col)
+    t.add_column("aliases", overflow="fold")
     for g in gpus:
         t.add_row(g.name, _gib(g.memory_bytes), g.compute_capability or g.architecture, "yes" if g.bf16 else "no",
                   ", ".join(g.aliases))
@@ -226,15 +240,26 @@ def print_validation(model: str, setup, m, rows, console: Console | None = None)
 
 def print_check(result, report_path: str, console: Console | None = None) -> None:
     console = console or Console()
-    t = Table(title=f"memplan check: {'PASS' if result.ok else 'FAIL'} ({len(result.rows)} rows)",
-              title_justify="left")
-    for col in ("verdict", "model", "setup", "quantity", "measured GiB", "predicted GiB", "error", "tol", "note"):
-        t.add_column(col, justify="right" if "GiB" in col or col in ("error", "tol") else "left")
+    # a CI log is 80 columns wide (rich's width without a terminal): no vertical rules, figures and verdicts never
+    # wrap or get cut, the words fold, and the notes follow the table keyed by row number
+    t = Table(title=f"memplan check: {'PASS' if result.ok else 'FAIL'} ({len(result.rows)} rows; GiB)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t.add_column("#", justify="right", no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
+    t.add_column("model / setup", overflow="fold", min_width=18)
+    t.add_column("quantity", overflow="fold", max_width=12)
+    for col in ("meas", "pred", "error", "tol"):
+        t.add_column(col, justify="right", no_wrap=True)
     style = {"fail": "red", "pass": "green", "info": "yellow", "skip": "dim"}
-    for r in result.worst_first():
+    notes = []
+    for n, r in enumerate(result.worst_first(), 1):
         err = "" if r.rel_error is None else f"{r.rel_error:+.1%}"
-        t.add_row(f"[{style[r.verdict]}]{r.verdict}[/]", r.model, r.label, r.quantity,
+        t.add_row(str(n), f"[{style[r.verdict]}]{r.verdict}[/]", f"{r.model}\n{r.label}", r.quantity,
                   "" if r.measured_bytes is None else _gib(r.measured_bytes),
-                  "" if r.predicted_bytes is None else _gib(r.predicted_bytes), err, f"{r.tolerance:.0%}", r.reason)
+                  "" if r.predicted_bytes is None else _gib(r.predicted_bytes), err, f"{r.tolerance:.0%}")
+        if r.reason:
+            notes.append(f"#{n} {r.verdict}: {r.reason}")
     console.print(t)
+    for line in notes:
+        console.print(line, markup=False, highlight=False)
     console.print(f"report written to {report_path}")

@@ -35,6 +35,15 @@ def fmt_gib(n_bytes: float, digits: int = 2) -> str:
     return f"{n_bytes / GiB:.{digits}f} GiB"
 
 
+def fmt_count(n: int) -> str:
+    """A parameter count the way model cards write it, 3 significant digits: ``fmt_count(6_738_415_616) == '6.74B'``,
+    ``fmt_count(124_439_808) == '124M'``."""
+    for scale, unit in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": GiB, "b": 1,

@@ -94,6 +94,18 @@ def test_listings(run):
     assert run("models").exit_code == 0
 
 
+@pytest.mark.parametrize("cmd,ids", [("models", ["HuggingFaceTB/SmolLM2-1.7B", "bigcode/gpt_bigcode-santacoder"]),
+                                     ("gpus", ["GeForce RTX 4090", "Tesla V100 16GB"])])
+def test_listings_never_cut_ids_on_a_narrow_terminal(cmd, ids, monkeypatch):
+    """Names the user copies into the next command stay whole in an 80-column terminal (rich used to cut them to
+    'bigcode/gpt_big…')."""
+    monkeypatch.setenv("COLUMNS", "80")
+    r = CliRunner().invoke(main, [cmd])
+    assert r.exit_code == 0 and "…" not in r.output
+    for name in ids:
+        assert name in r.output
+
+
 def test_no_gpu_detected_message(run, monkeypatch):
     import memplan.gpus
     monkeypatch.setattr(memplan.gpus, "detect_gpus", lambda: [])

@@ -282,6 +282,18 @@ def test_check_cli_exit_codes_and_report(tmp_path):
     assert r.exit_code == 2 and "does not exist" in r.output
 
 
+def test_check_table_fits_a_ci_log(tmp_path, monkeypatch):
+    """Without a terminal rich writes 80 columns: the verdict, figures and error stay whole (no '…'), and the
+    reason follows the table keyed by row number."""
+    monkeypatch.setenv("COLUMNS", "80")
+    p = _write(tmp_path, [_row(Setup(batch_size=2, seq_len=128), 1.3)])
+    r = CliRunner().invoke(main, ["check", str(p), "--report", str(tmp_path / "r.md")])
+    assert r.exit_code == 1 and "…" not in r.output
+    table_row = next(line for line in r.output.splitlines() if line.lstrip().startswith("1 "))
+    assert "fail" in table_row and "%" in table_row and len(table_row.rstrip()) <= 80
+    assert "#1 fail:" in r.output
+
+
 def test_repository_measurements_pass_check(tmp_path):
     """Our CI gate: every stored measurement (data/measured/, 5%) and published high-trust row (data/published/,
     its own 10%) is within tolerance of the current estimator."""
