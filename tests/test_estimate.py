@@ -329,3 +329,60 @@ def test_registered_buffers_are_resident_beside_the_weights():
     assert [(b.name, b.shape, b.dtype) for b in spec.buffers] == [("transformer.bias", (8192, 8192), "bool")]
     e = estimate("bigcode/starcoder", mode="infer", precision="bf16", batch_size=1, seq_len=128)
     assert e.components["weights"] == spec.numel_total * 2 + 8192 * 8192
+
+
+# ---------------------------------------------------------------------------------------------- per-model memo
+#: For every Setup field outside memory.context.SELECTION_FIELDS, values that change some estimate. A new Setup
+#: field must be added here: the test then checks that no memoized term silently ignores it.
+_VARIED = {
+    "double_quant": [True], "lora_r": [64], "lora_alpha": [32], "lora_dropout": [0.1], "optimizer": ["adamw", "adamw-8bit", "adafactor"],
+    "batch_size": [1, 3], "seq_len": [128, 1024], "target_len": [64], "grad_ckpt": [True], "grad_accum": [4],
+    "attn_impl": ["eager"], "added_tokens": [100], "prompt_len": [300], "new_tokens": [40],
+    "num_gpus": [2], "num_nodes": [2], "sharding": ["ddp", "zero3"], "offload": ["optimizer"],
+}
+
+
+@pytest.mark.parametrize("model", ["openai-community/gpt2", "google-t5/t5-small", "HuggingFaceTB/SmolLM2-135M"])
+def test_memo_never_reuses_a_term_across_setups_it_depends_on(model):
+    """Estimates after a warm per-model memo equal estimates from a cold one, for setups that share the selection
+    (technique, precision, ...) and differ in one other field each."""
+    import dataclasses
+
+    from memplan.errors import BadInput, SetupError
+    from memplan.memory.context import SELECTION_FIELDS, clear_memo
+
+    assert set(_VARIED) | set(SELECTION_FIELDS) == {f.name for f in dataclasses.fields(Setup)}
+    bases = [dict(technique="full", precision="bf16-mixed"), dict(technique="lora", precision="bf16"),
+             dict(technique="qlora", precision="bf16", quant="nf4"), dict(technique="freeze", precision="fp32"),
+             dict(mode="infer", precision="bf16")]
+    setups = []
+    for base in bases:
+        for name, values in [("batch_size", [8])] + list(_VARIED.items()):
+            for v in values:
+                try:
+                    setups.append(Setup(**{**base, "seq_len": 256, name: v}))
+                except SetupError:
+                    pass
+
+    def run():
+        out = []
+        for s in setups:
+            try:
+                e = estimate(model, s)
+                out.append((e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes, e.phases, e.components))
+            except BadInput:
+                out.append(None)
+        return out
+
+    warm = run()
+    cold = []
+    for s in setups:
+        clear_memo()
+        try:
+            e = estimate(model, s)
+            cold.append((e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes, e.phases, e.components))
+        except BadInput:
+            cold.append(None)
+    assert len(setups) > 90 and sum(x is not None for x in cold) > 60
+    for s, w, c in zip(setups, warm, cold):
+        assert w == c, s

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_core, kernel_casts_kv,
                                       position_bias_bytes, self_bias_mask_bytes)
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
 from memplan.memory.recording import block_training, input_grads
@@ -206,30 +206,52 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     first trainable block (layer freezing saves all lower blocks' activations), and in the first LoRA block of a
     pre-LN model the input norm runs before any adapter.
     """
-    lora_names = {m.name for m in ctx.lora}
-    lora_blocks, trained_blocks, live = block_training(ctx)
+    lora_names = _lora_names(ctx)
     h = ctx.spec.arch.hidden_size
     out = []
     same: dict[tuple, float] = {}  # blocks of identical structure save identical bytes (speed: 80-layer models)
-    for blk in blocks(ctx.spec):
-        key = (blk.stack, blk.index)
+    for blk, shape, trained, starts_here in _block_structure(ctx):
         tokens, seqs = stack_tokens(ctx, blk.stack)
-        starts_here = not live and (key in trained_blocks or key in lora_blocks)
-        live = live or starts_here
-        if not live:
+        if shape is None:
             out.append((0.0, 0.0))
             continue
-        shape = (blk.stack, blk.norms, key in trained_blocks,
-                 tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
-                        _trains(ctx, m.name))
-                       for sl, m in blk.linears))
         if shape not in same:
-            same[shape] = block_bytes(ctx, blk, tokens, seqs, lora_names, key in trained_blocks)
+            same[shape] = block_bytes(ctx, blk, tokens, seqs, lora_names, trained)
         full = same[shape]
-        if starts_here and key not in trained_blocks and not ctx.spec.arch.post_norm:
+        if starts_here and not trained and not ctx.spec.arch.post_norm:
             full -= _norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
         out.append((full, tokens * h * ctx.residual_bytes))
     return out
+
+
+@per_model()
+def _embeddings_train(ctx: Ctx) -> bool:
+    return any(p.role in ("embedding", "pos_embedding") and p.block is None and p.name in ctx.trainable
+               for p in ctx.spec.params)
+
+
+@per_model()
+def _lora_names(ctx: Ctx) -> frozenset[str]:
+    return frozenset(m.name for m in ctx.lora)
+
+
+@per_model("grad_ckpt")
+def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
+    """Per block in execution order: (block, its structure - None where nothing records -, whether its base
+    params train, whether recording starts in it). Blocks of equal structure save equal bytes."""
+    lora_names = _lora_names(ctx)
+    lora_blocks, trained_blocks, live = block_training(ctx)
+    out = []
+    for blk in blocks(ctx.spec):
+        key = (blk.stack, blk.index)
+        starts_here = not live and (key in trained_blocks or key in lora_blocks)
+        live = live or starts_here
+        shape = None if not live else (
+            blk.stack, blk.norms, key in trained_blocks,
+            tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
+                   _trains(ctx, m.name)) for sl, m in blk.linears))
+        out.append((blk, shape, key in trained_blocks, starts_here))
+    return tuple(out)
 
 
 def _outside_tokens(ctx: Ctx, name: str) -> int:
@@ -249,9 +271,7 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     if not ctx.trainable and not ctx.lora:
         return 0.0
     h, c = a.hidden_size, ctx.act_bytes
-    embeds_train = any(p.role in ("embedding", "pos_embedding") and p.block is None and p.name in ctx.trainable
-                       for p in ctx.spec.params)
-    embeds_record = embeds_train or input_grads(ctx)  # their output requires grad: the norm and dropout record
+    embeds_record = _embeddings_train(ctx) or input_grads(ctx)  # their output requires grad: the norm and dropout record
     total = 0.0
     for p in ctx.spec.params:
         if p.block is not None or p.role != "norm" or p.name.endswith(".bias"):

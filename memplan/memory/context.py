@@ -4,7 +4,10 @@ Resolution mirrors what the real libraries do; each rule cites its source.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from memplan import select
 from memplan.errors import BadInput
@@ -51,9 +54,7 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32.
     weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.weight_dtype])
     compute = int(DTYPE_BYTES[setup.compute_dtype])
-    trainable = frozenset(p.name for p in select.trainable_params(spec, setup)) if setup.mode == "train" else frozenset()
-    lora = select.lora_linears(spec, setup.lora_targets) if setup.uses_lora else ()
-    quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
+    trainable, lora, quantized = _selection(spec, setup)
     src = setup.seq_len if setup.mode == "train" else (setup.prompt_len or setup.seq_len)
     tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
     # bitsandbytes Linear4bit/8bitLt return their output in the input's dtype (nn/modules.py `.to(inp_dtype)`): after
@@ -63,6 +64,67 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     return Ctx(spec=spec, setup=setup, attn_impl=_attn_impl(spec, setup), compute_bytes=compute, act_bytes=act,
                residual_bytes=weight_bytes, weight_bytes=weight_bytes, trainable=trainable, lora=lora,
                quantized=quantized, vocab=spec.arch.vocab_size + setup.added_tokens, src_len=src, tgt_len=tgt)
+
+
+# ------------------------------------------------------------------------------------------------ per-model memo
+# The planner estimates hundreds of setups of one model that differ in batch, sequence, checkpointing; the terms
+# that walk every parameter or Linear (weights, quantization state, trainable sets, per-block structure) depend
+# only on which tensors train, are adapted or quantized and on their dtype. They are computed once per model and
+# such a selection (benchmarks/results/speed.md). The key always holds the fields that decide the selection and
+# the dtypes; a memoized term names any other Setup field it reads. tests/test_estimate.py checks every Setup
+# field: an estimate after a warm cache equals one from a cold cache.
+
+#: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes.
+SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision")
+_MEMO: dict[tuple, tuple[ModelSpec, object]] = {}  # key -> (spec, value): the spec kept alive so its id stays its own
+_MEMO_LIMIT = 20_000
+T = TypeVar("T")
+
+
+def _memo_get(key: tuple, spec: ModelSpec, compute: Callable[[], T]) -> T:
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    value = compute()
+    if len(_MEMO) >= _MEMO_LIMIT:
+        _MEMO.clear()
+    _MEMO[key] = (spec, value)
+    return value
+
+
+def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]]:
+    """Memoize a term f(ctx) per model, per the selection fields, the Ctx's resolved dtypes and kernel, and the other
+    Setup `fields` it reads (src_len/tgt_len come from seq_len, target_len, prompt_len: name those). The value is
+    shared: return immutable values (frozensets, tuples, numbers)."""
+    names = SELECTION_FIELDS + fields
+
+    def wrap(f: Callable[[Ctx], T]) -> Callable[[Ctx], T]:
+        @functools.wraps(f)
+        def cached(ctx: Ctx) -> T:
+            s = ctx.setup
+            if (ctx.trainable, ctx.lora, ctx.quantized) != _selection(ctx.spec, s):
+                return f(ctx)  # a Ctx with hand-made sets (dataclasses.replace): not what the key stands for
+            key = (f, id(ctx.spec), ctx.weight_bytes, ctx.compute_bytes, ctx.act_bytes, ctx.residual_bytes,
+                   ctx.attn_impl, ctx.vocab) + tuple(getattr(s, n) for n in names)
+            return _memo_get(key, ctx.spec, lambda: f(ctx))
+        return cached
+    return wrap
+
+
+def clear_memo() -> None:
+    _MEMO.clear()
+
+
+def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:
+    """(trainable base parameter names, LoRA-targeted Linears, quantized Linear names), once per selection."""
+    def compute():
+        trainable = frozenset(p.name for p in select.trainable_params(spec, setup)) if setup.mode == "train" \
+            else frozenset()
+        lora = select.lora_linears(spec, setup.lora_targets) if setup.uses_lora else ()
+        quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
+        return trainable, lora, quantized
+    key = ("selection", id(spec)) + tuple(getattr(setup, n) for n in SELECTION_FIELDS)
+    return _memo_get(key, spec, compute)
 
 
 def _attn_impl(spec: ModelSpec, setup: Setup) -> str:

@@ -34,7 +34,7 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 from memplan.memory import optimizer as opt
 from memplan.memory import weights
 from memplan.setup import FSDP_SHARDINGS, ZERO_STAGES, Setup
@@ -137,6 +137,7 @@ class RankState:
     nccl_device_bytes: int  # NCCL communicator buffers (outside PyTorch's allocator)
 
 
+@per_model("optimizer", "lora_r", "added_tokens", "double_quant", "num_gpus", "num_nodes", "sharding", "offload")
 def rank_state(ctx: Ctx) -> RankState:
     """Per-rank model state for ctx.setup.sharding (see the module docstring for the engines' layouts)."""
     s = ctx.setup

@@ -1,7 +1,7 @@
 """Logits and the cross-entropy loss: [tokens, vocab] tensors, dominant for 128k-256k vocabularies."""
 from __future__ import annotations
 
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 
 
 def _logit_tokens(ctx: Ctx) -> int:
@@ -76,6 +76,7 @@ def head_backward_bytes(ctx: Ctx) -> int:
     return t * ctx.vocab * _logit_bytes(ctx) + t * ctx.spec.arch.hidden_size * ctx.compute_bytes
 
 
+@per_model()
 def head_grad_bytes(ctx: Ctx) -> int:
     """The output embedding's weight gradient, allocated in lm_head's backward while the logits gradient is alive
     (tied heads: the shared embedding's gradient)."""
@@ -87,6 +88,7 @@ def head_grad_bytes(ctx: Ctx) -> int:
     return 0
 
 
+@per_model("grad_accum")
 def tied_accumulation_bytes(ctx: Ctx) -> int:
     """A trainable tied embedding gets two gradient contributions: lm_head's weight grad (computed first and held
     by the autograd engine's input buffer) and the embedding's dense backward (at the very end). The engine sums

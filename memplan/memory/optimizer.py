@@ -5,7 +5,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 from memplan.memory.weights import trainable_bytes
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8 state1/state2,
@@ -71,6 +71,7 @@ STATE_FN = {
 }
 
 
+@per_model("optimizer", "lora_r")
 def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
     fn = STATE_FN[ctx.setup.optimizer]
@@ -84,6 +85,7 @@ def is_paged(ctx: Ctx) -> bool:
     return ctx.setup.optimizer.startswith("paged-")
 
 
+@per_model("optimizer", "lora_r", "added_tokens")
 def optimizer_temp_bytes(ctx: Ctx) -> int:
     """Transient memory of optimizer.step().
 

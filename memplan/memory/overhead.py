@@ -1,7 +1,7 @@
 """What the device holds beyond live tensors: CUDA context, cuBLAS workspace, caching-allocator reserve."""
 from __future__ import annotations
 
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 from memplan.units import MiB
 
 #: CUDA context of a PyTorch process with lazy module loading (default since PyTorch 1.13, pytorch/pytorch#86509:
@@ -73,7 +73,12 @@ def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
     return sizes
 
 
+@per_model("optimizer")
+def persistent_rounding_waste(ctx: Ctx) -> int:
+    return rounding_waste(persistent_tensor_sizes(ctx))
+
+
 def allocator_reserve_bytes(ctx: Ctx, transient_bytes: int) -> int:
     """reserved - allocated at the peak: rounding of large persistent tensors + fragmentation of the transients."""
     frag = TRANSIENT_FRAGMENTATION_CKPT if ctx.training and ctx.setup.grad_ckpt else TRANSIENT_FRAGMENTATION
-    return rounding_waste(persistent_tensor_sizes(ctx)) + int(frag * transient_bytes)
+    return persistent_rounding_waste(ctx) + int(frag * transient_bytes)

@@ -1,9 +1,13 @@
 """Dequantization temporaries of bitsandbytes layers."""
 from __future__ import annotations
 
-from memplan.memory.context import Ctx
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from memplan.memory.context import Ctx, per_model
 
 
+@per_model()
 def dequant_temp_bytes(ctx: Ctx) -> int:
     """bitsandbytes MatMul4Bit (autograd/_functions.py) dequantizes the whole weight to the compute dtype for each
     matmul with more than one token, in forward and again in backward (it saves only the packed weight), so the
@@ -67,13 +71,14 @@ def _outside(per: dict) -> int:
     return sum(n for k, (n, _) in per.items() if k[1] is None)
 
 
-def _casts_by_block(ctx: Ctx) -> dict[tuple, tuple[int, int]]:
+@per_model("lora_r")
+def _casts_by_block(ctx: Ctx) -> Mapping[tuple, tuple[int, int]]:
     """(stack, block index; None outside the blocks) -> (elements autocast casts there, of which trainable)."""
     per: dict[tuple, tuple[int, int]] = {}
     for m, size, trains in _cast_weights(ctx):
         n, t = per.get((m.stack, m.block), (0, 0))
         per[(m.stack, m.block)] = (n + size, t + (size if trains else 0))
-    return per
+    return MappingProxyType(per)
 
 
 def _cast_weights(ctx: Ctx):

@@ -2,7 +2,7 @@
 when the embeddings train or checkpointing hooks their output. What they save is memplan.memory.activations'."""
 from __future__ import annotations
 
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import blocks
 
 
@@ -14,11 +14,13 @@ def input_grads(ctx: Ctx) -> bool:
     return ctx.training and ctx.setup.grad_ckpt and bool(ctx.trainable or ctx.lora)
 
 
-def block_training(ctx: Ctx) -> tuple[set, set, bool]:
+@per_model("grad_ckpt")
+def block_training(ctx: Ctx) -> tuple[frozenset, frozenset, bool]:
     """(blocks with LoRA adapters, blocks with trainable base params, whether every block records from the start:
     the embeddings train, or checkpointing hooks their output - input_grads)."""
-    lora_blocks = {(m.stack, m.block) for m in ctx.lora}
-    trained_blocks = {(p.stack, p.block) for p in ctx.spec.params if p.name in ctx.trainable and p.block is not None}
+    lora_blocks = frozenset((m.stack, m.block) for m in ctx.lora)
+    trained_blocks = frozenset((p.stack, p.block) for p in ctx.spec.params
+                               if p.name in ctx.trainable and p.block is not None)
     live = input_grads(ctx) or any(p.block is None and p.role in ("embedding", "pos_embedding")
                                    and p.name in ctx.trainable for p in ctx.spec.params)
     return lora_blocks, trained_blocks, live
@@ -43,7 +45,8 @@ def frozen_tail(ctx: Ctx, sizes: list[tuple[float, float]]) -> tuple[list[tuple]
     return keys, inputs, full
 
 
-def graph_blocks(ctx: Ctx) -> set[tuple]:
+@per_model("grad_ckpt")
+def graph_blocks(ctx: Ctx) -> frozenset[tuple]:
     """(stack, index) of the blocks autograd records: from the first block with anything trainable on (in execution
     order), or all of them when the embeddings train. Below it no tensor requires grad, so nothing is saved."""
     lora_blocks, trained_blocks, live = block_training(ctx)
@@ -53,4 +56,4 @@ def graph_blocks(ctx: Ctx) -> set[tuple]:
         live = live or key in trained_blocks or key in lora_blocks
         if live:
             out.add(key)
-    return out
+    return frozenset(out)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
 # one fp32 absmax per block of 64 weights; with compress_statistics (double quant) the absmax values are themselves
@@ -23,6 +23,7 @@ def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
     return p.numel * bytes_per
 
 
+@per_model("added_tokens")
 def weights_bytes(ctx: Ctx) -> int:
     """Base weights: non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte.
 
@@ -69,6 +70,7 @@ def nf4_state_bytes(numel: int, double_quant: bool) -> int:
     return alloc_bytes(blocks) + alloc_bytes(math.ceil(blocks / NESTED_BLOCK) * 4) + alloc_bytes(4)
 
 
+@per_model("double_quant")
 def quant_state_bytes(ctx: Ctx) -> int:
     """Quantization metadata of every quantized Linear (nf4_state_bytes per tensor; int8: one fp32 row scale per
     output feature), plus bitsandbytes' shared 256-entry fp32 dynamic code table used by double quant."""
@@ -85,6 +87,7 @@ def quant_state_bytes(ctx: Ctx) -> int:
     return total + shared_code
 
 
+@per_model("lora_r")
 def lora_numel(ctx: Ctx) -> int:
     """LoRA adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]; arXiv:2106.09685)."""
     r = ctx.setup.lora_r
@@ -97,6 +100,7 @@ def lora_bytes(ctx: Ctx) -> int:
     return lora_numel(ctx) * 4
 
 
+@per_model("added_tokens", "lora_r")
 def trainable_numel(ctx: Ctx) -> int:
     """Parameters that get gradients: selected base params (+ added-token rows) and LoRA adapters."""
     base = sum(p.numel for p in ctx.spec.params if p.name in ctx.trainable)
@@ -104,6 +108,7 @@ def trainable_numel(ctx: Ctx) -> int:
     return base + added + lora_numel(ctx)
 
 
+@per_model("added_tokens", "lora_r")
 def trainable_bytes(ctx: Ctx) -> int:
     """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
     base = sum(p.numel for p in ctx.spec.params if p.name in ctx.trainable)
