@@ -2,6 +2,7 @@
 and properties (hypothesis) that must hold for any model and setup."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -386,3 +387,22 @@ def test_memo_never_reuses_a_term_across_setups_it_depends_on(model):
     assert len(setups) > 90 and sum(x is not None for x in cold) > 60
     for s, w, c in zip(setups, warm, cold):
         assert w == c, s
+
+
+def test_added_tokens_grow_only_the_vocabulary_rows_that_exist_and_train():
+    """resize_token_embeddings adds one row per token to the input embedding and an untied lm_head: their weights,
+    and, where they train, their gradients and Adam state (2 fp32 moments) grow by those rows; a frozen embedding
+    (layer freezing) gains no trainable rows."""
+    from memplan.memory import optimizer, weights
+    from memplan.memory.context import resolve
+    from memplan.models import load_spec
+
+    spec = load_spec("meta-llama/Llama-2-7b-hf")  # untied: embed_tokens and lm_head, 4096 wide
+    rows = 100 * 4096 * 2  # elements added: 100 rows in each of the two matrices
+    for technique, trains in (("full", True), ("freeze", False)):
+        s0 = Setup(technique=technique, precision="fp32", optimizer="adamw")
+        s1 = dataclasses.replace(s0, added_tokens=100)
+        c0, c1 = resolve(spec, s0), resolve(spec, s1)
+        assert weights.weights_bytes(c1) - weights.weights_bytes(c0) == rows * 4
+        assert weights.trainable_numel(c1) - weights.trainable_numel(c0) == (rows if trains else 0)
+        assert optimizer.optimizer_state_bytes(c1) - optimizer.optimizer_state_bytes(c0) == (2 * rows * 4 if trains else 0)

@@ -211,7 +211,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
         resident, gathered, lora = base, 0, lora_numel * pb
         # stage 2's contiguous gradient buffer covers every parameter that touches the rank's partition in full
         # (stage_1_and_2.py grads_in_partition): the partition plus up to the largest trainable tensor
-        largest_t = max((p.numel for p in ctx.spec.params if p.name in ctx.trainable), default=0)
+        largest_t = max((weights.numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable), default=0)
         grads = t * gb if stage == 1 else (0 if offload_opt else (partition + largest_t) * gb)
         comm = largest_t * gb if offload_opt else 0  # the GPU staging buffer of optimizer offload
         comm_backward = reduce_bucket
@@ -271,7 +271,7 @@ def _trainable_by_unit(ctx: Ctx) -> dict[tuple, int]:
     out: dict[tuple, int] = defaultdict(int)
     for p in ctx.spec.params:
         if p.name in ctx.trainable:
-            out[_unit(p)] += p.numel
+            out[_unit(p)] += weights.numel(ctx, p)
     for k, v in _lora_by_unit(ctx).items():
         out[k] += v
     return out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from memplan.memory.context import Ctx, per_model
+from memplan.memory.weights import numel
 
 
 def _logit_tokens(ctx: Ctx) -> int:
@@ -84,7 +85,7 @@ def head_grad_bytes(ctx: Ctx) -> int:
     for m in ctx.spec.linears:
         weight = m.name + ".weight"
         if m.is_output and (weight in ctx.trainable or tied.get(weight) in ctx.trainable):
-            return m.in_features * m.out_features * ctx.weight_bytes
+            return m.in_features * ctx.vocab * ctx.weight_bytes  # the head as resized (added tokens)
     return 0
 
 
@@ -101,13 +102,13 @@ def tied_accumulation_bytes(ctx: Ctx) -> int:
     for m in ctx.spec.linears:
         target = tied.get(m.name + ".weight")
         if m.is_output and target in ctx.trainable:
-            return copies * m.in_features * m.out_features * ctx.weight_bytes
+            return copies * m.in_features * ctx.vocab * ctx.weight_bytes
     # encoder-decoders whose checkpoint keeps its own lm_head (flan-t5-xl, T0_3B, mt0-xxl): the shared embedding
     # still serves the encoder and the decoder, whose contributions the engine sums the same way (found by the
     # tracer: mt0-xxl full fine-tuning held 2 x [V, H] fp32 at the end of backward, -3.8% before)
     for p in ctx.spec.params:
         if p.role == "embedding" and p.name in ctx.trainable and list(tied.values()).count(p.name) >= 2:
-            return copies * p.numel * ctx.weight_bytes
+            return copies * numel(ctx, p) * ctx.weight_bytes
     return 0
 
 

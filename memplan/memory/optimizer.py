@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from memplan.memory.context import Ctx, per_model
+from memplan.memory import weights
 from memplan.memory.weights import trainable_bytes
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8 state1/state2,
@@ -18,7 +19,7 @@ def trainable_tensors(ctx: Ctx) -> Iterator[tuple[tuple[int, ...], int]]:
     """(shape, bytes per element) of every trainable tensor: base params and LoRA A/B matrices (fp32)."""
     for p in ctx.spec.params:
         if p.name in ctx.trainable:
-            yield p.shape, ctx.weight_bytes
+            yield weights.shape(ctx, p), ctx.weight_bytes
     r = ctx.setup.lora_r
     for m in ctx.lora:
         yield (r * m.rank_mult, m.in_features), 4
@@ -71,7 +72,7 @@ STATE_FN = {
 }
 
 
-@per_model("optimizer", "lora_r")
+@per_model("optimizer", "lora_r", "added_tokens")
 def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
     fn = STATE_FN[ctx.setup.optimizer]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from memplan.memory.context import Ctx, per_model
+from memplan.memory.weights import numel
 from memplan.units import MiB
 
 #: CUDA context of a PyTorch process with lazy module loading (default since PyTorch 1.13, pytorch/pytorch#86509:
@@ -66,14 +67,14 @@ def rounding_waste(tensor_bytes: list[int] | tuple[int, ...]) -> int:
 def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
     """Sizes of the resident tensors allocated one by one: each weight, and per trainable weight its gradient and
     (Adam) two states of the same size."""
-    sizes = [p.numel * ctx.weight_bytes for p in ctx.spec.params]
+    sizes = [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params]
     if ctx.training:
         per = 3 if ctx.setup.optimizer in ("adamw", "adamw-fused") else 1
-        sizes += [p.numel * ctx.weight_bytes for p in ctx.spec.params if p.name in ctx.trainable] * per
+        sizes += [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params if p.name in ctx.trainable] * per
     return sizes
 
 
-@per_model("optimizer")
+@per_model("optimizer", "added_tokens")
 def persistent_rounding_waste(ctx: Ctx) -> int:
     return rounding_waste(persistent_tensor_sizes(ctx))
 

@@ -15,12 +15,27 @@ NESTED_BLOCK = 256
 INT8_ROW_SCALE_BYTES = 4
 
 
+def numel(ctx: Ctx, p) -> int:
+    """Elements of one base parameter as trained: transformers' resize_token_embeddings gives the input embedding
+    and an untied lm_head (the [vocab, hidden] parameters) one more row per added token (pad_to_multiple_of=None)."""
+    n = ctx.setup.added_tokens
+    if n and p.role in ("embedding", "lm_head") and p.shape[0] == ctx.spec.arch.vocab_size:
+        return p.numel + n * (p.numel // p.shape[0])
+    return p.numel
+
+
+def shape(ctx: Ctx, p) -> tuple[int, ...]:
+    """A parameter's shape as trained (numel: added-token rows)."""
+    n = numel(ctx, p)
+    return p.shape if n == p.numel else (p.shape[0] + ctx.setup.added_tokens,) + tuple(p.shape[1:])
+
+
 def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
     """Bytes of one base parameter stored at `bytes_per` per element; a quantized Linear's weight at 0.5 (4-bit)
     or 1 (int8) byte per element."""
     if p.name.endswith(".weight") and p.name[:-len(".weight")] in ctx.quantized:
         return p.numel * (0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0)
-    return p.numel * bytes_per
+    return numel(ctx, p) * bytes_per
 
 
 @per_model("added_tokens")
@@ -28,10 +43,10 @@ def weights_bytes(ctx: Ctx) -> int:
     """Base weights: non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte.
 
     Unique tensors only (tied embeddings counted once: ModelSpec lists unique params). Added tokens grow the input
-    embedding and an untied lm_head by added_tokens x hidden rows (transformers resize_token_embeddings).
+    embedding and an untied lm_head by added_tokens x hidden rows (numel).
     """
     total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params)
-    return int(total) + _added_token_bytes(ctx) * ctx.weight_bytes + buffer_bytes(ctx)
+    return int(total) + buffer_bytes(ctx)
 
 
 #: bytes per element of the non-floating buffer dtypes transformers registers
@@ -44,15 +59,6 @@ def buffer_bytes(ctx: Ctx) -> int:
     max_positions, dtype=bool)))) - 64 MiB for StarCoder."""
     return sum(alloc_bytes(b.numel * (ctx.weight_bytes if b.dtype == "float" else _BUFFER_ITEMSIZE.get(b.dtype, 8)))
                for b in ctx.spec.buffers)
-
-
-def _added_token_bytes(ctx: Ctx) -> int:
-    """Extra elements from added tokens: one row per token in the input embedding and in an untied lm_head."""
-    n = ctx.setup.added_tokens
-    if not n:
-        return 0
-    copies = 1 if ctx.spec.arch.tie_word_embeddings or not ctx.spec.arch.has_lm_head else 2
-    return n * ctx.spec.arch.hidden_size * copies
 
 
 def alloc_bytes(n: float) -> int:
@@ -102,15 +108,12 @@ def lora_bytes(ctx: Ctx) -> int:
 
 @per_model("added_tokens", "lora_r")
 def trainable_numel(ctx: Ctx) -> int:
-    """Parameters that get gradients: selected base params (+ added-token rows) and LoRA adapters."""
-    base = sum(p.numel for p in ctx.spec.params if p.name in ctx.trainable)
-    added = _added_token_bytes(ctx) if ctx.trainable else 0
-    return base + added + lora_numel(ctx)
+    """Parameters that get gradients: selected base params (with their added-token rows) and LoRA adapters."""
+    return sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable) + lora_numel(ctx)
 
 
 @per_model("added_tokens", "lora_r")
 def trainable_bytes(ctx: Ctx) -> int:
     """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
-    base = sum(p.numel for p in ctx.spec.params if p.name in ctx.trainable)
-    added = _added_token_bytes(ctx) if ctx.trainable else 0
-    return (base + added) * ctx.weight_bytes + lora_bytes(ctx)
+    base = sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable)
+    return base * ctx.weight_bytes + lora_bytes(ctx)
