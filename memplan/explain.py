@@ -8,7 +8,8 @@ from memplan.errors import MemplanError
 from memplan.gpus import load_gpus
 from memplan.budget import budget_bytes, fits
 from memplan.candidates import TECHNIQUE_ORDER
-from memplan.search import Alternative, Candidate, Plan, _Search
+from memplan.plan_types import Alternative, Candidate, Plan
+from memplan.search import _Search
 from memplan.setup import Setup, sharding_label
 from memplan.units import fmt_gib
 
