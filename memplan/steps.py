@@ -95,6 +95,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     with accelerate.init_empty_weights(include_buffers=True):
         model = cls.from_config(config, attn_implementation=ctx.attn_impl, dtype=weight_dtype)
         untie_like_checkpoint(model, spec)
+        if setup.added_tokens:  # what a user adding tokens calls; mean_resizing samples from the old rows' statistics
+            model.resize_token_embeddings(spec.arch.vocab_size + setup.added_tokens, mean_resizing=False)
     if setup.quant:
         names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
         quantizer(model, names, setup, dtypes[setup.compute_dtype])
