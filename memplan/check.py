@@ -166,15 +166,20 @@ def _err(r: CheckRow) -> str:
     return "" if r.rel_error is None else f"{r.rel_error:+.1%}"
 
 
-def markdown(result: CheckResult) -> str:
-    """The report: summary line, then every row worst-first."""
-    rows = result.worst_first()
+
+def summary(result) -> str:
+    """One line: rows per verdict, the median |error| of the gated quantities, the default tolerance."""
+    rows = result.rows
     counts = {v: sum(r.verdict == v for r in rows) for v in ("pass", "fail", "info", "skip")}
     errs = sorted(abs(r.rel_error) for r in rows if r.rel_error is not None and r.quantity in QUANTITIES)
     med = f"{errs[len(errs) // 2]:.1%}" if errs else "n/a"
-    lines = [f"# memplan check: {'PASS' if result.ok else 'FAIL'}", "",
-             f"{len(rows)} rows: {counts['pass']} pass, {counts['fail']} fail, {counts['info']} informational, "
-             f"{counts['skip']} not checked; median |error| {med}; default tolerance {result.tolerance:.1%}", "",
+    return (f"{len(rows)} rows: {counts['pass']} pass, {counts['fail']} fail, {counts['info']} informational, "
+            f"{counts['skip']} not checked; median |error| {med}; default tolerance {result.tolerance:.1%}")
+
+def markdown(result: CheckResult) -> str:
+    """The report: summary line, then every row worst-first."""
+    rows = result.worst_first()
+    lines = [f"# memplan check: {'PASS' if result.ok else 'FAIL'}", "", summary(result), "",
              "| verdict | model | setup | quantity | measured GiB | predicted GiB | error | tolerance | note | file |",
              "|---|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:

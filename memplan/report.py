@@ -262,4 +262,6 @@ def print_check(result, report_path: str, console: Console | None = None) -> Non
     console.print(t)
     for line in notes:
         console.print(line, markup=False, highlight=False)
+    from memplan.check import summary
+    console.print(summary(result), markup=False, highlight=False)
     console.print(f"report written to {report_path}")
