@@ -8,8 +8,9 @@
 set -u
 budget=$1; shift
 end=$(( $(date +%s) + budget ))
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  install .whl /tmp/site || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -33,8 +34,7 @@ for step in "$@"; do
     pool:*) timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" ${step#pool:} \
              benchmarks/sweeps/gpu-*.yaml 2>&1 | grep -v Warning ;;
     wheels:*) spec=${step#wheels:}; dir=${spec%%:*}; name=$(basename "$dir" | tr -d .); site=/tmp/site-$name
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-               "$dir"/*.whl || continue
+             install "$dir" "$site" || continue
              PYTHONPATH=$site:$PYTHONPATH timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) \
                "data/measured/gpu-h100-$name.csv" "${spec#*:}" 2>&1 | grep -v Warning ;;
     *.yaml) timeout "$left" python3 -m memplan validate --sweep "$step" --out "$csv" --timeout 300 2>&1 \

@@ -162,12 +162,12 @@ def _gib(n: int | None) -> str:
     return "" if n is None else f"{n / GiB:.3f}"
 
 
-def _err(r: CheckRow) -> str:
+def error_text(r: CheckRow) -> str:
+    """The row's signed relative error, as the report and the console print it."""
     return "" if r.rel_error is None else f"{r.rel_error:+.1%}"
 
 
-
-def summary(result) -> str:
+def summary(result: CheckResult) -> str:
     """One line: rows per verdict, the median |error| of the gated quantities, the default tolerance."""
     rows = result.rows
     counts = {v: sum(r.verdict == v for r in rows) for v in ("pass", "fail", "info", "skip")}
@@ -175,6 +175,7 @@ def summary(result) -> str:
     med = f"{errs[len(errs) // 2]:.1%}" if errs else "n/a"
     return (f"{len(rows)} rows: {counts['pass']} pass, {counts['fail']} fail, {counts['info']} informational, "
             f"{counts['skip']} not checked; median |error| {med}; default tolerance {result.tolerance:.1%}")
+
 
 def markdown(result: CheckResult) -> str:
     """The report: summary line, then every row worst-first."""
@@ -184,7 +185,7 @@ def markdown(result: CheckResult) -> str:
              "|---|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(f"| {r.verdict} | {r.model} | {r.label} | {r.quantity} | {_gib(r.measured_bytes)} | "
-                     f"{_gib(r.predicted_bytes)} | {_err(r)} | {r.tolerance:.0%} | {r.reason} | {Path(r.file).name} |")
+                     f"{_gib(r.predicted_bytes)} | {error_text(r)} | {r.tolerance:.0%} | {r.reason} | {Path(r.file).name} |")
     return "\n".join(lines) + "\n"
 
 

@@ -250,18 +250,17 @@ def print_check(result, report_path: str, console: Console | None = None) -> Non
     t.add_column("quantity", overflow="fold", max_width=12)
     for col in ("meas", "pred", "error", "tol"):
         t.add_column(col, justify="right", no_wrap=True)
+    from memplan.check import error_text, summary
+
     style = {"fail": "red", "pass": "green", "info": "yellow", "skip": "dim"}
     notes = []
     for n, r in enumerate(result.worst_first(), 1):
-        err = "" if r.rel_error is None else f"{r.rel_error:+.1%}"
         t.add_row(str(n), f"[{style[r.verdict]}]{r.verdict}[/]", f"{r.model}\n{r.label}", r.quantity,
                   "" if r.measured_bytes is None else _gib(r.measured_bytes),
-                  "" if r.predicted_bytes is None else _gib(r.predicted_bytes), err, f"{r.tolerance:.0%}")
+                  "" if r.predicted_bytes is None else _gib(r.predicted_bytes), error_text(r), f"{r.tolerance:.0%}")
         if r.reason:
             notes.append(f"#{n} {r.verdict}: {r.reason}")
     console.print(t)
-    for line in notes:
+    for line in notes + [summary(result)]:
         console.print(line, markup=False, highlight=False)
-    from memplan.check import summary
-    console.print(summary(result), markup=False, highlight=False)
     console.print(f"report written to {report_path}")

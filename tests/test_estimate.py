@@ -365,25 +365,17 @@ def test_memo_never_reuses_a_term_across_setups_it_depends_on(model):
                 except SetupError:
                     pass
 
-    def run():
-        out = []
-        for s in setups:
-            try:
-                e = estimate(model, s)
-                out.append((e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes, e.phases, e.components))
-            except BadInput:
-                out.append(None)
-        return out
-
-    warm = run()
-    cold = []
-    for s in setups:
-        clear_memo()
+    def one(s, cold: bool):
+        if cold:
+            clear_memo()
         try:
             e = estimate(model, s)
-            cold.append((e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes, e.phases, e.components))
         except BadInput:
-            cold.append(None)
+            return None
+        return e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_total_bytes, e.phases, e.components
+
+    warm = [one(s, cold=False) for s in setups]
+    cold = [one(s, cold=True) for s in setups]
     assert len(setups) > 90 and sum(x is not None for x in cold) > 60
     for s, w, c in zip(setups, warm, cold):
         assert w == c, s

@@ -211,10 +211,10 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     out = []
     same: dict[tuple, float] = {}  # blocks of identical structure save identical bytes (speed: 80-layer models)
     for blk, shape, trained, starts_here in _block_structure(ctx):
-        tokens, seqs = stack_tokens(ctx, blk.stack)
         if shape is None:
             out.append((0.0, 0.0))
             continue
+        tokens, seqs = stack_tokens(ctx, blk.stack)
         if shape not in same:
             same[shape] = block_bytes(ctx, blk, tokens, seqs, lora_names, trained)
         full = same[shape]

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 from memplan.memory.context import Ctx, per_model
 from memplan.memory import weights
-from memplan.memory.weights import trainable_bytes
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8 state1/state2,
 # one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements keep fp32 states.
@@ -32,7 +31,7 @@ def gradient_bytes(ctx: Ctx) -> int:
     Frozen parameters (requires_grad=False) have none. ZeRO paper (arXiv:1910.02054 sec. 3.1): 2 B/param fp16 grads
     under mixed precision there; here autocast keeps fp32 params so grads are fp32 (4 B) as torch.amp does.
     """
-    return trainable_bytes(ctx)
+    return weights.trainable_bytes(ctx)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -104,7 +103,7 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
     """
     opt = ctx.setup.optimizer
     if opt == "adamw":
-        return trainable_bytes(ctx)
+        return weights.trainable_bytes(ctx)
     if opt == "adafactor":
         largest, pbytes = max(((_numel(s), b) for s, b in trainable_tensors(ctx)), default=(0, 4))
         return (2 if pbytes == 4 else 4) * largest * 4
