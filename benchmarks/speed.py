@@ -42,8 +42,19 @@ def estimates_per_second(model: str = "meta-llama/Llama-2-7b-hf", n: int = 2000)
     return n / (time.perf_counter() - t)
 
 
+def timed(fn, repeat: int = 5):
+    """(median wall seconds, last result) of `repeat` calls: this shared machine's speed varies by tens of
+    percent from one call to the next."""
+    times, result = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), result
+
+
 def plan_rates() -> list[tuple[str, str, str]]:
-    """The planner in process: candidate setups estimated per second and wall time per plan."""
+    """The planner in process: candidate setups estimated per second and wall time per plan (medians of 5)."""
     from memplan.gpus import find_gpu
     from memplan.models import load_spec
     from memplan.search import plan
@@ -56,19 +67,16 @@ def plan_rates() -> list[tuple[str, str, str]]:
         spec = load_spec(model)
         pins = {**pins, "host_memory": "1TiB"}
         plan(spec, find_gpu(gpu), **pins)  # warm caches
-        t = time.perf_counter()
-        p = plan(spec, find_gpu(gpu), prefer=prefer, **pins)
-        dt = time.perf_counter() - t
+        dt, p = timed(lambda: plan(spec, find_gpu(gpu), prefer=prefer, **pins))
         flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in pins.items())
         rows.append((f"`plan {model} --gpu \"{gpu}\" --prefer {prefer}{flags}`: candidate setups estimated per "
                      f"second ({p.evaluated} in {dt:.2f} s, {'fits' if p.fits else 'nothing fits'})",
                      f"{p.evaluated / dt:,.0f} /s", ">= 1,000 /s"))
     spec = load_spec("meta-llama/Llama-2-70b-hf")
-    t = time.perf_counter()
-    p = plan(spec, find_gpu("RTX 3060"), host_memory="1TiB")
+    dt, p = timed(lambda: plan(spec, find_gpu("RTX 3060"), host_memory="1TiB"))
     rows.append(("`plan meta-llama/Llama-2-70b-hf --gpu \"RTX 3060\"` (nothing fits one: the fewest GPUs, then "
-                 f"their plan: {p.setup.world_size if p.fits else 'none'} GPUs; in process)",
-                 f"{time.perf_counter() - t:.1f} s", "-"))
+                 f"their plan: {p.setup.world_size if p.fits else 'none'} GPUs; in process, median of 5)",
+                 f"{dt:.2f} s", "-"))
     return rows
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Mapping
 
-from memplan.setup import Setup
+from memplan.errors import SetupError
+from memplan.setup import Setup, distributed_problems
 
 TECHNIQUE_ORDER = ("full", "lora", "qlora", "freeze")
 RANKS = (256, 128, 64, 32, 16, 8, 4)
@@ -68,56 +70,115 @@ def _shardings(pinned: dict) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
+def _searched(pinned: dict, name: str, values: tuple) -> tuple:
+    """A searched dimension: its pinned value alone, else `values` in quality order."""
+    return (pinned[name],) if name in pinned else values
+
+
 def candidate_fields(bf16: bool, pinned: dict) -> list[dict]:
-    """Every combination of the searched fields (batch aside), pins applied, deduplicated, in quality order."""
+    """Every combination of the searched fields (batch aside), pins applied, in quality order. A pinned field is a
+    dimension of one value, so no combination repeats."""
     out: list[dict] = []
-    seen: set = set()
     techniques = (pinned["technique"],) if "technique" in pinned else TECHNIQUE_ORDER
     if "technique" not in pinned and pinned.keys() & {"lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant"}:
         techniques = ("lora", "qlora")  # a LoRA or quantization pin implies an adapter technique
     if "technique" not in pinned and "trainable" in pinned:
         techniques = ("freeze",)
+    rest = {k: v for k, v in pinned.items() if k not in ("batch_size", "grad_accum")}
     for tech in techniques:
         lora = tech in ("lora", "qlora")
-        for prec in _precisions(tech, bf16):
-            for r in RANKS if lora else (None,):
-                for targets in TARGET_ORDER if lora else (None,):
-                    for optim, ckpt, (sharding, offload) in itertools.product(OPTIMIZER_ORDER, (False, True),
-                                                                               _shardings(pinned)):
-                            f = {"technique": tech, "precision": prec, "optimizer": optim, "grad_ckpt": ckpt,
-                                 "sharding": sharding, "offload": offload}
-                            if lora:  # alpha = 2r: a common scaling choice; no memory effect
-                                f.update(lora_r=r, lora_targets=targets, lora_alpha=2 * r)
-                            if tech == "qlora":
-                                f.update(quant="nf4", double_quant=True)
-                            f.update({k: v for k, v in pinned.items() if k not in ("batch_size", "grad_accum")})
-                            sig = tuple(sorted((k, repr(v)) for k, v in f.items()))
-                            if sig not in seen:
-                                seen.add(sig)
-                                out.append(f)
+        ranks = _searched(pinned, "lora_r", RANKS) if lora else (None,)
+        targets = _searched(pinned, "lora_targets", TARGET_ORDER) if lora else (None,)
+        for prec, r, target, optim, ckpt, (sharding, offload) in itertools.product(
+                _searched(pinned, "precision", _precisions(tech, bf16)), ranks, targets,
+                _searched(pinned, "optimizer", OPTIMIZER_ORDER), _searched(pinned, "grad_ckpt", (False, True)),
+                _shardings(pinned)):
+            f = {"technique": tech, "precision": prec, "optimizer": optim, "grad_ckpt": ckpt, "sharding": sharding,
+                 "offload": offload}
+            if lora:  # alpha = 2r: a common scaling choice; no memory effect
+                f.update(lora_r=r, lora_targets=target, lora_alpha=2 * r)
+            if tech == "qlora":
+                f.update(quant="nf4", double_quant=True)
+            f.update(rest)
+            out.append(f)
     return out
 
 
-def quality_key(s: Setup) -> tuple:
-    """Smaller is better: technique, precision class, wider LoRA targets, optimizer, larger rank.
+def _field(f: Setup | Mapping, name: str):
+    """A field of a Setup, or of a candidate's fields (absent = the Setup default None)."""
+    return f.get(name) if isinstance(f, Mapping) else getattr(f, name)
+
+
+class Pool:
+    """The candidates of one search, micro-batch 1 unless pinned, in quality order: their fields (enough to rank
+    them: quality_key) and their Setups, each built and validated on first use (a sharded search ranks
+    ~1,500 candidates and estimates ~50). `keep` filters the fields."""
+
+    def __init__(self, seq_len: int, bf16: bool, pinned: dict, keep: Callable[[dict], bool] | None = None):
+        base = {k: v for k, v in pinned.items() if k in _BASE_PINS}
+        base.update(mode="train", batch_size=pinned.get("batch_size", 1), grad_accum=pinned.get("grad_accum", 1))
+        base.setdefault("seq_len", seq_len)
+        world = _world(pinned)
+        self.fields: list[dict] = []
+        self.error: SetupError | None = None  # the first invalid candidate's: it explains an empty search
+        self._built: dict[int, Setup | None] = {}
+        for f in candidate_fields(bf16, pinned):
+            if keep is not None and not keep(f):
+                continue
+            if isinstance(world, int):  # half the sharded candidates (8-bit optimizers, offload) fail here: cheaply
+                problems = distributed_problems("train", world, f["sharding"], f["offload"], f["optimizer"])
+                if problems:
+                    self.error = self.error or SetupError(list(problems))
+                    continue
+            self.fields.append({**base, **f})
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def __getitem__(self, i: int) -> Setup | None:
+        """Candidate i's Setup, None when its combination is invalid."""
+        if i not in self._built:
+            try:
+                self._built[i] = Setup(**self.fields[i])
+            except SetupError as e:
+                self.error = self.error or e
+                self._built[i] = None
+        return self._built[i]
+
+    def setups(self):
+        """The valid Setups in order."""
+        return (s for s in map(self.__getitem__, range(len(self))) if s is not None)
+
+
+#: pins that are not searched: every candidate carries them
+_BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable", "attn_impl", "added_tokens",
+              "num_gpus", "num_nodes")
+
+
+def quality_key(f: Setup | Mapping) -> tuple:
+    """Smaller is better: technique, precision class, wider LoRA targets, optimizer, larger rank. `f`: a Setup,
+    or a candidate's fields (search._Pool ranks candidates before it builds their Setups).
 
     Targets before rank: "the most critical LoRA hyperparameter is how many LoRA adapters are used in total ...
     LoRA r is unrelated to final performance if LoRA is used on all layers" (QLoRA, arXiv:2305.14314 sec. 4).
     8-bit AdamW matches 32-bit AdamW's results (arXiv:2110.02861) but ranks after it, paged after unpaged (same
     math, slower when paging), Adafactor (factored second moment, arXiv:1804.04235) last."""
-    prec = 0 if s.mixed else (1 if s.precision == "fp32" else 2)
-    lora = s.technique in ("lora", "qlora")
-    targets = (0 if s.lora_targets == "all-linear" else 1) if lora else 0
-    optim = OPTIMIZER_ORDER.index(s.optimizer) if s.optimizer in OPTIMIZER_ORDER else len(OPTIMIZER_ORDER)
-    tech = TECHNIQUE_ORDER.index(s.technique)
-    return (tech, prec, targets, optim, -(s.lora_r if lora else 0), s.quant is not None)
+    precision, technique, optimizer = _field(f, "precision"), _field(f, "technique"), _field(f, "optimizer")
+    prec = 0 if precision.endswith("-mixed") else (1 if precision == "fp32" else 2)
+    lora = technique in ("lora", "qlora")
+    targets = (0 if _field(f, "lora_targets") == "all-linear" else 1) if lora else 0
+    optim = OPTIMIZER_ORDER.index(optimizer) if optimizer in OPTIMIZER_ORDER else len(OPTIMIZER_ORDER)
+    return (TECHNIQUE_ORDER.index(technique), prec, targets, optim, -(_field(f, "lora_r") if lora else 0),
+            _field(f, "quant") is not None)
 
 
-def speed_score(s: Setup, trainable_fraction: float, tokens_per_sample: int) -> float:
-    """Relative throughput per GPU (higher is faster); see the module docstring and SHARDING_ORDER."""
-    eff = min(s.batch_size * tokens_per_sample, SATURATING_TOKENS) / SATURATING_TOKENS
-    cost = 2.0 + trainable_fraction + (1.0 if s.grad_ckpt else 0.0)
-    return eff / cost * SHARDING_SPEED.get((s.sharding, s.offload), 1.0)
+def speed_score(f: Setup | Mapping, trainable_fraction: float, tokens_per_sample: int,
+                batch: int | None = None) -> float:
+    """Relative throughput per GPU (higher is faster) at micro-batch `batch` (default the Setup's); `f` as for
+    quality_key; see the module docstring and SHARDING_ORDER."""
+    eff = min((batch or _field(f, "batch_size")) * tokens_per_sample, SATURATING_TOKENS) / SATURATING_TOKENS
+    cost = 2.0 + trainable_fraction + (1.0 if _field(f, "grad_ckpt") else 0.0)
+    return eff / cost * SHARDING_SPEED.get((_field(f, "sharding"), _field(f, "offload")), 1.0)
 
 
 def split_batch(effective: int, max_micro: int) -> tuple[int, int]:

@@ -79,6 +79,8 @@ def alternatives(search: _Search, setups, results, best_i: int, order, limit: in
             if i == best_i:
                 continue
             if i not in results:
+                if setups[i] is None:
+                    continue
                 try:
                     results[i] = search.evaluate(setups[i])
                 except MemplanError:
@@ -90,7 +92,7 @@ def alternatives(search: _Search, setups, results, best_i: int, order, limit: in
     runners = [first_fitting(order[pos + 1:])]
     for tech in TECHNIQUE_ORDER:
         if tech != best.setup.technique:
-            runners.append(first_fitting(i for i in order if setups[i].technique == tech))
+            runners.append(first_fitting(i for i in order if setups.fields[i]["technique"] == tech))
     seen = set()
     for c in runners:
         if c is not None and c.setup not in seen and len(out) < limit + 2:

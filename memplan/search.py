@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes, split  # noqa: F401 (DEFAULT_HEADROOM: API)
-from memplan.candidates import RANKS, _world, candidate_fields, quality_key, speed_score, split_batch
-from memplan.errors import BadInput, MemplanError, SetupError
+from memplan.candidates import RANKS, Pool, _world, quality_key, speed_score, split_batch
+from memplan.errors import BadInput, MemplanError
 from memplan.fit import largest_fitting
 from memplan.gpus import Gpu
 from memplan.plan_types import Candidate, Plan
@@ -67,22 +67,25 @@ class _Search:
     def trainable_fraction(self, setup: Setup, est) -> float:
         return min(1.0, est.params_trainable / self.total_params) if setup.technique in ("full", "freeze") else 0.0
 
-    def key(self, setup: Setup, frac: float, batch1_total: int = 0) -> tuple:
-        q = quality_key(setup)
-        score = -round(speed_score(setup, frac, self.tokens), 6)
+    def key(self, fields: Setup | Mapping, frac: float, batch1_total: int = 0, batch: int | None = None,
+            accum: int | None = None) -> tuple:
+        """A candidate's rank (smaller is better): its Setup or, before that is built, its Pool fields; at its own
+        micro-batch and accumulation unless given."""
+        if batch is None or accum is None:
+            batch, accum = batch or fields.batch_size, accum or fields.grad_accum
+        q = quality_key(fields)
+        score = -round(speed_score(fields, frac, self.tokens, batch), 6)
         if self.prefer == "quality":
-            return q + (score, setup.grad_accum)
+            return q + (score, accum)
         if self.prefer == "speed":
-            return (score,) + q + (setup.grad_accum,)
-        return (batch1_total,) + q + (score, setup.grad_accum)
+            return (score,) + q + (accum,)
+        return (batch1_total,) + q + (score, accum)
 
-    def optimistic_key(self, setup: Setup) -> tuple:
+    def optimistic_key(self, fields: Mapping) -> tuple:
         """A key no evaluation of this candidate can beat (speed at the largest useful micro-batch, full-model
         weight gradients counted only for full fine-tuning)."""
-        b = self.pinned.get("batch_size") or self.effective
-        best = dataclasses.replace(setup, batch_size=b, grad_accum=1)
-        frac = 1.0 if setup.technique == "full" else 0.0
-        return self.key(best, frac, 0)
+        frac = 1.0 if fields["technique"] == "full" else 0.0
+        return self.key(fields, frac, 0, self.pinned.get("batch_size") or self.effective, 1)
 
     def accum_for(self, batch: int) -> int:
         """Accumulation steps a micro-batch implies (memory only sees whether it is > 1: gradients then persist
@@ -129,23 +132,6 @@ class _Search:
             return Candidate(chosen, e, False, 0, ())
         frac = self.trainable_fraction(setup, e)
         return Candidate(chosen, e, True, b, self.key(chosen, frac, need_bytes(first)))
-
-
-def _setups(spec, seq_len: int, bf16: bool, pinned: dict) -> list[Setup]:
-    base = {k: v for k, v in pinned.items() if k in ("seq_len", "target_len", "lora_alpha", "lora_dropout",
-                                                      "trainable", "attn_impl", "added_tokens", "num_gpus",
-                                                      "num_nodes")}
-    base.setdefault("seq_len", seq_len)
-    out, errors = [], []
-    for f in candidate_fields(bf16, pinned):
-        try:
-            out.append(Setup(mode="train", batch_size=pinned.get("batch_size", 1),
-                             grad_accum=pinned.get("grad_accum", 1), **{**base, **f}))
-        except SetupError as e:
-            errors.append(e)
-    if not out:
-        raise errors[0] if errors else BadInput("no candidate setup")
-    return out
 
 
 def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch: int = DEFAULT_EFFECTIVE_BATCH,
@@ -221,11 +207,9 @@ def fewest_gpus(spec, gpu: Gpu, pinned: dict, single: Plan, opts: dict) -> Plan:
     def feasible(n: int) -> bool:
         p = {**pinned, **gpu_layout(n)}
         search = _search(spec, gpu, p, opts)
-        for setup in _setups(spec, opts["seq_len"], gpu.bf16, p):
-            lean = (setup.grad_ckpt or "grad_ckpt" in p) and (setup.lora_targets is None or "lora_targets" in p) \
-                and (setup.lora_r == min(RANKS) or "lora_r" in p or not setup.uses_lora)
+        for setup in Pool(opts["seq_len"], gpu.bf16, p, keep=lambda f: _lean(f, p)).setups():
             try:
-                if lean and search.need(search.estimate(setup)) <= search.budget:
+                if search.need(search.estimate(setup)) <= search.budget:
                     return True
             except MemplanError:
                 continue
@@ -246,6 +230,13 @@ def fewest_gpus(spec, gpu: Gpu, pinned: dict, single: Plan, opts: dict) -> Plan:
         "count)",))
 
 
+def _lean(fields: dict, pinned: dict) -> bool:
+    """One of the leanest candidates: checkpointing, peft's default targets, the smallest rank (pins kept)."""
+    return (fields["grad_ckpt"] or "grad_ckpt" in pinned) \
+        and (fields.get("lora_targets") is None or "lora_targets" in pinned) \
+        and (fields.get("lora_r") in (None, min(RANKS)) or "lora_r" in pinned)
+
+
 def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> _Search:
     budget = budget_bytes(gpu.memory_bytes, opts["headroom"])
     per_rank = max(1, math.ceil(opts["effective_batch"] / _world(pinned)))
@@ -258,20 +249,24 @@ def _plan_at(spec, gpu: Gpu, pinned: dict, opts: dict) -> Plan:
     seq_len, effective_batch, prefer, headroom = (opts[k] for k in ("seq_len", "effective_batch", "prefer", "headroom"))
     usable, reserve, budget = split(gpu.memory_bytes, headroom)
     search = _search(spec, gpu, pinned, opts)
-    setups = _setups(spec, seq_len, gpu.bf16, pinned)
+    setups = Pool(seq_len, gpu.bf16, pinned)
     common = dict(model=spec.model_id, gpu=gpu, prefer=prefer, effective_batch=effective_batch, headroom=headroom,
                   usable_bytes=usable, headroom_bytes=reserve, budget_bytes=budget, pinned=dict(pinned, seq_len=seq_len))
 
-    order = sorted(range(len(setups)), key=lambda i: (search.optimistic_key(setups[i]), i))
     if prefer == "memory":  # the key needs each candidate's batch-1 total: no bound to prune with
         order = list(range(len(setups)))
+    else:
+        bounds = [search.optimistic_key(f) for f in setups.fields]
+        order = sorted(range(len(setups)), key=lambda i: (bounds[i], i))
     results: dict[int, Candidate] = {}
     model_errors: list[str] = []
     best: Candidate | None = None
     best_i = -1
     for i in order:
-        if best is not None and prefer != "memory" and search.optimistic_key(setups[i]) > best.key:
+        if best is not None and prefer != "memory" and bounds[i] > best.key:
             break
+        if setups[i] is None:  # an invalid combination of pins and searched values
+            continue
         try:
             c = search.evaluate(setups[i])
         except MemplanError as e:  # a model-dependent problem (e.g. no sdpa): the candidate does not apply
@@ -281,6 +276,8 @@ def _plan_at(spec, gpu: Gpu, pinned: dict, opts: dict) -> Plan:
         if c.fits and (best is None or c.key < best.key):
             best, best_i = c, i
     if not results:
+        if not model_errors and setups.error:
+            raise setups.error
         raise BadInput(model_errors[0] if model_errors else "no candidate setup applies to this model")
     from memplan.explain import alternatives as explain_alternatives
     from memplan.explain import nothing_fits

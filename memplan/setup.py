@@ -9,6 +9,7 @@ Variants are made with `dataclasses.replace`; validation reports every problem a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -127,11 +128,7 @@ class Setup:
     @property
     def engine(self) -> str:
         """Which library runs the data parallelism: "none", "ddp" (torch DDP), "deepspeed" or "fsdp"."""
-        if self.sharding in ZERO_STAGES:
-            return "deepspeed"
-        if self.sharding in FSDP_SHARDINGS:
-            return "fsdp"
-        return self.sharding
+        return engine_of(self.sharding)
 
     @property
     def uses_lora(self) -> bool:
@@ -145,41 +142,28 @@ class Setup:
         return d
 
 
-def _choice(problems: list[str], name: str, value, allowed: tuple, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if value not in allowed:
-        problems.append(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
-
-
-def _positive(problems: list[str], name: str, value, minimum: int = 1, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        problems.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+#: (field, allowed values, None allowed)
+_CHOICES = (("mode", MODES, False), ("technique", TECHNIQUES, False), ("precision", PRECISIONS, False),
+            ("quant", QUANTS, True), ("optimizer", OPTIMIZERS, False), ("attn_impl", ATTN_IMPLS, True),
+            ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False))
+#: (field, smallest value, None allowed)
+_INTEGERS = (("num_gpus", 1, False), ("num_nodes", 1, False), ("batch_size", 1, False), ("seq_len", 1, False),
+             ("target_len", 1, True), ("grad_accum", 1, False), ("lora_r", 1, False), ("added_tokens", 0, False),
+             ("prompt_len", 1, True), ("new_tokens", 0, True))
 
 
 def validate(s: Setup) -> list[str]:
     """Every problem with a Setup's values and combinations (empty when valid). Model-independent."""
     p: list[str] = []
-    _choice(p, "mode", s.mode, MODES)
-    _choice(p, "technique", s.technique, TECHNIQUES)
-    _choice(p, "precision", s.precision, PRECISIONS)
-    _choice(p, "quant", s.quant, QUANTS, optional=True)
-    _choice(p, "optimizer", s.optimizer, OPTIMIZERS)
-    _choice(p, "attn_impl", s.attn_impl, ATTN_IMPLS, optional=True)
-    _choice(p, "sharding", s.sharding, SHARDINGS)
-    _choice(p, "offload", s.offload, OFFLOADS)
-    _positive(p, "num_gpus", s.num_gpus)
-    _positive(p, "num_nodes", s.num_nodes)
-    _positive(p, "batch_size", s.batch_size)
-    _positive(p, "seq_len", s.seq_len)
-    _positive(p, "target_len", s.target_len, optional=True)
-    _positive(p, "grad_accum", s.grad_accum)
-    _positive(p, "lora_r", s.lora_r)
-    _positive(p, "added_tokens", s.added_tokens, minimum=0)
-    _positive(p, "prompt_len", s.prompt_len, optional=True)
-    _positive(p, "new_tokens", s.new_tokens, minimum=0, optional=True)
+    for name, allowed, optional in _CHOICES:
+        value = getattr(s, name)
+        if value not in allowed and not (optional and value is None):
+            p.append(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+    for name, minimum, optional in _INTEGERS:
+        value = getattr(s, name)
+        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum) \
+                and not (optional and value is None):
+            p.append(f"{name} must be an integer >= {minimum}, got {value!r}")
     if not isinstance(s.lora_dropout, (int, float)) or not 0 <= s.lora_dropout < 1:
         p.append(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}")
     if s.mode == "train":
@@ -216,6 +200,15 @@ _SHARDING_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": 
 _OFFLOAD_NAMES = {"optimizer": " + CPU optimizer offload", "params+optimizer": " + CPU param/optimizer offload"}
 
 
+def engine_of(sharding: str) -> str:
+    """The library that runs a sharding: "none", "ddp" (torch DDP), "deepspeed" or "fsdp"."""
+    if sharding in ZERO_STAGES:
+        return "deepspeed"
+    if sharding in FSDP_SHARDINGS:
+        return "fsdp"
+    return sharding
+
+
 def sharding_label(s: Setup) -> str:
     """How the setup spreads over GPUs, for people: 'ZeRO-3 + CPU optimizer offload on 16 GPUs (2 nodes x 8)'."""
     nodes = f" ({s.num_nodes} nodes x {s.num_gpus})" if s.num_nodes > 1 else ""
@@ -223,29 +216,36 @@ def sharding_label(s: Setup) -> str:
 
 
 def _distributed_combinations(s: Setup) -> list[str]:
-    p: list[str] = []
     if s.sharding not in SHARDINGS or s.offload not in OFFLOADS or not isinstance(s.num_gpus, int) \
-            or not isinstance(s.num_nodes, int):
-        return p  # reported by the field checks
-    if s.mode != "train" and (s.sharding != "none" or s.offload != "none" or s.world_size > 1):
+            or not isinstance(s.num_nodes, int) or s.optimizer not in OPTIMIZERS or s.mode not in MODES:
+        return []  # reported by the field checks
+    return list(distributed_problems(s.mode, s.world_size, s.sharding, s.offload, s.optimizer))
+
+
+@functools.lru_cache(maxsize=4096)
+def distributed_problems(mode: str, world_size: int, sharding: str, offload: str, optimizer: str) -> tuple[str, ...]:
+    """What is wrong with a data-parallel combination (empty when it is valid); pure on the five values, cached:
+    the planner asks it for every candidate."""
+    p: list[str] = []
+    if mode != "train" and (sharding != "none" or offload != "none" or world_size > 1):
         p.append("num_gpus/num_nodes, sharding and offload apply to training; multi-GPU inference is not modelled "
                  "(estimate one GPU, or use --mode train)")
-    elif s.world_size > 1 and s.sharding == "none":
-        p.append(f"{s.world_size} GPUs need a data-parallel strategy: add --sharding ddp (full replicas), zero1, "
+    elif world_size > 1 and sharding == "none":
+        p.append(f"{world_size} GPUs need a data-parallel strategy: add --sharding ddp (full replicas), zero1, "
                  "zero2, zero3, fsdp-shard-grad-op or fsdp-full-shard")
-    if s.offload != "none" and s.sharding in ("none", "ddp"):
-        p.append(f"offload={s.offload} needs DeepSpeed ZeRO or FSDP: add --sharding zero2 (optimizer offload) or "
+    if offload != "none" and sharding in ("none", "ddp"):
+        p.append(f"offload={offload} needs DeepSpeed ZeRO or FSDP: add --sharding zero2 (optimizer offload) or "
                  "--sharding zero3 / fsdp-full-shard")
-    if s.offload == "params+optimizer" and s.sharding in ("zero1", "zero2"):
+    if offload == "params+optimizer" and sharding in ("zero1", "zero2"):
         p.append("parameter offload needs ZeRO stage 3 (DeepSpeed offload_param): use --sharding zero3, or "
                  "--offload optimizer")
-    if s.offload != "none" and s.optimizer not in ("adamw", "adamw-fused"):
+    if offload != "none" and optimizer not in ("adamw", "adamw-fused"):
         p.append(f"CPU offload steps AdamW on the CPU (DeepSpeedCPUAdam; torch AdamW on FSDP's CPU shards), not "
-                 f"{s.optimizer}: use --optimizer adamw-fused, or drop --offload")
-    if s.engine in ("deepspeed", "fsdp") and s.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        p.append(f"{s.optimizer} (bitsandbytes) is not supported over ZeRO/FSDP-sharded parameters here: use "
+                 f"{optimizer}: use --optimizer adamw-fused, or drop --offload")
+    if engine_of(sharding) in ("deepspeed", "fsdp") and optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        p.append(f"{optimizer} (bitsandbytes) is not supported over ZeRO/FSDP-sharded parameters here: use "
                  "--optimizer adamw-fused or adafactor, or --sharding ddp")
-    if s.offload == "optimizer" and s.engine == "fsdp":
+    if offload == "optimizer" and engine_of(sharding) == "fsdp":
         p.append("FSDP offloads parameters, gradients and optimizer state together (CPUOffload(offload_params=True)): "
                  "use --offload params+optimizer, or a ZeRO stage for optimizer-only offload")
-    return p
+    return tuple(p)

@@ -139,6 +139,34 @@ def test_lora_pin_implies_an_adapter_technique():
     assert p.setup.technique in ("lora", "qlora") and p.setup.lora_r == 32
 
 
+def test_pinned_rank_keeps_alpha_at_twice_the_rank_and_alternatives_distinct():
+    # the rank loop once ran under a pinned rank: the plan wrote lora_alpha 512 for r=16 (alpha of r=256), and
+    # its alternatives repeated the choice with other alphas
+    p = plan(load_spec("meta-llama/Llama-2-7b-hf"), find_gpu("RTX 4090"), lora_r=16, host_memory="1TiB")
+    assert (p.setup.lora_r, p.setup.lora_alpha) == (16, 32)
+    assert all((a.setup.lora_r, a.setup.lora_alpha) == (16, 32) for a in p.alternatives)
+    assert len({a.setup for a in p.alternatives} | {p.setup}) == len(p.alternatives) + 1
+
+
+@pytest.mark.parametrize("pins", [{}, {"optimizer": "adafactor"}, {"lora_r": 16, "precision": "bf16"},
+                                  {"grad_ckpt": True, "num_gpus": 4}, {"lora_targets": "q_proj,v_proj"},
+                                  {"technique": "qlora", "double_quant": False}, {"sharding": "zero3", "num_gpus": 2}])
+def test_candidates_are_distinct_and_carry_every_pin(pins):
+    from memplan.candidates import candidate_fields
+    fields = candidate_fields(True, pins)
+    assert len({tuple(sorted((k, repr(v)) for k, v in f.items())) for f in fields}) == len(fields)
+    assert all(f[k] == v for f in fields for k, v in pins.items())
+    assert all(f["lora_alpha"] == 2 * f["lora_r"] for f in fields if "lora_r" in f and "lora_alpha" not in pins)
+
+
+def test_contradicting_pins_name_the_rule_they_break():
+    from memplan.errors import SetupError
+    with pytest.raises(SetupError, match="not supported over ZeRO/FSDP"):
+        plan(load_spec("gpt2"), find_gpu("A100 80GB"), num_gpus=2, sharding="zero3", optimizer="adamw-8bit")
+    with pytest.raises(SetupError, match="flash_attention_2 runs in fp16/bf16 only"):
+        plan(load_spec("gpt2"), find_gpu("A100 80GB"), attn_impl="flash_attention_2", precision="fp32", technique="full")
+
+
 def test_nothing_fits_names_smallest_setup_and_remedies():
     p = plan(load_spec("meta-llama/Llama-2-70b-hf"), find_gpu("RTX 3060"), num_gpus=1)
     assert not p.fits and p.smallest.setup.technique == "qlora"
