@@ -123,7 +123,9 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
 @main.command("trace")
 @click.argument("model")
 @setup_options
-@click.option("--layers", type=click.IntRange(min=1), help="trace N and N+1 blocks and extrapolate to the full depth")
+@click.option("--layers", type=click.IntRange(min=1),
+              help="trace N and N+1 blocks and extrapolate to the full depth (N is raised to 2, and for freeze to "
+                   "one more than its trainable blocks, as stated in the output)")
 @click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="training steps to run")
 @click.option("--compare/--no-compare", default=True, show_default=True, help="also show memplan's estimate")
 @click.option("--trust-remote-code", is_flag=True)

@@ -11,7 +11,9 @@ from pathlib import Path
 from memplan.errors import BadInput
 from memplan.spec import Arch, Buffer, Linear, ModelSpec, Param
 
-_BLOCK_RE = re.compile(r"\.(?:layers|layer|h|block|blocks)\.(\d+)\.")
+#: the names transformers gives a model's ModuleList of blocks (GPT-2 h, T5 block, BERT layer, Llama layers)
+BLOCK_LISTS = "layers|layer|h|block|blocks"
+_BLOCK_RE = re.compile(rf"\.(?:{BLOCK_LISTS})\.(\d+)\.")
 
 
 def _auto_class(config_dict: dict, config):

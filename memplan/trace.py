@@ -85,6 +85,8 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     tracker = tracker or StorageTracker()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     model = build_model(spec, setup, layers, d)
+    if tracker.segmented:
+        watch_blocks(model, tracker)
     sharded = shard(model) if shard else contextlib.nullcontext()
     with sharded, fake_mode, _dispatch_mode(tracker), cuda_like():
         if shard:
@@ -99,7 +101,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
         opt = make_optimizer(setup, params, standin_tracker=tracker)
 
         def enter(phase: str) -> None:
-            tracker.phase = phase
+            tracker.phase, tracker.segment = phase, ("pre",)
 
         def tag_grads() -> None:  # tagged after the fact: touching .grad inside backward would change
             for p in params:  # AccumulateGrad's in-place decision
@@ -140,12 +142,86 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     resolve(spec, setup)  # model-dependent setup problems, with their messages
     d = config_dict(spec)
     total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
+    asked, layers = layers, layers and min_layers(setup, layers)
     if not layers or layers >= total_layers:
         t = _run(spec, setup, d, None, steps, fake)
         return _result(spec, setup, t, None, total_layers)
-    a = _run(spec, setup, cut_config(d, layers), layers, steps, fake)
-    b = _run(spec, setup, cut_config(d, layers + 1), layers + 1, steps, fake)
-    return _extrapolate(spec, setup, a, b, layers, total_layers)
+    a, b = (_run(spec, setup, cut_config(d, n), n, steps, fake, tracker=_segmented()) for n in (layers, layers + 1))
+    result = _extrapolate(spec, setup, a, b, layers, total_layers)
+    if layers != asked:
+        result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
+                            "(which may differ, as T5's computes the position bias), and with freeze a frozen block")
+    return result
+
+
+def min_layers(setup: Setup, layers: int) -> int:
+    """The fewest blocks to extrapolate from: 2, so that a block other than the first exists (the first may differ:
+    T5's computes the position bias the others reuse); with freeze of N blocks, N + 1, so that the traced model
+    has a frozen block (with fewer, every block it has trains)."""
+    frozen = setup.trainable + 1 if setup.technique == "freeze" and isinstance(setup.trainable, int) else 0
+    return max(layers, 2, frozen)
+
+
+def _segmented() -> StorageTracker:
+    t = StorageTracker()
+    t.segmented = True
+    return t
+
+
+def block_stacks(model) -> dict[str, list]:
+    """The model's stacks of blocks: ModuleList path -> its blocks (GPT-2 transformer.h; T5 encoder.block and
+    decoder.block; the outermost list where blocks nest lists, as T5's block.i.layer)."""
+    import re
+
+    from memplan.inventory import BLOCK_LISTS
+    pattern = re.compile(rf"(?:.*\.)?(?:{BLOCK_LISTS})\.\d+")
+    stacks: dict[str, list] = {}
+    inside = ()  # prefixes of the blocks found: a list within a block is not a stack
+    for name, module in model.named_modules():
+        if pattern.fullmatch(name) and not name.startswith(inside):
+            stacks.setdefault(name.rsplit(".", 1)[0], []).append(module)
+            inside += (f"{name}.",)
+    return stacks
+
+
+def watch_blocks(model, tracker: StorageTracker) -> None:
+    """Hooks that keep tracker.segment: forward hooks in the forward (not in checkpointing's recompute, which runs
+    in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
+    block's input (the stack's backward is done)."""
+    import torch
+
+    def first_tensor(x):
+        x = x[0] if isinstance(x, (tuple, list)) and x else x
+        return x if isinstance(x, torch.Tensor) and x.requires_grad else None
+
+    def enter(segment):
+        def hook(_grad):
+            tracker.segment = segment
+        return hook
+
+    for stack, blocks in block_stacks(model).items():
+        tracker.stack_depth[stack] = len(blocks)
+        for i, block in enumerate(blocks):
+            params = list(block.parameters())
+            tracker.block_kinds[stack, i] = (sum(q.numel() for q in params),
+                                             sum(q.numel() for q in params if q.requires_grad))
+
+            def pre(_module, args, kwargs, i=i, stack=stack):
+                if tracker.phase == "forward":
+                    tracker.segment = ("block", stack, i)
+                    x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+                    if i == 0 and x is not None:
+                        x.register_hook(enter(("after", stack)))
+
+            def post(_module, _args, output, i=i, stack=stack, last=len(blocks) - 1):
+                if tracker.phase == "forward":
+                    tracker.segment = ("after", stack) if i == last else ("block", stack, i)
+                    y = first_tensor(output)
+                    if y is not None:
+                        y.register_hook(enter(("block", stack, i)))
+
+            block.register_forward_pre_hook(pre, with_kwargs=True)
+            block.register_forward_hook(post)
 
 
 def _result(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
@@ -156,24 +232,42 @@ def _result(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
 
 
 def _extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, total: int) -> TraceResult:
+    """Every figure at `total` blocks from traces at n and n + 1: per phase, the largest of its segment classes'
+    peaks, each extrapolated linearly (tracker: a class's peak is linear in the depth, a phase's is not), and of
+    the phase's peak extrapolated (a lower bound of the truth when each event grows linearly)."""
     k = total - n
 
     def lin(x: int, y: int) -> int:
         return x + k * (y - x)
 
-    phases = {p: lin(a.phase_peaks.get(p, 0), b.phase_peaks.get(p, 0)) for p in PHASES if p in a.phase_peaks}
+    segments = {key: lin(a.segment_peaks[key][0], b.segment_peaks[key][0])
+                for key in a.segment_peaks.keys() & b.segment_peaks.keys()}
+    phases = {p: max([v for (q, _), v in segments.items() if q == p]
+                     + [lin(a.phase_peaks.get(p, 0), b.phase_peaks.get(p, 0))])
+              for p in PHASES if p in a.phase_peaks}
     peak_phase = max(phases, key=phases.get)
-    ca, cb = a.breakdown(), b.breakdown()
+    at = [key for key, v in segments.items() if key[0] == peak_phase and v == phases[peak_phase]]
+    if at:
+        ca, cb = (t.breakdown(t.segment_peaks[at[0]][1], peak_phase) for t in (a, b))
+    else:
+        ca, cb = a.breakdown(), b.breakdown()
     comps = {c: lin(ca[c], cb[c]) for c in CATEGORIES}
     note = (f"extrapolated: traced {n} and {n + 1} of {total} blocks; every figure = trace({n}) + {k} x "
-            f"(trace({n + 1}) - trace({n}))")
-    if a.peak_phase != b.peak_phase:
-        note += f"; the peak phase moved from {a.peak_phase} to {b.peak_phase} between the two traces"
+            f"(trace({n + 1}) - trace({n})), per segment of each phase")
+    where = _segment_words(at[0][1]) if at else "none of the segments tracked (its own peak, extrapolated)"
+    note += f"; the peak is in the {peak_phase} at {where}"
     return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=phases[peak_phase],
                        peak_phase=peak_phase, components=comps, phases=phases,
                        params_total=lin(a.total, b.total), params_trainable=lin(a.trainable, b.trainable),
                        layers_traced=n, layers_total=total,
                        paged_bytes=lin(a.excluded_bytes(), b.excluded_bytes()), notes=[note])
+
+
+def _segment_words(cls: tuple) -> str:
+    if cls == ("pre",):
+        return "its start, before the blocks"
+    where, stack = cls[:2]
+    return f"its end, past the blocks ({stack})" if where == "after" else f"the {where} block it processes ({stack})"
 
 
 # ---------------------------------------------------------------------------------------------------- comparison
