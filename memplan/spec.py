@@ -81,7 +81,7 @@ class Arch:
     auto_class: str
     hidden_size: int
     num_heads: int
-    num_kv_heads: int
+    num_kv_heads: int  # K/V heads as the attention holds them (inventory._kv_heads)
     head_dim: int
     intermediate_size: int
     vocab_size: int  # rows of the input embedding as instantiated
