@@ -198,6 +198,16 @@ def _parallel(config) -> bool:
     return mt in ("phi", "gptj", "cohere")
 
 
+def _sliding_layers(config) -> tuple[int, ...]:
+    """Decoder layers that attend through the sliding window (Arch.sliding_layers)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if _first(config, "sliding_window"):
+        return tuple(range(int(_first(config, "num_hidden_layers", "n_layer", "num_layers", default=0))))
+    return ()
+
+
 def _kv_heads(config, heads: int) -> int:
     """K/V heads as the attention holds them (Arch.num_kv_heads)."""
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
@@ -256,6 +266,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         final_logit_softcap=_first(config, "final_logit_softcapping"),
         attn_logit_softcap=_first(config, "attn_logit_softcapping"),
         mask_kinds=len(set(getattr(config, "layer_types", None) or ())) or 1,
+        sliding_layers=_sliding_layers(config),
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
         supports_flash=bool(getattr(model, "_supports_flash_attn", False)),

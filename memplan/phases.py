@@ -8,7 +8,7 @@ from memplan.memory import inference as inf
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
 from memplan.memory import layout, moe, overhead, quant, recording, weights
-from memplan.memory.attention import score_grad_bytes
+from memplan.memory.attention import score_grad_bytes, windowed
 from memplan.memory.context import Ctx
 
 
@@ -161,10 +161,14 @@ def _larger(*items: tuple[str, int]) -> dict[str, int]:
 def _mask_bytes(ctx: Ctx) -> int:
     """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
     (transformers masking_utils eager_mask), one per mask kind (Gemma2 builds its full and its sliding mask even
-    below the window); sdpa without padding passes is_causal instead."""
+    below the window); sdpa without padding passes is_causal instead, except past a sliding window: a boolean
+    [b, 1, s, s] mask (masking_utils sdpa_mask; attention.windowed)."""
+    square = ctx.setup.batch_size * ctx.src_len * ctx.src_len
+    if ctx.attn_impl == "sdpa":
+        return square if windowed(ctx) else 0
     if ctx.attn_impl != "eager":
         return 0
-    return ctx.setup.batch_size * ctx.src_len * ctx.src_len * ctx.residual_bytes * ctx.spec.arch.mask_kinds
+    return square * ctx.residual_bytes * ctx.spec.arch.mask_kinds
 
 
 def _checkpointed_mask_bytes(ctx: Ctx) -> int:

@@ -37,12 +37,19 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
     return chosen
 
 
+#: MoE families whose fused experts and router peft's all-linear adapts: peft 0.21 maps them through transformers'
+#: weight conversion for mixtral only (peft/utils/transformers_weight_conversion.py _MODEL_TO_CONVERSION_PATTERN);
+#: get_peft_model on Qwen2-MoE adapts its shared expert's and shared gate's Linears, not the fused experts
+#: (tests/test_select.py). Found by the tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 +11% before.
+EXPERT_LORA_ALL_LINEAR = {"mixtral"}
+
+
 def _moe_targets(spec: ModelSpec) -> tuple[Linear, ...]:
     """MoE layers that are not nn.Linear in transformers 5 (a router module with a [E, hidden] weight, fused
     expert tensors [E, out, in]) but that peft 0.21 all-linear still adapts. Observed with get_peft_model on
     Mixtral (tests/test_select.py): router lora_A [r, H] / lora_B [E, r]; experts lora_A [r*E*m, in] /
     lora_B [out, r*E*m] with m = 2 for the fused gate_up_proj and 1 for down_proj."""
-    if not spec.arch.num_experts:
+    if spec.arch.model_type not in EXPERT_LORA_ALL_LINEAR:
         return ()
     out = []
     for p in spec.params:

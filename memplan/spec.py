@@ -100,6 +100,9 @@ class Arch:
     hidden_dropout: float = 0.0
     act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
     sliding_window: int | None = None
+    #: decoder layers whose attention uses the window (config.layer_types' sliding_attention; every layer of a
+    #: model with a window and no layer_types: Mistral, Phi-3)
+    sliding_layers: tuple[int, ...] = ()
     #: Gemma2's soft-capping (config final_logit_softcapping / attn_logit_softcapping): cap * tanh(x / cap) on the
     #: logits and, in eager attention, on the scores; tanh saves its output for backward (modeling_gemma2.py)
     final_logit_softcap: float | None = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from memplan.errors import BadInput, TraceFailed
+from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import Setup
 from memplan.standins import StandIn8bitAdam
 from memplan.emulations import EMULATIONS, cuda_like
@@ -70,11 +70,15 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
     inside torch/transformers/peft becomes TraceFailed: one message, not a traceback."""
     try:
         return _traced_run(spec, setup, d, layers, steps, fake, on_step_end, tracker, shard)
-    except (RuntimeError, NotImplementedError) as e:
+    except MemplanError:
+        raise
+    except Exception as e:  # RuntimeError from torch; AttributeError/TypeError from peft on a module it cannot wrap
+        # (peft's LoRA Linear on PhiMoE's router, which returns a tuple)
         first = (str(e).strip().splitlines() or [""])[0]
         raise TraceFailed(f"the traced training step of {spec.model_id} failed inside torch/transformers/peft: "
-                          f"{type(e).__name__}: {first}\nThis is a limit of the tracer (fake tensors on the CPU), not "
-                          f"of the setup; `memplan estimate` does not run the model and is unaffected.") from e
+                          f"{type(e).__name__}: {first}\nEither a limit of the tracer (fake tensors on the CPU) or a failure "
+                          f"the libraries would hit on a GPU too (peft cannot wrap every module all-linear names); "
+                          f"`memplan estimate` does not run the model and is unaffected.") from e
 
 
 def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,

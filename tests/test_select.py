@@ -101,3 +101,15 @@ def test_comma_separated_lora_targets_become_module_names_everywhere():
     assert Setup(technique="lora", lora_targets="ALL-LINEAR").lora_targets == "all-linear"
     assert Setup(technique="freeze", trainable="3").trainable == 3
     assert peft_section(load_spec("gpt2"), s)["target_modules"] == ["c_attn", "c_proj"]
+
+
+def test_peft_adapts_fused_experts_of_mixtral_only(tmp_path):
+    # Qwen2-MoE's experts are fused like Mixtral's, but peft's all-linear adapts only its shared expert's Linears
+    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 256,
+           "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+           "vocab_size": 1000, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+           "shared_expert_intermediate_size": 256}
+    path = tmp_path / "qwen2_moe"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert lora_params(load_spec(path), "all-linear", 8) == _peft_trainable(path, "all-linear", 8)

@@ -11,7 +11,7 @@ the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face 
 from __future__ import annotations
 
 from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_core, kernel_casts_kv,
-                                      position_bias_bytes, self_bias_mask_bytes)
+                                      position_bias_bytes, self_bias_mask_bytes, window_block_bytes, windowed)
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
@@ -141,6 +141,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel)
     if cross:
         total += _cross_bytes(ctx, by_slot, tokens, seqs, lora_names)
+    if blk.index in a.sliding_layers and blk.stack != "encoder" and kernel == "fused" and windowed(ctx):
+        total += window_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
     return total
 
 

@@ -11,7 +11,12 @@ from memplan.memory.recording import graph_blocks
 #: eager_attention_forward), opt, gpt_neox, phi, bloom, gpt_bigcode. gpt2, bert, bart, t5 and falcon call softmax
 #: in the input dtype (their modeling_*.py eager paths).
 SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "opt", "gpt_neox",
-                "bloom", "gpt_bigcode"}
+                "bloom", "gpt_bigcode", "gptj", "codegen"}
+
+#: families whose eager attention casts q and k to fp32 before QK^T ("Keep the attention weights computation in
+#: fp32", modeling_gptj.py / modeling_codegen.py `_attn`): without autocast the matmul saves the fp32 casts and the
+#: scores and their softmax are fp32. Found by the tracer: a GPT-J-shaped config, LoRA bf16 b2 s256, -5.6%.
+QK_FP32 = {"gptj", "codegen"}
 
 #: families with a learned relative position bias passed to every attention layer of a stack as one
 #: [b, heads, q, k] float tensor (T5Attention.compute_bias + mask), kept for backward by sdpa's efficient kernel.
@@ -114,7 +119,9 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     if a.attn_logit_softcap:  # Gemma2 eager_attention_forward: tanh(scores / cap) saves its output
         probs += c
     # repeat_kv - or, in falcon, a broadcasting batched matmul (above) - materialises K and V at all heads
-    return q_dim * c + 2 * (kv_dim if heads_broadcast(ctx) else q_dim) * ratio * c, probs
+    kv = (kv_dim if heads_broadcast(ctx) else q_dim) * ratio
+    qk = 4 if a.model_type in QK_FP32 and not ctx.mixed else c  # under autocast the matmul saves its bf16 casts
+    return q_dim * qk + kv * qk + kv * c, probs
 
 
 def score_grad_bytes(ctx: Ctx) -> int:
@@ -136,6 +143,29 @@ def _bias_mask_dtype_bytes(ctx: Ctx) -> int:
     """The float mask sdpa keeps: autocast's compute-dtype cast of it under mixed precision (sdpa is on autocast's
     lower-precision list), else the bias's own dtype (the residual dtype of the embedding it comes from)."""
     return ctx.compute_bytes if ctx.mixed else ctx.residual_bytes
+
+
+def windowed(ctx: Ctx) -> bool:
+    """sdpa gets an explicit mask from the sliding window: the sequence is longer than the window (transformers
+    masking_utils skips the causal mask for is_causal only while every query sees its whole prefix)."""
+    a = ctx.spec.arch
+    # models mixing full and sliding layers (config.layer_types, mask_kinds 2: Gemma-3) pass their masks otherwise:
+    # a Gemma-3-shaped config b2 s512 traced -0.6% without the terms below and +1.8% with them - not modelled
+    return (ctx.attn_impl == "sdpa" and bool(a.sliding_layers) and a.mask_kinds == 1 and a.sliding_window is not None
+            and ctx.tgt_len > a.sliding_window)
+
+
+def window_block_bytes(ctx: Ctx, batch: int, q_len: int) -> float:
+    """What a sliding-window layer's sdpa saves beyond the fused kernel's count (attn_core) when windowed: torch
+    converts the boolean mask to a [b, 1, q, q] float bias in the query's dtype per call (aten sdpa
+    convert_boolean_attn_mask), which the efficient kernel keeps for backward; and with a mask transformers does
+    not pass enable_gqa (integrations/sdpa_attention use_gqa_in_sdpa: CUDA needs no mask) but repeats grouped K/V
+    to every head (repeat_kv), which the kernel saves instead. Found by the tracer: Phi-3-mini (window 2047) LoRA
+    b1 s2048 -1.4% (32 x 8 MiB), a Mistral-shaped GQA config with a 128-token window b2 s512 -1.7%."""
+    a = ctx.spec.arch
+    c = _kernel_bytes(ctx)
+    repeat = 2 * (a.num_heads - a.num_kv_heads) * a.head_dim * c
+    return batch * q_len * q_len * c + batch * q_len * repeat
 
 
 def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str) -> float:
