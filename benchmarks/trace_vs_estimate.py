@@ -118,6 +118,20 @@ _add("openai-community/gpt2", technique="lora", precision="fp16-mixed", lora_r=1
 # --layers: the backward's peak leaves the head for the blocks at 4 of 12 blocks (tracker: segments; the phase's
 # own peak extrapolated from 2 and 3 blocks was 2.0% short of the full trace)
 _add("openai-community/gpt2", layers=2, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=4, seq_len=128, attn_impl="sdpa")
+# Families outside the catalog, as small config.json shapes (benchmarks/shapes/README.md): peft has default LoRA
+# targets for some (q/v), all-linear for the rest
+SHAPES = ROOT / "benchmarks" / "shapes"
+for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "gemma3_text", "qwen2_moe", "mistral_sw",
+               "granite", "phimoe", "gpt_neox"):
+    _cfg = str(SHAPES / _shape / "config.json")
+    # peft's all-linear wraps PhiMoE's router, whose forward returns a tuple peft cannot handle (a peft failure)
+    _wide = "q_proj,k_proj,v_proj,o_proj" if _shape == "phimoe" else "all-linear"
+    _add(_cfg, technique="lora", precision="bf16", lora_targets=_wide, batch_size=2, seq_len=256)
+    _add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256)
+    if _shape != "phimoe":  # the tracer's QLoRA stand-ins fail inside PhiMoE's expert routing (a tracer limit)
+        _add(_cfg, technique="qlora", precision="bf16", lora_targets=_wide, batch_size=2, seq_len=256, grad_ckpt=True)
+    _add(_cfg, technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256, attn_impl="eager",
+         lora_targets="query_key_value" if _shape == "gpt_neox" else "q_proj,v_proj")
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 
@@ -147,7 +161,7 @@ def main(argv=None) -> int:
     out = []
     for i, (model, fields, layers) in enumerate(rows):
         setup, r, c, sec = run_row(model, fields, layers)
-        out.append({"model": model, "setup": label(fields), "layers": layers or "all",
+        out.append({"model": model.replace(f"{ROOT}/", ""), "setup": label(fields), "layers": layers or "all",
                     "traced_mib": c["traced_bytes"] / 2**20, "estimated_mib": c["estimated_bytes"] / 2**20,
                     "rel_error_pct": 100 * c["rel_error"], "traced_phase": c["traced_phase"],
                     "estimated_phase": c["estimated_phase"], "seconds": sec,
