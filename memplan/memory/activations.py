@@ -133,6 +133,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
             per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
     experts = expert_params(ctx, blk)
     per_tok += moe_bytes(ctx, experts, lora_names) if experts else _mlp_bytes(ctx, by_slot, lora_names)
+    if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE), gated by a sigmoid
+        per_tok += _mlp_bytes(ctx, by_slot, lora_names, shared=True) + a.hidden_size * c
     for m in by_slot.get("other", []):
         per_tok += m.in_features * c if _trains(ctx, m.name) else 0
     if a.hidden_dropout > 0:
@@ -146,13 +148,17 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     return total
 
 
-def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
+def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> float:
     """MLP: gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
     activation's inputs (ACT_SAVED) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
-    experts) and adds the gathered expert inputs/outputs."""
+    experts) and adds the gathered expert inputs/outputs. shared: a MoE block's shared expert (every token, its own
+    width: Qwen2-MoE's shared_expert_intermediate_size; the sigmoid gate's product is the caller's). Found by the
+    tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 -3.9% (its shared expert was not counted)."""
     a = ctx.spec.arch
     c, I = ctx.act_bytes, a.intermediate_size
     k = a.experts_per_token if a.num_experts else 1
+    if shared:
+        I, k = by_slot["mlp_in"][0].out_features, 1
     outs = by_slot.get("mlp_out", [])
     down_trains = any(_trains(ctx, m.name) for m in outs)
     down_lora = 0.0
@@ -160,7 +166,7 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
         if m.name in lora_names:
             branch, shares = _lora_saves(ctx, m.in_features, c)
             down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
-    if a.num_experts and outs:
+    if a.num_experts and outs and not shared:
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
     if a.mlp_gated:
         # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
@@ -176,7 +182,7 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
         # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml); T5's dropout before wo is the
         # same (found by the tracer: t5-base full bf16-mixed b16 s128, 6 MiB per block).
         core += I
-    moe = 2 * a.hidden_size * c if a.num_experts else 0
+    moe = 2 * a.hidden_size * c if a.num_experts and not shared else 0
     return k * (core + moe) + down_lora
 
 

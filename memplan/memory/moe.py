@@ -21,7 +21,9 @@ def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     gradient; the down output [H] (the routing-weight multiply); the gathered input [H] when gate_up needs one.
     Found by the tracer on Mixtral-8x7B (bf16-mixed LoRA -3.0% before)."""
     a = ctx.spec.arch
-    e, i, h = ctx.weight_bytes, a.intermediate_size, a.hidden_size
+    # each expert's width from its down_proj [E, H, I] (Qwen2-MoE's moe_intermediate_size is not intermediate_size)
+    widths = [p.shape[-1] for p in experts if p.name.endswith("down_proj") and len(p.shape) == 3]
+    e, i, h = ctx.weight_bytes, widths[0] if widths else a.intermediate_size, a.hidden_size
 
     def grads(suffix: str) -> bool:
         return any(p.name.endswith(suffix) and (p.name in ctx.trainable or p.name in lora_names) for p in experts)
