@@ -109,6 +109,11 @@ def _field(f: Setup | Mapping, name: str):
     return f.get(name) if isinstance(f, Mapping) else getattr(f, name)
 
 
+#: pins that are not searched: every candidate carries them
+_BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable", "attn_impl", "added_tokens",
+              "num_gpus", "num_nodes")
+
+
 class Pool:
     """The candidates of one search, micro-batch 1 unless pinned, in quality order: their fields (enough to rank
     them: quality_key) and their Setups, each built and validated on first use (a sharded search ranks
@@ -150,14 +155,9 @@ class Pool:
         return (s for s in map(self.__getitem__, range(len(self))) if s is not None)
 
 
-#: pins that are not searched: every candidate carries them
-_BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable", "attn_impl", "added_tokens",
-              "num_gpus", "num_nodes")
-
-
 def quality_key(f: Setup | Mapping) -> tuple:
     """Smaller is better: technique, precision class, wider LoRA targets, optimizer, larger rank. `f`: a Setup,
-    or a candidate's fields (search._Pool ranks candidates before it builds their Setups).
+    or a candidate's fields (Pool ranks candidates before it builds their Setups).
 
     Targets before rank: "the most critical LoRA hyperparameter is how many LoRA adapters are used in total ...
     LoRA r is unrelated to final performance if LoRA is used on all layers" (QLoRA, arXiv:2305.14314 sec. 4).

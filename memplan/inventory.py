@@ -198,14 +198,12 @@ def _parallel(config) -> bool:
     return mt in ("phi", "gptj", "cohere")
 
 
-def _sliding_layers(config) -> tuple[int, ...]:
-    """Decoder layers that attend through the sliding window (Arch.sliding_layers)."""
+def _sliding_layers(config, layers: int) -> tuple[int, ...]:
+    """Decoder layers that attend through the sliding window (Arch.sliding_layers), of `layers` decoder layers."""
     types = getattr(config, "layer_types", None)
     if types:
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if _first(config, "sliding_window"):
-        return tuple(range(int(_first(config, "num_hidden_layers", "n_layer", "num_layers", default=0))))
-    return ()
+    return tuple(range(layers)) if _first(config, "sliding_window") else ()
 
 
 def _kv_heads(config, heads: int) -> int:
@@ -266,7 +264,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         final_logit_softcap=_first(config, "final_logit_softcapping"),
         attn_logit_softcap=_first(config, "attn_logit_softcapping"),
         mask_kinds=len(set(getattr(config, "layer_types", None) or ())) or 1,
-        sliding_layers=_sliding_layers(config),
+        sliding_layers=_sliding_layers(config, dec_layers),
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
         supports_flash=bool(getattr(model, "_supports_flash_attn", False)),

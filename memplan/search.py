@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+
 from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes, split  # noqa: F401 (DEFAULT_HEADROOM: API)
 from memplan.candidates import RANKS, Pool, _world, quality_key, speed_score, split_batch
 from memplan.errors import BadInput, MemplanError
@@ -71,8 +72,8 @@ class _Search:
             accum: int | None = None) -> tuple:
         """A candidate's rank (smaller is better): its Setup or, before that is built, its Pool fields; at its own
         micro-batch and accumulation unless given."""
-        if batch is None or accum is None:
-            batch, accum = batch or fields.batch_size, accum or fields.grad_accum
+        batch = batch or fields.batch_size  # Pool fields come with both given (optimistic_key)
+        accum = accum or fields.grad_accum
         q = quality_key(fields)
         score = -round(speed_score(fields, frac, self.tokens, batch), 6)
         if self.prefer == "quality":

@@ -26,7 +26,7 @@ from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import Setup
 from memplan.standins import StandIn8bitAdam
 from memplan.emulations import EMULATIONS, cuda_like
-from memplan.tracker import CATEGORIES, StorageTracker, _dispatch_mode, _pack
+from memplan.tracker import CATEGORIES, StorageTracker, _dispatch_mode, _pack, watch_blocks
 from memplan.steps import (build_model, cut_config, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
 
@@ -150,7 +150,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     if not layers or layers >= total_layers:
         t = _run(spec, setup, d, None, steps, fake)
         return _result(spec, setup, t, None, total_layers)
-    a, b = (_run(spec, setup, cut_config(d, n), n, steps, fake, tracker=_segmented()) for n in (layers, layers + 1))
+    a, b = (_run(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True)) for n in (layers, layers + 1))
     result = _extrapolate(spec, setup, a, b, layers, total_layers)
     if layers != asked:
         result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
@@ -164,68 +164,6 @@ def min_layers(setup: Setup, layers: int) -> int:
     has a frozen block (with fewer, every block it has trains)."""
     frozen = setup.trainable + 1 if setup.technique == "freeze" and isinstance(setup.trainable, int) else 0
     return max(layers, 2, frozen)
-
-
-def _segmented() -> StorageTracker:
-    t = StorageTracker()
-    t.segmented = True
-    return t
-
-
-def block_stacks(model) -> dict[str, list]:
-    """The model's stacks of blocks: ModuleList path -> its blocks (GPT-2 transformer.h; T5 encoder.block and
-    decoder.block; the outermost list where blocks nest lists, as T5's block.i.layer)."""
-    import re
-
-    from memplan.inventory import BLOCK_LISTS
-    pattern = re.compile(rf"(?:.*\.)?(?:{BLOCK_LISTS})\.\d+")
-    stacks: dict[str, list] = {}
-    inside = ()  # prefixes of the blocks found: a list within a block is not a stack
-    for name, module in model.named_modules():
-        if pattern.fullmatch(name) and not name.startswith(inside):
-            stacks.setdefault(name.rsplit(".", 1)[0], []).append(module)
-            inside += (f"{name}.",)
-    return stacks
-
-
-def watch_blocks(model, tracker: StorageTracker) -> None:
-    """Hooks that keep tracker.segment: forward hooks in the forward (not in checkpointing's recompute, which runs
-    in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
-    block's input (the stack's backward is done)."""
-    import torch
-
-    def first_tensor(x):
-        x = x[0] if isinstance(x, (tuple, list)) and x else x
-        return x if isinstance(x, torch.Tensor) and x.requires_grad else None
-
-    def enter(segment):
-        def hook(_grad):
-            tracker.segment = segment
-        return hook
-
-    for stack, blocks in block_stacks(model).items():
-        tracker.stack_depth[stack] = len(blocks)
-        for i, block in enumerate(blocks):
-            params = list(block.parameters())
-            tracker.block_kinds[stack, i] = (sum(q.numel() for q in params),
-                                             sum(q.numel() for q in params if q.requires_grad))
-
-            def pre(_module, args, kwargs, i=i, stack=stack):
-                if tracker.phase == "forward":
-                    tracker.segment = ("block", stack, i)
-                    x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
-                    if i == 0 and x is not None:
-                        x.register_hook(enter(("after", stack)))
-
-            def post(_module, _args, output, i=i, stack=stack, last=len(blocks) - 1):
-                if tracker.phase == "forward":
-                    tracker.segment = ("after", stack) if i == last else ("block", stack, i)
-                    y = first_tensor(output)
-                    if y is not None:
-                        y.register_hook(enter(("block", stack, i)))
-
-            block.register_forward_pre_hook(pre, with_kwargs=True)
-            block.register_forward_hook(post)
 
 
 def _result(spec, setup, t: StorageTracker, traced, total) -> TraceResult:

@@ -30,7 +30,7 @@ def _round(n: int) -> int:
 class StorageTracker:
     """Live storages keyed by their C pointer; serial numbers identify allocations across pointer reuse."""
 
-    def __init__(self):
+    def __init__(self, segmented: bool = False):
         self.live: dict[int, tuple[int, int]] = {}  # key -> (serial, bytes)
         self.serials = itertools.count()
         self.born: dict[int, str] = {}  # serial -> phase allocated in
@@ -45,7 +45,7 @@ class StorageTracker:
         self.peak_phase = ""
         self.peak_snapshot: dict[int, int] = {}
         self.phase_peaks: dict[str, int] = {}
-        self.segmented = False
+        self.segmented = segmented  # keep segment peaks (watch_blocks sets the segment)
         self.segment: tuple = ("pre",)
         self.stack_depth: dict[str, int] = {}  # stack (the blocks' ModuleList path) -> number of blocks
         self.block_kinds: dict[tuple[str, int], tuple] = {}  # (stack, i) -> (parameters, trainable parameters)
@@ -164,3 +164,59 @@ def _pack(tracker: StorageTracker):
             tracker.saved.add(s)
         return t
     return pack
+
+
+def block_stacks(model) -> dict[str, list]:
+    """The model's stacks of blocks: ModuleList path -> its blocks (GPT-2 transformer.h; T5 encoder.block and
+    decoder.block; the outermost list where blocks nest lists, as T5's block.i.layer)."""
+    import re
+
+    from memplan.inventory import BLOCK_LISTS
+    pattern = re.compile(rf"(?:.*\.)?(?:{BLOCK_LISTS})\.\d+")
+    stacks: dict[str, list] = {}
+    inside = ()  # prefixes of the blocks found: a list within a block is not a stack
+    for name, module in model.named_modules():
+        if pattern.fullmatch(name) and not name.startswith(inside):
+            stacks.setdefault(name.rsplit(".", 1)[0], []).append(module)
+            inside += (f"{name}.",)
+    return stacks
+
+
+def watch_blocks(model, tracker: StorageTracker) -> None:
+    """Hooks that keep tracker.segment: forward hooks in the forward (not in checkpointing's recompute, which runs
+    in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
+    block's input (the stack's backward is done)."""
+    import torch
+
+    def first_tensor(x):
+        x = x[0] if isinstance(x, (tuple, list)) and x else x
+        return x if isinstance(x, torch.Tensor) and x.requires_grad else None
+
+    def enter(segment):
+        def hook(_grad):
+            tracker.segment = segment
+        return hook
+
+    for stack, blocks in block_stacks(model).items():
+        tracker.stack_depth[stack] = len(blocks)
+        for i, block in enumerate(blocks):
+            params = list(block.parameters())
+            tracker.block_kinds[stack, i] = (sum(q.numel() for q in params),
+                                             sum(q.numel() for q in params if q.requires_grad))
+
+            def pre(_module, args, kwargs, i=i, stack=stack):
+                if tracker.phase == "forward":
+                    tracker.segment = ("block", stack, i)
+                    x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
+                    if i == 0 and x is not None:
+                        x.register_hook(enter(("after", stack)))
+
+            def post(_module, _args, output, i=i, stack=stack, last=len(blocks) - 1):
+                if tracker.phase == "forward":
+                    tracker.segment = ("after", stack) if i == last else ("block", stack, i)
+                    y = first_tensor(output)
+                    if y is not None:
+                        y.register_hook(enter(("block", stack, i)))
+
+            block.register_forward_pre_hook(pre, with_kwargs=True)
+            block.register_forward_hook(post)

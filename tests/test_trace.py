@@ -138,7 +138,7 @@ def test_block_stacks_are_the_outermost_block_lists():
     from memplan.steps import build_model
     spec = load_spec("google-t5/t5-small")
     model = build_model(spec, Setup(technique="lora"), None, config_dict(spec))
-    stacks = T.block_stacks(model)
+    stacks = TK.block_stacks(model)
     assert {k.rsplit(".", 2)[-2:][0] for k in stacks} == {"encoder", "decoder"}
     assert [len(v) for v in stacks.values()] == [6, 6]
 

@@ -16,83 +16,8 @@ from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
 from memplan.memory.recording import block_training, input_grads
-
-
-#: activation -> bytes saved per element of its input, as f(c) for compute bytes c; `mixed` variant under autocast.
-#: gelu/silu/relu (one ATen op): the input (or output) only. gelu_new (transformers NewGELUActivation, five python
-#: ops): pow saves x, tanh saves its output, the final mul saves 0.5*x and (1+tanh); under autocast pow runs in fp32
-#: (autocast fp32 op list) so x is upcast and the tanh chain is fp32.
-ACT_SAVED = {
-    "gelu_new": (lambda c: 4 * c, lambda c: 4 + 4 + c + 4),
-    "default": (lambda c: c, lambda c: c),
-}
-#: activations whose backward needs their output (aten threshold_backward for relu): that output is also fc2's
-#: input, so a trainable fc2 adds nothing when no dropout sits between them.
-SAVES_OUTPUT = {"relu"}
-
-
-def _act_bytes(ctx: Ctx) -> float:
-    pure, mixed = ACT_SAVED.get(ctx.spec.arch.hidden_act, ACT_SAVED["default"])
-    return (mixed if ctx.mixed else pure)(ctx.act_bytes)
-
-
-def _trains(ctx: Ctx, name: str) -> bool:
-    return name + ".weight" in ctx.trainable
-
-
-def _input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
-    """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements: the trained
-    Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA branch."""
-    c = ctx.act_bytes
-    cast = in_bytes != c
-    trained = sum(1 for m in members if _trains(ctx, m.name))
-    shared_saved = trained > 0 and not cast
-    saved = (trained * in_dim * c if cast else in_dim * c) if trained else 0.0
-    for m in members:
-        if m.name in lora_names:
-            branch, shares_input = _lora_saves(ctx, in_dim, in_bytes)
-            saved += branch
-            if shares_input and not shared_saved:
-                saved += in_dim * in_bytes  # the shared input itself, saved once by the first lora_A
-                shared_saved = True
-    return saved
-
-
-def _lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
-    """One LoRA branch -> (bytes per token, whether it saves the layer's own input tensor instead of a copy).
-
-    peft casts x to the fp32 adapter dtype (lora/layer.py Linear.forward `_cast_input_dtype`), or under autocast
-    lora_A casts it to the compute dtype: a copy per branch that lora_A saves. An fp32 input with no dropout is
-    saved as is (shared by all branches on that input). lora_B saves [t, r]. Dropout > 0 adds a 1-byte mask and
-    a dropped copy per branch."""
-    s = ctx.setup
-    xb = ctx.compute_bytes if ctx.mixed else 4
-    own_copy = ctx.mixed or in_bytes != 4 or s.lora_dropout > 0
-    x = in_dim * xb if own_copy else 0.0
-    if s.lora_dropout > 0:
-        x += in_dim
-    return x + s.lora_r * xb, not own_copy
-
-
-#: RMSNorms that multiply the *input* (not its fp32 upcast) by rsqrt(variance): T5LayerNorm
-#: (`hidden_states * torch.rsqrt(variance + eps)` after computing the variance from `hidden_states.to(float32)`),
-#: so a 16-bit model saves the input as well as its fp32 copy.
-RMS_KEEPS_INPUT = {"t5", "mt5"}
-#: RMSNorms that apply the weight in fp32 (`output * (1.0 + self.weight.float())`, GemmaRMSNorm) and cast after:
-#: the normalised tensor a trainable weight needs is fp32 whatever the model dtype.
-RMS_FP32_WEIGHT = {"gemma", "gemma2"}
-
-
-def _norm_bytes(ctx: Ctx, h: int, trains: bool, model_type: str = "") -> float:
-    """RMSNorm (HF Llama style: upcast to fp32, x*rsqrt(var), weight * x.to(dtype)): saves the fp32 input and,
-    when the weight trains, the normalised tensor. LayerNorm (ATen native_layer_norm): saves its input (+ [t] stats)."""
-    r = ctx.residual_bytes
-    if ctx.spec.arch.norm == "rmsnorm":
-        mt = model_type or ctx.spec.arch.model_type
-        keeps = mt in RMS_KEEPS_INPUT and r != 4
-        normed = 4 if mt in RMS_FP32_WEIGHT else r
-        return 4 * h + (normed * h if trains else 0) + (r * h if keeps else 0)
-    return r * h + 8
+from memplan.memory.saves import (SAVES_OUTPUT, act_saved_bytes, input_saves, lora_saves, norm_bytes,
+                                  weight_trains)
 
 
 def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], lora_names: set[str],
@@ -112,12 +37,12 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         by_slot.setdefault(sl, []).append(m)
     cross = blk.stack == "decoder" and a.kind == "seq2seq"
     # parallel blocks normalise one input x: two LayerNorms (GPT-NeoX) save the same x, so count it once
-    per_tok = (1 if a.parallel_block else blk.norms) * _norm_bytes(ctx, h, block_trains)
+    per_tok = (1 if a.parallel_block else blk.norms) * norm_bytes(ctx, h, block_trains)
     if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
-        per_tok += _input_saves(ctx, by_slot.get("attn_in", []) + by_slot.get("mlp_in", []), h, r, lora_names)
+        per_tok += input_saves(ctx, by_slot.get("attn_in", []) + by_slot.get("mlp_in", []), h, r, lora_names)
     else:
-        per_tok += _input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
-        per_tok += _input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
+        per_tok += input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
+        per_tok += input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
     tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
     per_tok += tok_core
     if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
@@ -125,10 +50,10 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += 2 * kv_dim * c
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     for m in by_slot.get("attn_out", []):
-        saved_input = eager and _trains(ctx, m.name)
+        saved_input = eager and weight_trains(ctx, m.name)
         per_tok += q_dim * c if saved_input else 0
         if m.name in lora_names:
-            branch, shares = _lora_saves(ctx, m.in_features, c)
+            branch, shares = lora_saves(ctx, m.in_features, c)
             # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
             per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
     experts = expert_params(ctx, blk)
@@ -136,7 +61,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE), gated by a sigmoid
         per_tok += _mlp_bytes(ctx, by_slot, lora_names, shared=True) + a.hidden_size * c
     for m in by_slot.get("other", []):
-        per_tok += m.in_features * c if _trains(ctx, m.name) else 0
+        per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
@@ -150,7 +75,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
 
 def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> float:
     """MLP: gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
-    activation's inputs (ACT_SAVED) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
+    activation's inputs (saves.ACT_SAVED) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
     experts) and adds the gathered expert inputs/outputs. shared: a MoE block's shared expert (every token, its own
     width: Qwen2-MoE's shared_expert_intermediate_size; the sigmoid gate's product is the caller's). Found by the
     tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 -3.9% (its shared expert was not counted)."""
@@ -160,11 +85,11 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fal
     if shared:
         I, k = by_slot["mlp_in"][0].out_features, 1
     outs = by_slot.get("mlp_out", [])
-    down_trains = any(_trains(ctx, m.name) for m in outs)
+    down_trains = any(weight_trains(ctx, m.name) for m in outs)
     down_lora = 0.0
     for m in outs:
         if m.name in lora_names:
-            branch, shares = _lora_saves(ctx, m.in_features, c)
+            branch, shares = lora_saves(ctx, m.in_features, c)
             down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
     if a.num_experts and outs and not shared:
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
@@ -172,10 +97,10 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fal
         # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
         # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh: found by the tracer on flan-t5-xl
         # LoRA, -6.5% before)
-        core = I * (_act_bytes(ctx) + 2 * c) + (I * c if down_trains else 0)
+        core = I * (act_saved_bytes(ctx) + 2 * c) + (I * c if down_trains else 0)
     else:
         shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0
-        core = I * _act_bytes(ctx) + (I * c if down_trains and not shared else 0)
+        core = I * act_saved_bytes(ctx) + (I * c if down_trains and not shared else 0)
     if a.act_dropout > 0:
         # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
         # when fc2 trains. Measured: bart-large LoRA bf16 b16 s256 kept 24 x [4096, 4096] bool masks at
@@ -194,7 +119,7 @@ def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lo
     batch = tokens // max(seqs[0], 1)
     enc_tokens = batch * seqs[1]
     tok_core, per_score = attn_core(ctx, q_dim, q_dim, seqs[0], seqs[1], attention_kernel(ctx, relative_bias=False))
-    kv = _input_saves(ctx, by_slot.get("cross_kv", []), a.hidden_size, ctx.residual_bytes, lora_names)
+    kv = input_saves(ctx, by_slot.get("cross_kv", []), a.hidden_size, ctx.residual_bytes, lora_names)
     return tok_core * tokens + kv * enc_tokens / 1.0 + a.num_heads * seqs[0] * seqs[1] * per_score * batch
 
 
@@ -227,7 +152,7 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
             same[shape] = block_bytes(ctx, blk, tokens, seqs, lora_names, trained)
         full = same[shape]
         if starts_here and not trained and not ctx.spec.arch.post_norm:
-            full -= _norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
+            full -= norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
         out.append((full, tokens * h * ctx.residual_bytes))
     return out
 
@@ -257,7 +182,7 @@ def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
         shape = None if not live else (
             blk.stack, blk.norms, key in trained_blocks,
             tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
-                   _trains(ctx, m.name)) for sl, m in blk.linears))
+                   weight_trains(ctx, m.name)) for sl, m in blk.linears))
         out.append((blk, shape, key in trained_blocks, starts_here))
     return tuple(out)
 
@@ -286,7 +211,7 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
             continue
         if "embed" in p.name and not embeds_record:
             continue
-        total += _norm_bytes(ctx, p.shape[0], p.name in ctx.trainable, a.model_type) * _outside_tokens(ctx, p.name)
+        total += norm_bytes(ctx, p.shape[0], p.name in ctx.trainable, a.model_type) * _outside_tokens(ctx, p.name)
     tied = dict(ctx.spec.tied)
     lora_names = {m.name for m in ctx.lora}
     for m in ctx.spec.linears:
@@ -296,12 +221,12 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
         trains = weight in ctx.trainable or tied.get(weight) in ctx.trainable
         tokens = _outside_tokens(ctx, m.name)
         if m.name in lora_names:
-            branch, shares = _lora_saves(ctx, m.in_features, ctx.residual_bytes)
+            branch, shares = lora_saves(ctx, m.in_features, ctx.residual_bytes)
             total += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
         if m.is_output:
             total += (m.in_features * c if trains and a.has_lm_head else 0) * tokens
         else:
-            total += ((m.in_features * c if trains else 0) + m.out_features * _act_bytes(ctx)) * tokens
+            total += ((m.in_features * c if trains else 0) + m.out_features * act_saved_bytes(ctx)) * tokens
     if a.hidden_dropout > 0 and embeds_record:
         total += h * ctx.setup.batch_size * ctx.src_len
     return total + position_bias_bytes(ctx)
