@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -67,8 +68,24 @@ def row_setup(row) -> tuple[dict | None, str]:
     return fields, ""
 
 
+#: the packages whose exact release a row's framework note may name ("transformers 4.48.1, torch 2.4.1, ...")
+VERSIONED = ("transformers", "torch", "peft", "bitsandbytes")
+
+
+def framework_versions(note: str) -> dict[str, str]:
+    """The exact package releases a row's framework note names; approximate ones ("transformers ~4.2x") are not
+    releases and are left out. The estimate models the transformers release the row ran with (memplan.libs)."""
+    found = {}
+    for package in VERSIONED:
+        m = re.search(rf"\b{package} (\d+\.\d+\.\d+)\b", str(note))
+        if m:
+            found[package] = m.group(1)
+    return found
+
+
 def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
     """(estimated rows, skipped rows with reasons) for every row of the reference CSV."""
+    from memplan import libs
     from memplan.errors import MemplanError
     from memplan.estimate import estimate
     from memplan.models import catalog_id
@@ -83,17 +100,19 @@ def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
         if fields is None:
             skipped.append({**base, "reason": reason})
             continue
+        versions = framework_versions(row.get("framework_note", ""))
         try:
-            est = estimate(row["model"], Setup(**fields))
+            with libs.assume(transformers=versions.get("transformers")):
+                est = estimate(row["model"], Setup(**fields))
         except MemplanError as e:
             skipped.append({**base, "reason": f"estimator refused: {e}"})
             continue
         measured = float(row["measured_bytes"])
         predicted = getattr(est, MEASURE_KEY[row["measure"]])
-        rows.append(_measured_row(row, Setup(**fields)))
+        rows.append(_measured_row(row, Setup(**fields), versions))
         done.append({**base, "setup": _summary(fields), "measure": row["measure"], "measured_gib": measured / 2**30,
                      "predicted_gib": predicted / 2**30, "rel_error": (predicted - measured) / measured,
-                     "peak_phase": est.peak_phase})
+                     "peak_phase": est.peak_phase, "transformers": versions.get("transformers", "")})
     return done, skipped, rows
 
 
@@ -116,15 +135,16 @@ CODE_PATH_NOTES = {
 PUBLISHED_TOLERANCE = {"high": "0.10"}
 
 
-def _measured_row(row, setup) -> dict:
-    """The reference row in memplan's measured-row schema (memplan.measured), with its source."""
+def _measured_row(row, setup, versions: dict[str, str]) -> dict:
+    """The reference row in memplan's measured-row schema (memplan.measured), with its source and the package
+    releases it ran with (`memplan check` re-estimates it under that transformers release)."""
     from memplan.measured import make_row
     trust = str(row["trust"])
     return make_row(row["model"], setup, key=row["source_id"], status="ok", device="cuda", steps="",
                     **{f"measured_{row['measure']}_bytes": int(float(row["measured_bytes"]))},
                     gpu=row["gpu"], source=row["source"], trust=trust,
                     tolerance=PUBLISHED_TOLERANCE.get(trust, "0.10"), gate="yes" if trust in PUBLISHED_TOLERANCE else "no",
-                    notes=f"{row['source_id']}: {row['framework_note']}")
+                    notes=f"{row['source_id']}: {row['framework_note']}", **versions)
 
 
 def _summary(f: dict) -> str:
@@ -158,11 +178,14 @@ def render(done, skipped, summary) -> str:
                   f"p90 {summary['p90_abs_rel_error']:.1%}, worst under-prediction "
                   f"{summary['worst_under_prediction']:.1%}, worst over-prediction {summary['worst_over_prediction']:.1%}",
                   ""]
-    lines += ["| id | model | setup | measure | measured GiB | predicted GiB | rel. error | trust | peak phase |",
-              "|---|---|---|---|---:|---:|---:|---|---|"]
+    lines += ["Estimated under the transformers release a row names (column *transformers*; blank: the installed one).",
+              "",
+              "| id | model | setup | transformers | measure | measured GiB | predicted GiB | rel. error | trust | peak phase |",
+              "|---|---|---|---|---|---:|---:|---:|---|---|"]
     for r in sorted(done, key=lambda r: -abs(r["rel_error"])):
-        lines.append(f"| {r['id']} | {r['model']} | {r['setup']} | {r['measure']} | {r['measured_gib']:.2f} | "
-                     f"{r['predicted_gib']:.2f} | {r['rel_error']:+.1%} | {r['trust']} | {r['peak_phase']} |")
+        lines.append(f"| {r['id']} | {r['model']} | {r['setup']} | {r['transformers']} | {r['measure']} | "
+                     f"{r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | {r['rel_error']:+.1%} | {r['trust']} | "
+                     f"{r['peak_phase']} |")
     known = [r for r in sorted(done, key=lambda r: r["id"]) if r["id"] in CODE_PATH_NOTES]
     if known:
         lines += ["", "## Known code-path differences", ""]

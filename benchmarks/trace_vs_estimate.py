@@ -1,10 +1,14 @@
 """Estimate vs tracer (real transformers/peft/torch step on fake tensors) over a matrix of setups.
 
-    python benchmarks/trace_vs_estimate.py [--quick]
+    python benchmarks/trace_vs_estimate.py [--quick] [--catalog-only] [--tag TAG]
 
 Writes benchmarks/results/trace_vs_estimate.{md,csv}: per row the traced and estimated peak allocated bytes,
 the relative error, the peak phases and the bytes per category. The tracer is the ground truth; a row off by more
 than 3% points at an effect the estimator misses (docs/MODEL.md lists the ones found this way).
+
+Run under another transformers release (a venv with it installed and memplan installed without dependencies) with
+`--catalog-only --tag transformers-X.Y.Z`: the estimate models the installed release (memplan.libs), rows the
+libraries cannot trace there are listed with the failure, and the results go to trace_vs_estimate_TAG.{md,csv}.
 """
 from __future__ import annotations
 
@@ -156,11 +160,21 @@ def label(fields: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the CI subset only")
+    ap.add_argument("--catalog-only", action="store_true", help="leave out the family shapes (benchmarks/shapes)")
+    ap.add_argument("--tag", default="", help="results go to trace_vs_estimate_TAG.{md,csv}")
     args = ap.parse_args(argv)
+    from memplan.errors import MemplanError
     rows = [MATRIX[i] for i in QUICK] if args.quick else MATRIX
-    out = []
+    if args.catalog_only:
+        rows = [r for r in rows if not r[0].startswith(str(SHAPES))]
+    out, failed = [], []
     for i, (model, fields, layers) in enumerate(rows):
-        setup, r, c, sec = run_row(model, fields, layers)
+        try:
+            setup, r, c, sec = run_row(model, fields, layers)
+        except MemplanError as e:  # this release cannot run the setup, or not on fake tensors (TraceFailed)
+            failed.append((model.replace(f"{ROOT}/", ""), label(fields), " ".join(str(e).split())[:240]))
+            print(f"[{i + 1}/{len(rows)}] {model} {label(fields)}: not run", flush=True)
+            continue
         out.append({"model": model.replace(f"{ROOT}/", ""), "setup": label(fields), "layers": layers or "all",
                     "traced_mib": c["traced_bytes"] / 2**20, "estimated_mib": c["estimated_bytes"] / 2**20,
                     "rel_error_pct": 100 * c["rel_error"], "traced_phase": c["traced_phase"],
@@ -184,9 +198,13 @@ def main(argv=None) -> int:
         lines.append(f"| {r['model']} | {r['setup']} | {r['layers']} | {r['traced_mib']:,.1f} | "
                      f"{r['estimated_mib']:,.1f} | {r['rel_error_pct']:+.2f}% | {r['traced_phase']} | "
                      f"{r['estimated_phase']} |")
+    if failed:
+        lines += ["", f"## Not run ({len(failed)}): the release does not support the setup, or its step fails on fake tensors", "",
+                  "| model | setup | failure |", "|---|---|---|"]
+        lines += [f"| {m} | {f} | {why} |" for m, f, why in failed]
     from memplan.fileio import write_text_atomic
     res = ROOT / "benchmarks" / "results"
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     write_text_atomic(res / f"trace_vs_estimate{suffix}.md", "\n".join(lines) + "\n")
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(out[0]))

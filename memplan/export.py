@@ -24,6 +24,7 @@ from pathlib import Path
 from memplan.budget import need_bytes
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
+from memplan.memory.context import default_attn_impl
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
 
@@ -41,7 +42,7 @@ def model_section(spec, s: Setup) -> dict:
     """from_pretrained kwargs. Mixed precision keeps fp32 weights (autocast computes in 16 bit); QLoRA/int8 bases
     are loaded through BitsAndBytesConfig with the compute dtype of the setup."""
     out = {"id": spec.model_id, "auto_class": spec.arch.auto_class, "dtype": TORCH_DTYPE_NAMES[s.weight_dtype],
-           "attn_implementation": s.attn_impl or spec.arch.default_attn_impl, "quantization_config": None,
+           "attn_implementation": s.attn_impl or default_attn_impl(spec), "quantization_config": None,
            "prepare_for_kbit_training": False}
     if s.quant in ("nf4", "fp4"):
         out["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": s.quant,

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 _ASSUMED: ContextVar[dict[str, str]] = ContextVar("memplan_assumed_versions", default={})
 
 
-def _parse(v: str) -> tuple[int, ...] | None:
+def parse(v: str) -> tuple[int, ...] | None:
     m = re.match(r"(\d+(?:\.\d+)*)", v.strip())
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
@@ -23,10 +23,10 @@ def version(package: str) -> tuple[int, ...] | None:
     """(major, minor, ...) of `package` as assumed (assume()) or installed; None when neither is known."""
     v = _ASSUMED.get().get(package)
     if v:
-        return _parse(v)
+        return parse(v)
     import importlib.metadata  # lazily: 25 ms of the core's import time
     try:
-        return _parse(importlib.metadata.version(package))
+        return parse(importlib.metadata.version(package))
     except importlib.metadata.PackageNotFoundError:
         return None
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from memplan.budget import fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.fit import largest_fitting, max_batch_size
+from memplan.memory.context import default_attn_impl, sdpa_supported
 from memplan.candidates import speed_score, split_batch
 from memplan.setup import Setup
 
@@ -95,7 +96,7 @@ def _change(name: str, s: Setup, c: _Ctx) -> tuple[Setup, str, str] | None:
     """Remedy `name` applied to `s`: (changed Setup, description, speed/quality cost), None where it does not apply.
     Raises SetupError for an invalid combination."""
     lora, half, arch = s.technique in ("lora", "qlora"), c.half, c.spec.arch
-    if name == "sdpa" and (s.attn_impl or arch.default_attn_impl) == "eager" and arch.supports_sdpa:
+    if name == "sdpa" and (s.attn_impl or default_attn_impl(c.spec)) == "eager" and sdpa_supported(c.spec):
         return replace(s, attn_impl="sdpa"), "sdpa attention instead of eager", "none: same math, usually faster"
     if name == "largest-micro-batch" and s.batch_size > 1 and c.total(s) > c.budget:
         probe = replace(s, grad_accum=max(2, s.grad_accum))  # accumulating keeps the gradients between micro-steps

@@ -81,7 +81,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     import peft
     import transformers
 
-    from memplan import select
+    from memplan import libs, select
     from memplan.memory.context import resolve
     from memplan.models import config_from_dict
 
@@ -92,8 +92,10 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     config = config_from_dict(d)
     cls = getattr(transformers, spec.arch.auto_class)
     weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
+    # transformers 4.56 renamed from_config's torch_dtype to dtype (modeling_utils.PreTrainedModel._from_config)
+    dtype_kw = "torch_dtype" if libs.parse(transformers.__version__) < (4, 56) else "dtype"
     with accelerate.init_empty_weights(include_buffers=True):
-        model = cls.from_config(config, attn_implementation=ctx.attn_impl, dtype=weight_dtype)
+        model = cls.from_config(config, attn_implementation=ctx.attn_impl, **{dtype_kw: weight_dtype})
         untie_like_checkpoint(model, spec)
         if setup.added_tokens:  # what a user adding tokens calls; mean_resizing samples from the old rows' statistics
             model.resize_token_embeddings(spec.arch.vocab_size + setup.added_tokens, mean_resizing=False)

@@ -13,6 +13,11 @@ from memplan.memory.recording import graph_blocks
 SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "opt", "gpt_neox",
                 "bloom", "gpt_bigcode", "gptj", "codegen"}
 
+#: families whose eager softmax was fp32 in older transformers releases, until the given one: T5 and mT5 called
+#: `softmax(scores.float(), dim=-1).type_as(scores)` (T5Attention.forward, 4.48.1 to 5.14.0) and softmax in the
+#: scores' dtype from 5.15. Found by the tracer on transformers 4.48.1: t5-base LoRA bf16 r64 b16 s256 eager -11.6%.
+SOFTMAX_FP32_UNTIL = {"t5": (5, 15), "mt5": (5, 15)}
+
 #: families whose eager attention casts q and k to fp32 before QK^T ("Keep the attention weights computation in
 #: fp32", modeling_gptj.py / modeling_codegen.py `_attn`): without autocast the matmul saves the fp32 casts and the
 #: scores and their softmax are fp32. Found by the tracer: a GPT-J-shaped config, LoRA bf16 b2 s256, -5.6%.
@@ -47,8 +52,10 @@ def _kernel_bytes(ctx: Ctx) -> int:
 
 def _softmax_fp32(ctx: Ctx, c: int) -> bool:
     """Eager softmax in fp32: under autocast (softmax is on its fp32 list), in fp32 models, or where the family
-    asks for it (SOFTMAX_FP32)."""
-    return ctx.mixed or c == 4 or ctx.spec.arch.model_type in SOFTMAX_FP32
+    asks for it (SOFTMAX_FP32, and SOFTMAX_FP32_UNTIL in the releases before the one named)."""
+    model_type = ctx.spec.arch.model_type
+    return (ctx.mixed or c == 4 or model_type in SOFTMAX_FP32
+            or libs.older_than("transformers", SOFTMAX_FP32_UNTIL.get(model_type, ())))
 
 
 #: families that hand sdpa K/V with fewer heads than q and no enable_gqa (falcon-7b's multi-query attention:

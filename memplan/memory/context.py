@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from memplan import select
+from memplan import libs, select
 from memplan.errors import BadInput
 from memplan.setup import Setup
 from memplan.spec import Linear, ModelSpec, Param
@@ -127,10 +127,29 @@ def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Lin
     return _memo_get(key, spec, compute)
 
 
+#: Families whose transformers class gained sdpa after the oldest release memplan installs with (4.46): T5 and mT5
+#: from 5.15 (T5PreTrainedModel._supports_sdpa = True; absent in 4.48.1 and 5.14.0, where from_config(...,
+#: attn_implementation="sdpa") raises "does not support an attention implementation through
+#: torch.nn.functional.scaled_dot_product_attention").
+SDPA_SINCE = {"t5": (5, 15), "mt5": (5, 15)}
+
+
+def sdpa_supported(spec: ModelSpec) -> bool:
+    """The model class supports sdpa in the transformers release estimated for (memplan.libs)."""
+    a = spec.arch
+    return a.supports_sdpa and not libs.older_than("transformers", SDPA_SINCE.get(a.model_type, ()))
+
+
+def default_attn_impl(spec: ModelSpec) -> str:
+    """What transformers picks without attn_implementation: sdpa where the class supports it
+    (PreTrainedModel._check_and_adjust_attn_implementation), else eager."""
+    default = spec.arch.default_attn_impl
+    return "eager" if default == "sdpa" and not sdpa_supported(spec) else default
+
+
 def _attn_impl(spec: ModelSpec, setup: Setup) -> str:
-    """The attention implementation transformers would use: the user's choice, else the model's default
-    (sdpa where the class supports it: PreTrainedModel._check_and_adjust_attn_implementation)."""
-    return setup.attn_impl or spec.arch.default_attn_impl
+    """The attention implementation transformers would use: the user's choice, else the model's default."""
+    return setup.attn_impl or default_attn_impl(spec)
 
 
 def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
@@ -140,8 +159,11 @@ def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     if a.max_positions and total_len > a.max_positions:
         p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
                  f"use --seq-len <= {a.max_positions}")
-    if setup.attn_impl == "sdpa" and not a.supports_sdpa:
-        p.append(f"{a.model_type} does not support sdpa attention in transformers; use --attn-impl eager")
+    if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
+        since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
+        where = (f"before transformers {'.'.join(map(str, since))} (estimating for "
+                 f"{'.'.join(map(str, libs.version('transformers') or ()))})") if since else "in transformers"
+        p.append(f"{a.model_type} does not support sdpa attention {where}; use --attn-impl eager")
     if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
         p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")
     if setup.target_len is not None and a.kind != "seq2seq":

@@ -1,6 +1,7 @@
 """Logits and the cross-entropy loss: [tokens, vocab] tensors, dominant for 128k-256k vocabularies."""
 from __future__ import annotations
 
+from memplan import libs
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.weights import numel
 
@@ -18,6 +19,33 @@ def _logit_tokens(ctx: Ctx) -> int:
 PLAIN_CROSS_ENTROPY = {"bert", "t5", "mt5", "bart"}
 
 
+#: transformers 4.49 (loss/loss_utils.py ForCausalLMLoss) pads the labels instead of shifting the logits; from 4.46
+#: to 4.48 the loss shifted them, `shift_logits = logits[..., :-1, :].contiguous()`: one more [tokens, vocab] copy
+#: alive in the loss's forward. Traced (transformers 4.48.1, peft 0.13.2): Mistral-7B LoRA bf16 b4 s4096 with
+#: checkpointing peaks at the end of the forward at 24.88 GiB (the measured fms-acceleration row F03: 24.87 GiB),
+#: 1.06 GiB above 4.49's backward peak.
+LOGITS_UNSHIFTED_FROM = (4, 49)
+
+#: Causal LMs that called torch CrossEntropyLoss on their own shifted copy of the logits before 4.49 (4.48.1
+#: GPT2LMHeadModel, GPTBigCodeForCausalLM, FalconForCausalLM, BloomForCausalLM, OPTForCausalLM and
+#: GPTNeoXForCausalLM.forward: `shift_logits = lm_logits[..., :-1, :].contiguous()`, no fp32 upcast); 4.49 moved
+#: them to `self.loss_function`.
+OWN_SHIFT_BEFORE_4_49 = {"gpt2", "gpt_bigcode", "falcon", "bloom", "opt", "gpt_neox"}
+
+
+def _shifts_logits(ctx: Ctx) -> bool:
+    """The loss copies the logits shifted by one position (transformers before 4.49, causal LM families)."""
+    a = ctx.spec.arch
+    return (a.kind != "seq2seq" and a.model_type not in PLAIN_CROSS_ENTROPY
+            and libs.older_than("transformers", LOGITS_UNSHIFTED_FROM))
+
+
+def _plain_cross_entropy(ctx: Ctx) -> bool:
+    """The family calls CrossEntropyLoss on the logits without the loss_function's fp32 upcast."""
+    model_type = ctx.spec.arch.model_type
+    return model_type in PLAIN_CROSS_ENTROPY or (model_type in OWN_SHIFT_BEFORE_4_49 and _shifts_logits(ctx))
+
+
 def _logit_bytes(ctx: Ctx) -> int:
     """dtype of the lm_head output: the compute dtype (autocast or a 16-bit model; fp32 for fp32 models)."""
     return ctx.compute_bytes
@@ -26,21 +54,27 @@ def _logit_bytes(ctx: Ctx) -> int:
 def _loss_bytes(ctx: Ctx) -> int:
     """dtype of log_softmax inside cross-entropy: fp32 after the loss_function upcast, or under autocast (log_softmax
     and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model."""
-    if ctx.mixed or ctx.spec.arch.model_type not in PLAIN_CROSS_ENTROPY:
+    if ctx.mixed or not _plain_cross_entropy(ctx):
         return 4
     return _logit_bytes(ctx)
 
 
 def logits_forward_bytes(ctx: Ctx) -> int:
-    """Peak of the loss computation in forward: logits + the upcast copy (if any) + log_softmax output.
+    """Peak of the loss computation in forward: logits + the upcast copy (if any) + log_softmax output, and before
+    transformers 4.49 the shifted copy of the logits (_shifts_logits).
 
     transformers/loss/loss_utils.py ForCausalLMLoss: `logits = logits.float()` (a copy unless already fp32), labels
-    are shifted instead of logits (5.x), then F.cross_entropy = log_softmax (saves its output for backward) +
-    nll_loss.
+    are shifted instead of logits (4.49 on), then F.cross_entropy = log_softmax (saves its output for backward) +
+    nll_loss. The families that shifted their logits themselves before 4.49 (OWN_SHIFT_BEFORE_4_49) copied them in
+    the logits dtype and cast only under autocast (log_softmax is on its fp32 list): there the fp32 input copy is
+    alive while log_softmax writes its output.
     """
     t, v, lb, loss = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx), _loss_bytes(ctx)
     upcast = loss if loss != lb else 0
-    return t * v * (lb + upcast + loss) + softcap_bytes(ctx)
+    shifted = 0
+    if _shifts_logits(ctx):
+        shifted = lb if ctx.spec.arch.model_type in OWN_SHIFT_BEFORE_4_49 else loss
+    return t * v * (lb + upcast + shifted + loss) + softcap_bytes(ctx)
 
 
 def softcap_bytes(ctx: Ctx) -> int:

@@ -1,0 +1,68 @@
+"""Code paths that depend on the transformers release estimated for (memplan.libs.assume): the loss's shifted logits
+before 4.49, T5's sdpa support and fp32 eager softmax before 5.15. Golden numbers come from `memplan trace` run with
+transformers 4.48.1 and peft 0.13.2 installed (the tracer runs the real library code on fake tensors)."""
+from __future__ import annotations
+
+import pytest
+
+from memplan import libs
+from memplan.errors import MemplanError
+from memplan.estimate import estimate
+from memplan.memory.context import resolve
+from memplan.memory.logits import logits_forward_bytes
+from memplan.memory.overhead import cublas_workspace_bytes
+from memplan.models import load_spec
+from memplan.setup import Setup
+
+GiB = 2**30
+
+#: fms-acceleration row F03's setup (shared/reference: Mistral-7B LoRA r16 on q,k,v,o, bf16, AdamW, b4 s4096,
+#: checkpointing); flash_attention_2 there, sdpa here (the tracer cannot run flash-attn; with checkpointing the
+#: kernel does not set the peak).
+F03 = dict(technique="lora", precision="bf16", lora_r=16, lora_alpha=16, optimizer="adamw", batch_size=4,
+           seq_len=4096, grad_ckpt=True, attn_impl="sdpa", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def test_loss_shifted_logits_before_4_49_set_the_forward_peak():
+    """transformers 4.48.1 ForCausalLMLoss copies the logits shifted (`logits[..., :-1, :].contiguous()`): traced
+    24.88 GiB at the end of the forward (F03 measured 24.87 GiB on an A100 with 4.48.1); from 4.49 the labels are
+    shifted and the peak is the loss's backward (traced 23.82 GiB with 5.23)."""
+    with libs.assume(transformers="4.48.1"):
+        old = estimate("mistralai/Mistral-7B-v0.1", Setup(**F03))
+    with libs.assume(transformers="4.49.0"):
+        new = estimate("mistralai/Mistral-7B-v0.1", Setup(**F03))
+    traced_old, traced_new = 24.88 * GiB, 23.82 * GiB
+    workspace = cublas_workspace_bytes(training=True)  # only CUDA allocates it: not in a trace
+    assert old.peak_phase == "forward" and new.peak_phase == "backward_start"
+    assert abs(old.peak_allocated_bytes - workspace - traced_old) / traced_old < 0.01
+    assert abs(new.peak_allocated_bytes - workspace - traced_new) / traced_new < 0.01
+
+
+def test_shifted_copy_dtype_per_family():
+    """Before 4.49 Llama-like families upcast then shift (fp32 copy); GPT-2 shifts its own bf16 logits and runs
+    CrossEntropyLoss on them without an upcast (modeling_gpt2.py 4.48.1 GPT2LMHeadModel.forward)."""
+    fields = dict(technique="lora", precision="bf16", batch_size=2, seq_len=128)
+    llama = resolve(load_spec("meta-llama/Llama-3.2-1B"), Setup(**fields))
+    gpt2 = resolve(load_spec("openai-community/gpt2"), Setup(**fields))
+    t = 2 * 128
+    with libs.assume(transformers="4.48.1"):
+        assert logits_forward_bytes(llama) == t * llama.vocab * (2 + 4 + 4 + 4)
+        assert logits_forward_bytes(gpt2) == t * gpt2.vocab * (2 + 2 + 2)
+    with libs.assume(transformers="5.23.0"):
+        assert logits_forward_bytes(llama) == t * llama.vocab * (2 + 4 + 4)
+        assert logits_forward_bytes(gpt2) == t * gpt2.vocab * (2 + 4 + 4)
+
+
+def test_t5_sdpa_from_5_15():
+    """T5 gained sdpa in transformers 5.15: before it the default is eager and an sdpa setup is refused with the
+    release named; t5-base LoRA r64 bf16 b16 s256 traced 7.85 GiB on 4.48.1 (fp32 eager softmax, -11.6% before)."""
+    setup = Setup(technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256)
+    with libs.assume(transformers="4.48.1"):
+        est = estimate("google-t5/t5-base", setup)
+        assert "attention: eager" in est.notes
+        with pytest.raises(MemplanError, match="before transformers 5.15"):
+            estimate("google-t5/t5-base", Setup(technique="lora", attn_impl="sdpa"))
+    traced = 7.85 * GiB
+    assert abs(est.peak_allocated_bytes - cublas_workspace_bytes(training=True) - traced) / traced < 0.02
+    with libs.assume(transformers="5.15.0"):
+        assert "attention: sdpa" in estimate("google-t5/t5-base", setup).notes
