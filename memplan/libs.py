@@ -8,6 +8,7 @@ each stored row under the versions recorded in it (memplan.measured ENV_FIELDS),
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from contextvars import ContextVar
 
@@ -24,6 +25,13 @@ def version(package: str) -> tuple[int, ...] | None:
     v = _ASSUMED.get().get(package)
     if v:
         return parse(v)
+    return _installed(package)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed(package: str) -> tuple[int, ...] | None:
+    """The installed release, read once per process (importlib.metadata reads the package's METADATA file: ~0.3 ms,
+    and the estimator asks per estimate)."""
     import importlib.metadata  # lazily: 25 ms of the core's import time
     try:
         return parse(importlib.metadata.version(package))

@@ -51,6 +51,10 @@ def test_shifted_copy_dtype_per_family():
     with libs.assume(transformers="5.23.0"):
         assert logits_forward_bytes(llama) == t * llama.vocab * (2 + 4 + 4)
         assert logits_forward_bytes(gpt2) == t * gpt2.vocab * (2 + 4 + 4)
+    # one sequence: the slice of [1, s, vocab] is contiguous already, `.contiguous()` copies nothing
+    single = resolve(load_spec("meta-llama/Llama-3.2-1B"), Setup(**{**fields, "batch_size": 1}))
+    with libs.assume(transformers="4.48.1"):
+        assert logits_forward_bytes(single) == 128 * single.vocab * (2 + 4 + 4)
 
 
 def test_t5_sdpa_from_5_15():
@@ -66,3 +70,22 @@ def test_t5_sdpa_from_5_15():
     assert abs(est.peak_allocated_bytes - cublas_workspace_bytes(training=True) - traced) / traced < 0.02
     with libs.assume(transformers="5.15.0"):
         assert "attention: sdpa" in estimate("google-t5/t5-base", setup).notes
+
+
+def test_causal_mask_buffers_of_older_releases():
+    """GPT-2 (until 5.1) and GPT-NeoX (until 4.48) registered a [max_positions, max_positions] bool causal mask on
+    every attention layer; the tracer on 4.48.1 found pythia-1b's weights 64 MiB (16 x 2048^2 bytes) above the
+    estimate, its QLoRA ckpt peak -3.9% before (-0.03% after)."""
+    from memplan.memory.weights import release_buffer_bytes, weights_bytes
+    fields = dict(technique="lora", precision="bf16", batch_size=2, seq_len=128)
+    pythia = resolve(load_spec("EleutherAI/pythia-1b"), Setup(**fields))
+    gpt2 = resolve(load_spec("openai-community/gpt2"), Setup(**fields))
+    current = weights_bytes(pythia)
+    with libs.assume(transformers="4.48.1"):
+        assert release_buffer_bytes(pythia) == 16 * 2048**2
+        assert weights_bytes(pythia) == current + 16 * 2048**2  # not served from the per-model memo
+        assert release_buffer_bytes(gpt2) == 12 * 1024**2
+    with libs.assume(transformers="5.1.0"):
+        assert release_buffer_bytes(pythia) == 0 and release_buffer_bytes(gpt2) == 12 * 1024**2
+    with libs.assume(transformers="5.2.0"):
+        assert release_buffer_bytes(gpt2) == 0 and weights_bytes(pythia) == current

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from memplan import libs
 from memplan.memory.context import Ctx, per_model
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
@@ -38,15 +39,39 @@ def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
     return numel(ctx, p) * bytes_per
 
 
-@per_model("added_tokens")
 def weights_bytes(ctx: Ctx) -> int:
-    """Base weights: non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte.
+    """Base weights: non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte, and the
+    registered buffers (the inventory's, and those of older releases: release_buffer_bytes).
 
     Unique tensors only (tied embeddings counted once: ModelSpec lists unique params). Added tokens grow the input
     embedding and an untied lm_head by added_tokens x hidden rows (numel).
     """
+    return _resident_bytes(ctx) + release_buffer_bytes(ctx)
+
+
+@per_model("added_tokens")
+def _resident_bytes(ctx: Ctx) -> int:
     total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params)
     return int(total) + buffer_bytes(ctx)
+
+
+#: causal-mask tables that older transformers releases registered on every attention layer,
+#: `register_buffer("bias", torch.tril(torch.ones((max_positions, max_positions), dtype=torch.bool)).view(1, 1, ...))`:
+#: GPT2Attention.__init__ until 5.1.0 (gone in 5.2.0) and GPTNeoXAttention._init_bias until 4.48.1 (gone in 4.49.0).
+#: The catalog's inventory is built with a release without them. Found by the tracer on 4.48.1: pythia-1b's weights
+#: 64 MiB above the estimate (16 layers x 2048^2 bytes), gpt2's 12 MiB.
+CAUSAL_MASK_BUFFER_UNTIL = {"gpt2": (5, 2), "gpt_neox": (4, 49)}
+
+
+def release_buffer_bytes(ctx: Ctx) -> int:
+    """The per-layer causal-mask buffers of the release estimated for (CAUSAL_MASK_BUFFER_UNTIL), unless the
+    inventory already lists them (a catalog refreshed with such a release)."""
+    a = ctx.spec.arch
+    until = CAUSAL_MASK_BUFFER_UNTIL.get(a.model_type)
+    if (not until or not a.max_positions or not libs.older_than("transformers", until)
+            or any(b.name.endswith("attn.bias") or b.name.endswith("attention.bias") for b in ctx.spec.buffers)):
+        return 0
+    return (a.num_decoder_layers or a.num_encoder_layers) * alloc_bytes(a.max_positions ** 2)
 
 
 #: bytes per element of the non-floating buffer dtypes transformers registers
