@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh SECONDS [smoke] [tests] [planner] [pool:--planner|pool:] SWEEP.yaml...
 # pool: every gpu-*.yaml sweep side by side (benchmarks/gpu_pool.py), until SECONDS; pool:--planner adds the
 # planner check pairs. wheels:DIR:SWEEP.yaml runs SWEEP through the pool with DIR's wheels (another transformers,
-# say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions).
+# say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions);
+# quote a glob of sweeps: 'wheels:.whl-t448:benchmarks/sweeps/t448-*.yaml'.
 set -u
 budget=$1; shift
 end=$(( $(date +%s) + budget ))
@@ -36,7 +37,7 @@ for step in "$@"; do
     wheels:*) spec=${step#wheels:}; dir=${spec%%:*}; name=$(basename "$dir" | tr -d .); site=/tmp/site-$name
              install "$dir" "$site" || continue
              PYTHONPATH=$site:$PYTHONPATH timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) \
-               "data/measured/gpu-h100-$name.csv" "${spec#*:}" 2>&1 | grep -v Warning ;;
+               "data/measured/gpu-h100-$name.csv" ${spec#*:} 2>&1 | grep -v Warning ;;  # unquoted: a glob of sweeps
     *.yaml) timeout "$left" python3 -m memplan validate --sweep "$step" --out "$csv" --timeout 300 2>&1 \
              | grep -v "^\s*$" | tail -60 ;;
   esac
