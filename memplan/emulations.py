@@ -23,6 +23,11 @@ EMULATIONS = {
     "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
                            "fp32 absmax per 256 elements; fp32 below 4096 elements); paged state lives outside the "
                            "allocator (cudaMallocManaged) and is excluded from the allocated peak",
+    "data-dependent checks": "transformers 4.x drops an all-ones attention mask for sdpa after "
+                             "`torch.all(mask == 1)` (modeling_attn_mask_utils _ignore_causal_mask_sdpa, "
+                             "_prepare_4d_attention_mask_for_sdpa) and draws `torch.rand([])` against LayerDrop (BART, "
+                             "OPT): fake tensors cannot be read, so the tracer answers True to the first, as a real "
+                             "run of its unpadded batches would, and draws 1.0 for the second, so every layer runs",
     "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
                   "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
@@ -112,7 +117,7 @@ def cuda_like():
     F.dropout = dropout
     F.scaled_dot_product_attention = sdpa
     try:
-        with _grouped_mm_any_dtype(), _cuda_autocast_fp32():
+        with _grouped_mm_any_dtype(), _cuda_autocast_fp32(), _all_ones_masks():
             yield
     finally:
         F.dropout = original
@@ -152,6 +157,31 @@ def _cuda_autocast_fp32():
                       and isinstance(args[0], torch.Tensor) and args[0].dtype in half):
                     kwargs = {**kwargs, "dtype": torch.float32}
             return func(*args, **kwargs)
+
+    return _Mode()
+
+
+def _all_ones_masks():
+    """EMULATIONS["data-dependent checks"]: `torch.all(x)` over a whole fake bool tensor answers a constant True
+    (the tracer's batches have all-ones masks, steps.make_batch, so a real run's check is True), and a scalar
+    `torch.rand([])` under the fake mode a constant 1.0 (LayerDrop keeps every layer: `if dropout_probability <
+    self.layerdrop`). Real tensors, reductions along a dimension and other draws run as they are."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def faking() -> bool:
+        return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+    class _Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if (func in (torch.all, torch.Tensor.all) and not kwargs and len(args) == 1
+                    and is_fake(args[0]) and args[0].dtype == torch.bool):
+                return torch.tensor(True)
+            if func is torch.rand and not kwargs and args in (([],), ((),)) and faking():
+                return torch.tensor(1.0)
+            return func(*args, **(kwargs or {}))
 
     return _Mode()
 

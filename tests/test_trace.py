@@ -211,3 +211,21 @@ def test_attention_paths_found_by_the_tracer(tmp_path, model, fields):
     setup = Setup(**fields)
     c = T.compare(T.trace(model, setup, layers=2), estimate(model, setup))
     assert abs(c["rel_error"]) < (0.003 if "Phi-3" in model else 0.03), c
+
+
+def test_data_dependent_checks_answer_like_a_real_unpadded_run():
+    """transformers 4.x reads `torch.all(mask == 1)` to drop an all-ones sdpa mask and `torch.rand([])` against
+    LayerDrop (BART, OPT): under the tracer's fake mode the first answers True and the second draws 1.0 (every layer
+    runs); real tensors and reductions along a dimension are untouched (emulations._all_ones_masks)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.emulations import cuda_like
+    with cuda_like():
+        with FakeTensorMode():
+            mask = torch.ones(2, 8, dtype=torch.long)
+            assert bool(torch.all(mask == 1))
+            assert not bool(torch.rand([]) < 0.1)
+            assert torch.all(mask == 1, dim=-1).shape == (2,)
+        real = torch.zeros(3, dtype=torch.bool)
+        assert not bool(torch.all(real))
+        assert float(torch.rand([])) < 1.0
