@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memplan import libs
 from memplan.memory import distributed as dist
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
@@ -136,6 +137,9 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
 
 def _notes(ctx: Ctx) -> tuple[str, ...]:
     notes = [f"attention: {ctx.attn_impl}"]
+    release = libs.version("transformers")
+    if release:  # the code paths that differ between releases follow it (memplan.libs; docs/MODEL.md)
+        notes.append("transformers " + ".".join(map(str, release)))
     if dist.is_distributed(ctx.setup):
         notes.append(f"per GPU: {sharding_label(ctx.setup)}")
     if ctx.training and opt.is_paged(ctx):
