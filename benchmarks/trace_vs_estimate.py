@@ -136,6 +136,9 @@ for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "ge
         _add(_cfg, technique="qlora", precision="bf16", lora_targets=_wide, batch_size=2, seq_len=256, grad_ckpt=True)
     _add(_cfg, technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256, attn_impl="eager",
          lora_targets="query_key_value" if _shape == "gpt_neox" else "q_proj,v_proj")
+    # without autocast the eager softmax's dtype is the family's own (Arch.eager_softmax_fp32, read from its code)
+    _add(_cfg, technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager",
+         lora_targets="query_key_value" if _shape == "gpt_neox" else "q_proj,v_proj")
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

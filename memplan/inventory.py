@@ -271,7 +271,35 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         default_attn_impl="sdpa" if getattr(model, "_supports_sdpa", False) else "eager",
         lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
+        eager_softmax_fp32=_eager_softmax_fp32(model),
     )
+
+
+#: a softmax call that runs in fp32: `softmax(x, dim=-1, dtype=torch.float32)` (Llama's eager_attention_forward and
+#: every family generated from it), or on an fp32 copy, `softmax(scores.float(), ...)` (T5 before 5.15)
+_FP32_SOFTMAX = re.compile(r"softmax\([^\n]*(dtype=torch\.float32|\.float\(\))")
+
+
+def _eager_softmax_fp32(model) -> bool:
+    """Whether the model's eager attention takes its softmax in fp32 (fp32 probabilities plus a compute-dtype copy),
+    read from its modeling module as installed: the module's `eager_attention_forward`, or where a family has none
+    (Falcon, BLOOM, GPT-J) the source of its attention classes. Llama and the families generated from it do; GPT-2,
+    BERT, BART, T5 (5.15 on) and Falcon do not. A list of families missed every new one: Gemma-3, Qwen2-MoE, Qwen3
+    and the other shapes in benchmarks/shapes (pure bf16 eager: a Gemma-3-shaped config LoRA b2 s512 -11.1%)."""
+    import inspect
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "eager_attention_forward", None)
+    try:
+        if fn is not None:
+            source = inspect.getsource(fn)
+        else:
+            source = "\n".join(inspect.getsource(c) for name, c in vars(module).items()
+                               if isinstance(c, type) and "Attention" in name and c.__module__ == module.__name__)
+    except (OSError, TypeError):  # no source (a frozen or compiled module): the common case in 5.x
+        return True
+    return bool(_FP32_SOFTMAX.search(source))
 
 
 #: families whose MLP applies the model's one dropout rate between the activation and the output projection

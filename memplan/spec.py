@@ -118,6 +118,8 @@ class Arch:
     #: PreTrainedModel._keep_in_fp32_modules, e.g. T5's "wo"
     keep_in_fp32: tuple[str, ...] = ()
     needs_remote_code: bool = False
+    #: eager attention computes its softmax in fp32 and casts back (inventory._eager_softmax_fp32)
+    eager_softmax_fp32: bool = False
 
     @property
     def num_layers(self) -> int:

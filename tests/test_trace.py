@@ -200,6 +200,13 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     # Qwen2-MoE: a shared expert beside the routed ones, experts narrower than intermediate_size (-3.9% before)
     (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "qwen2_moe" / "config.json"),
      dict(technique="lora", precision="bf16", batch_size=2, seq_len=256, lora_targets="all-linear")),
+    # families outside the old fp32-softmax list whose eager_attention_forward takes softmax in fp32
+    # (Arch.eager_softmax_fp32): Qwen2-MoE all-linear eager -7.0%, Gemma-3 with a 128-token window -11% before
+    (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "qwen2_moe" / "config.json"),
+     dict(technique="lora", precision="bf16", batch_size=2, seq_len=256, lora_targets="all-linear",
+          attn_impl="eager")),
+    (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "gemma3_text" / "config.json"),
+     dict(technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager")),
 ])
 def test_attention_paths_found_by_the_tracer(tmp_path, model, fields):
     from memplan.estimate import estimate
@@ -229,3 +236,15 @@ def test_data_dependent_checks_answer_like_a_real_unpadded_run():
         real = torch.zeros(3, dtype=torch.bool)
         assert not bool(torch.all(real))
         assert float(torch.rand([])) < 1.0
+
+
+def test_eager_softmax_dtype_is_read_from_the_modeling_code():
+    """inventory._eager_softmax_fp32 reads the family's eager attention: Llama-generated families (and every
+    catalog family the old hand-kept list named) take softmax in fp32; GPT-2 and Falcon in the input dtype."""
+    shapes = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
+    assert load_spec(str(shapes / "gemma3_text" / "config.json")).arch.eager_softmax_fp32
+    assert load_spec(str(shapes / "qwen2_moe" / "config.json")).arch.eager_softmax_fp32
+    assert load_spec("meta-llama/Llama-3.2-1B").arch.eager_softmax_fp32
+    assert load_spec("bigscience/bloom-560m").arch.eager_softmax_fp32  # its attention class, no eager function
+    assert not load_spec("openai-community/gpt2").arch.eager_softmax_fp32
+    assert not load_spec("tiiuae/falcon-7b").arch.eager_softmax_fp32

@@ -6,12 +6,10 @@ from memplan import libs
 from memplan.memory.context import Ctx
 from memplan.memory.recording import graph_blocks
 
-#: families whose eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy):
-#: `softmax(..., dtype=torch.float32).to(query.dtype)` in transformers 5.23 llama (and the families that copy its
-#: eager_attention_forward), opt, gpt_neox, phi, bloom, gpt_bigcode. gpt2, bert, bart, t5 and falcon call softmax
-#: in the input dtype (their modeling_*.py eager paths).
-SOFTMAX_FP32 = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "opt", "gpt_neox",
-                "bloom", "gpt_bigcode", "gptj", "codegen"}
+#: Whether a family's eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy) is read
+#: from its modeling code when its inventory is built (Arch.eager_softmax_fp32, inventory._eager_softmax_fp32):
+#: `softmax(..., dtype=torch.float32).to(query.dtype)` in Llama's eager_attention_forward and every family generated
+#: from it, BLOOM; gpt2, bert, bart, t5 (5.15 on) and falcon call softmax in the input dtype.
 
 #: families whose eager softmax was fp32 in older transformers releases, until the given one: T5 and mT5 called
 #: `softmax(scores.float(), dim=-1).type_as(scores)` (T5Attention.forward, 4.48.1 to 5.14.0) and softmax in the
@@ -52,10 +50,11 @@ def _kernel_bytes(ctx: Ctx) -> int:
 
 def _softmax_fp32(ctx: Ctx, c: int) -> bool:
     """Eager softmax in fp32: under autocast (softmax is on its fp32 list), in fp32 models, or where the family
-    asks for it (SOFTMAX_FP32, and SOFTMAX_FP32_UNTIL in the releases before the one named)."""
-    model_type = ctx.spec.arch.model_type
-    return (ctx.mixed or c == 4 or model_type in SOFTMAX_FP32
-            or libs.older_than("transformers", SOFTMAX_FP32_UNTIL.get(model_type, ())))
+    asks for it (Arch.eager_softmax_fp32; SOFTMAX_FP32_UNTIL in the releases before the one named), or its scores
+    are fp32 already (QK_FP32)."""
+    a = ctx.spec.arch
+    return (ctx.mixed or c == 4 or a.eager_softmax_fp32 or a.model_type in QK_FP32
+            or libs.older_than("transformers", SOFTMAX_FP32_UNTIL.get(a.model_type, ())))
 
 
 #: families that hand sdpa K/V with fewer heads than q and no enable_gqa (falcon-7b's multi-query attention:
@@ -156,9 +155,11 @@ def windowed(ctx: Ctx) -> bool:
     """sdpa gets an explicit mask from the sliding window: the sequence is longer than the window (transformers
     masking_utils skips the causal mask for is_causal only while every query sees its whole prefix)."""
     a = ctx.spec.arch
-    # models mixing full and sliding layers (config.layer_types, mask_kinds 2: Gemma-3) pass their masks otherwise:
-    # a Gemma-3-shaped config b2 s512 traced -0.6% without the terms below and +1.8% with them - not modelled
-    return (ctx.attn_impl == "sdpa" and bool(a.sliding_layers) and a.mask_kinds == 1 and a.sliding_window is not None
+    # models mixing full and sliding layers (config.layer_types: Gemma-3) window their sliding layers the same way
+    # (a dispatch spy on a Gemma-3-shaped layer: the same bool mask, where-converted bias and repeat_kv clones as
+    # Mistral's); the full layers get is_causal. Traced: a Gemma-3-shaped config LoRA b2 s512 holds 12.5 MiB more
+    # with a 128-token window than with none, these terms 15 MiB
+    return (ctx.attn_impl == "sdpa" and bool(a.sliding_layers) and a.sliding_window is not None
             and ctx.tgt_len > a.sliding_window)
 
 
