@@ -38,6 +38,9 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     cross = blk.stack == "decoder" and a.kind == "seq2seq"
     # parallel blocks normalise one input x: two LayerNorms (GPT-NeoX) save the same x, so count it once
     per_tok = (1 if a.parallel_block else blk.norms) * norm_bytes(ctx, h, block_trains)
+    # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
+    # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
+    per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.qk_norm_widths)
     if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
         per_tok += input_saves(ctx, by_slot.get("attn_in", []) + by_slot.get("mlp_in", []), h, r, lora_names)
     else:
@@ -180,7 +183,7 @@ def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
         starts_here = not live and (key in trained_blocks or key in lora_blocks)
         live = live or starts_here
         shape = None if not live else (
-            blk.stack, blk.norms, key in trained_blocks,
+            blk.stack, blk.norms, blk.qk_norm_widths, key in trained_blocks,
             tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
                    weight_trains(ctx, m.name)) for sl, m in blk.linears))
         out.append((blk, shape, key in trained_blocks, starts_here))

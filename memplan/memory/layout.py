@@ -56,7 +56,24 @@ class BlockLayout:
     stack: str | None
     index: int
     linears: tuple[tuple[str, Linear], ...]  # (slot, linear)
-    norms: int = 2  # normalisation layers (weights) in the block, from the inventory
+    norms: int = 2  # normalisation layers (weights) over the hidden size in the block, from the inventory
+    #: elements per token of the block's query/key norms (QK-norm: Qwen3, OLMo2, Gemma-3): a per-head norm's weight
+    #: has head_dim elements but normalises every head, num_heads x head_dim (q) or num_kv_heads x head_dim (k)
+    qk_norm_widths: tuple[int, ...] = ()
+
+
+#: module names of query/key norms (modeling_qwen3 / modeling_gemma3 / modeling_olmo2 `q_norm`, `k_norm`;
+#: StableLM and Cohere's `q_layernorm`, `k_layernorm`)
+_QK_NORMS = {"q_norm": "q", "q_layernorm": "q", "k_norm": "k", "k_layernorm": "k"}
+
+
+def _qk_norm(name: str) -> tuple[str, str] | None:
+    """(module path, "q" | "k") of a query/key norm's parameter, None for any other norm."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _QK_NORMS:
+            return ".".join(parts[:i + 1]), _QK_NORMS[part]
+    return None
 
 
 _CACHE: dict[int, tuple[ModelSpec, tuple[BlockLayout, ...]]] = {}
@@ -72,12 +89,20 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
         if m.block is None or m.is_output:
             continue
         groups.setdefault((m.stack, m.block), []).append((slot(m, spec.arch.num_experts), m))
+    a = spec.arch
+    width = {"q": a.num_heads * a.head_dim, "k": a.num_kv_heads * a.head_dim}
     norms: dict[tuple[str | None, int], int] = {}
+    qk: dict[tuple[str | None, int], dict[str, int]] = {}
     for p in spec.params:
         if p.role == "norm" and p.block is not None and not p.name.endswith(".bias"):
-            norms[(p.stack, p.block)] = norms.get((p.stack, p.block), 0) + 1
+            key, side = (p.stack, p.block), _qk_norm(p.name)
+            if side:  # one entry per norm module (StableLM keeps a LayerNorm per head in a ModuleList)
+                qk.setdefault(key, {})[side[0]] = width[side[1]]
+            else:
+                norms[key] = norms.get(key, 0) + 1
     order = {"encoder": 0, None: 1, "decoder": 2}
     keys = sorted(groups, key=lambda k: (order.get(k[0], 1), k[1]))
-    out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0)) for k in keys)
+    out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0), tuple(qk.get(k, {}).values()))
+                for k in keys)
     _CACHE[id(spec)] = (spec, out)
     return out
