@@ -248,7 +248,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         mlp_gated=any(m.short_name in _GATED for m in linears) or bool(getattr(config, "is_gated_act", False))
         or bool(getattr(config, "num_local_experts", 0)),
         hidden_act=_activation(config),
-        norm="rmsnorm" if any("RMS" in n or n == "T5LayerNorm" for n in norms) else "layernorm",
+        norm="rmsnorm" if any("RMS" in n or n in ("T5LayerNorm", "MT5LayerNorm") for n in norms) else "layernorm",
         max_positions=_max_positions(config),
         tie_word_embeddings=_head_tied(model, tied),
         num_experts=int(_first(config, "num_local_experts", "num_experts", default=0) or 0),
@@ -272,7 +272,30 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         eager_softmax_fp32=_eager_softmax_fp32(model),
+        norm_weight_fp32=_norm_weight_fp32(model),
     )
+
+
+#: an RMSNorm forward that applies its weight in fp32 and casts after: `(self.weight * hidden_states).to(...)`
+#: (OLMo2), `* (1.0 + self.weight.float())` (Gemma, Gemma-2, Gemma-3), `self.weight.to(torch.float32) * ...`
+_FP32_WEIGHT = re.compile(r"\(self\.weight \* hidden_states\)\.to\(|self\.weight\.float\(\)|"
+                          r"self\.weight\.to\(torch\.float32\)")
+
+
+def _norm_weight_fp32(model) -> bool:
+    """Whether the model's RMSNorm multiplies by its weight before casting back to the input dtype, so the
+    normalised tensor a trainable weight saves is fp32 whatever the model dtype (Llama's casts first:
+    `self.weight * hidden_states.to(input_dtype)`). Read from the first RMSNorm class's forward. The list it
+    replaces (gemma, gemma2) missed Gemma-3 (-3.4% full bf16) and OLMo2 (-2.5%) shapes."""
+    import inspect
+
+    for module in model.modules():
+        if "RMSNorm" in type(module).__name__:
+            try:
+                return bool(_FP32_WEIGHT.search(inspect.getsource(type(module).forward)))
+            except (OSError, TypeError):
+                return False
+    return False
 
 
 #: a softmax call that runs in fp32: `softmax(x, dim=-1, dtype=torch.float32)` (Llama's eager_attention_forward and

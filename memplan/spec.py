@@ -120,6 +120,8 @@ class Arch:
     needs_remote_code: bool = False
     #: eager attention computes its softmax in fp32 and casts back (inventory._eager_softmax_fp32)
     eager_softmax_fp32: bool = False
+    #: the RMSNorm multiplies by its weight in fp32 and casts after (inventory._norm_weight_fp32)
+    norm_weight_fp32: bool = False
 
     @property
     def num_layers(self) -> int:

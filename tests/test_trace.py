@@ -191,24 +191,35 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     assert abs(c["rel_error"]) < 0.01, c
 
 
-@pytest.mark.parametrize("model, fields", [
+@pytest.mark.parametrize("model, fields, tolerance", [
     # Phi-3-mini's window is 2047: at 2048 tokens sdpa gets a mask and keeps a float copy per layer (-1.4% before)
     ("microsoft/Phi-3-mini-4k-instruct", dict(technique="lora", precision="bf16", batch_size=1, seq_len=2048,
-                                              lora_targets="all-linear")),
+                                              lora_targets="all-linear"), 0.003),
     # GPT-J casts q and k to fp32 for its scores (-5.6% before)
-    ("gptj", dict(technique="lora", precision="bf16", batch_size=2, seq_len=256)),
+    ("gptj", dict(technique="lora", precision="bf16", batch_size=2, seq_len=256), 0.03),
     # Qwen2-MoE: a shared expert beside the routed ones, experts narrower than intermediate_size (-3.9% before)
     (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "qwen2_moe" / "config.json"),
-     dict(technique="lora", precision="bf16", batch_size=2, seq_len=256, lora_targets="all-linear")),
+     dict(technique="lora", precision="bf16", batch_size=2, seq_len=256, lora_targets="all-linear"), 0.03),
     # families outside the old fp32-softmax list whose eager_attention_forward takes softmax in fp32
     # (Arch.eager_softmax_fp32): Qwen2-MoE all-linear eager -7.0%, Gemma-3 with a 128-token window -11% before
     (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "qwen2_moe" / "config.json"),
      dict(technique="lora", precision="bf16", batch_size=2, seq_len=256, lora_targets="all-linear",
-          attn_impl="eager")),
+          attn_impl="eager"), 0.03),
     (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "gemma3_text" / "config.json"),
-     dict(technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager")),
+     dict(technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager"), 0.03),
+    # Gemma3RMSNorm applies its weight in fp32 (-3.4% full bf16 before); CohereLayerNorm saves two fp32 centred
+    # copies (-2.5% before)
+    (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "gemma3_text" / "config.json"),
+     dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), 0.01),
+    (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "cohere" / "config.json"),
+     dict(technique="lora", precision="bf16", batch_size=2, seq_len=256, lora_targets="all-linear"), 0.01),
+    # OLMo2's RMSNorm applies its weight in fp32 too (Arch.norm_weight_fp32, read from its code; -2.5% before)
+    (str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "olmo2" / "config.json"),
+     dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), 0.01),
+    # mT5's MT5LayerNorm is an RMSNorm like T5's (inventory norm; -5.2% before)
+    ("bigscience/mt0-xxl", dict(technique="lora", precision="bf16", batch_size=4, seq_len=256), 0.01),
 ])
-def test_attention_paths_found_by_the_tracer(tmp_path, model, fields):
+def test_attention_paths_found_by_the_tracer(tmp_path, model, fields, tolerance):
     from memplan.estimate import estimate
     if model == "gptj":  # shaped like a small GPT-J (not in the catalog)
         model = str(tmp_path / "config.json")
@@ -217,7 +228,7 @@ def test_attention_paths_found_by_the_tracer(tmp_path, model, fields):
                                            "n_positions": 2048}))
     setup = Setup(**fields)
     c = T.compare(T.trace(model, setup, layers=2), estimate(model, setup))
-    assert abs(c["rel_error"]) < (0.003 if "Phi-3" in model else 0.03), c
+    assert abs(c["rel_error"]) < tolerance, c
 
 
 def test_data_dependent_checks_answer_like_a_real_unpadded_run():

@@ -66,18 +66,26 @@ def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
 #: (`hidden_states * torch.rsqrt(variance + eps)` after computing the variance from `hidden_states.to(float32)`),
 #: so a 16-bit model saves the input as well as its fp32 copy.
 RMS_KEEPS_INPUT = {"t5", "mt5"}
-#: RMSNorms that apply the weight in fp32 (`output * (1.0 + self.weight.float())`, GemmaRMSNorm) and cast after:
-#: the normalised tensor a trainable weight needs is fp32 whatever the model dtype.
-RMS_FP32_WEIGHT = {"gemma", "gemma2"}
+#: RMSNorms that apply the weight in fp32 and cast after (`output * (1.0 + self.weight.float())`, GemmaRMSNorm;
+#: `(self.weight * hidden_states).to(input_dtype)`, Olmo2RMSNorm): the normalised tensor a trainable weight needs is
+#: fp32 whatever the model dtype. Read from the norm's code when the inventory is built (Arch.norm_weight_fp32).
+#: LayerNorms written out in fp32 that centre the input twice (modeling_cohere.py CohereLayerNorm: `(hidden_states -
+#: mean).pow(2)` for the variance and `(hidden_states - mean) * torch.rsqrt(...)`, then `weight.float() * ...`): pow
+#: and the product each save their own fp32 centred copy, and a trainable weight the fp32 normalised tensor. Found by
+#: the tracer: a Cohere-shaped config 1.5 MiB per block above the estimate (LoRA all-linear bf16 b2 s256, -2.5%).
+CENTRED_FP32_LAYERNORM = {"cohere"}
 
 
 def norm_bytes(ctx: Ctx, h: int, trains: bool, model_type: str = "") -> float:
     """RMSNorm (HF Llama style: upcast to fp32, x*rsqrt(var), weight * x.to(dtype)): saves the fp32 input and,
-    when the weight trains, the normalised tensor. LayerNorm (ATen native_layer_norm): saves its input (+ [t] stats)."""
+    when the weight trains, the normalised tensor. LayerNorm (ATen native_layer_norm): saves its input (+ [t] stats);
+    Cohere's fp32 LayerNorm two centred fp32 copies (CENTRED_FP32_LAYERNORM)."""
     r = ctx.residual_bytes
     if ctx.spec.arch.norm == "rmsnorm":
         mt = model_type or ctx.spec.arch.model_type
         keeps = mt in RMS_KEEPS_INPUT and r != 4
-        normed = 4 if mt in RMS_FP32_WEIGHT else r
+        normed = 4 if ctx.spec.arch.norm_weight_fp32 else r
         return 4 * h + (normed * h if trains else 0) + (r * h if keeps else 0)
+    if (model_type or ctx.spec.arch.model_type) in CENTRED_FP32_LAYERNORM:
+        return 8 * h + (4 * h if trains else 0) + 8
     return r * h + 8
