@@ -41,11 +41,15 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
     # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
     per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.qk_norm_widths)
+    # a gate beside the MLP reads its input (layout "mlp_gate"): one group with mlp_in, so that a LoRA on it keeps its
+    # own fp32 copy and a trained one shares the 16-bit input (found by the tracer: a Qwen2-MoE-shaped config, LoRA
+    # all-linear bf16 sdpa -1.6%, the shared_expert_gate's lora_A input [tokens, hidden] fp32 per block uncounted)
+    mlp_readers = by_slot.get("mlp_in", []) + by_slot.get("mlp_gate", [])
     if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
-        per_tok += input_saves(ctx, by_slot.get("attn_in", []) + by_slot.get("mlp_in", []), h, r, lora_names)
+        per_tok += input_saves(ctx, by_slot.get("attn_in", []) + mlp_readers, h, r, lora_names)
     else:
         per_tok += input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
-        per_tok += input_saves(ctx, by_slot.get("mlp_in", []), h, r, lora_names)
+        per_tok += input_saves(ctx, mlp_readers, h, r, lora_names)
     tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
     per_tok += tok_core
     if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt

@@ -2,7 +2,8 @@
 
 Slots: "attn_in" (q/k/v or fused qkv: read the normed hidden state), "cross_kv" (cross-attention k/v: read the
 encoder output), "attn_out", "mlp_in" (gate/up/fc1: read the normed hidden state), "mlp_out" (down/fc2),
-"router" (MoE gate), "other". Names follow the transformers modeling files of each family (llama/mistral/qwen2/
+"router" (MoE gate), "mlp_gate" (a gate beside an MoE block's experts that reads their input: Qwen2-MoE's
+shared_expert_gate), "other". Names follow the transformers modeling files of each family (llama/mistral/qwen2/
 gemma: q_proj..down_proj; gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/gpt_neox: query_key_value, dense,
 dense_h_to_4h, dense_4h_to_h; t5: q,k,v,o, wi/wi_0/wi_1, wo; bart/opt: q_proj.., out_proj, fc1, fc2; bert: query,
 key, value, attention.output.dense, intermediate.dense, output.dense; phi: dense, fc1, fc2; phi3: qkv_proj,
@@ -20,6 +21,10 @@ _MLP_IN = {"gate_proj", "up_proj", "gate_up_proj", "wi", "wi_0", "wi_1", "fc1", 
            "fc_in"}
 _MLP_OUT = {"down_proj", "wo", "fc2", "dense_4h_to_h", "w2", "fc_out"}
 _CROSS = ("encoder_attn.", "EncDecAttention.", "crossattention.", "cross_attn.")
+#: Linears that read the MLP's input beside mlp_in without being part of the MLP: Qwen2-MoE's sigmoid gate on its
+#: shared expert (modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock.forward:
+#: `self.shared_expert_gate(hidden_states_reshaped)`, the tensor the shared expert's gate_proj and up_proj read).
+_MLP_GATE = {"shared_expert_gate"}
 
 
 def slot(m: Linear, num_experts: int = 0) -> str:
@@ -46,6 +51,8 @@ def slot(m: Linear, num_experts: int = 0) -> str:
         return "mlp_out" if parent == "output" else "other"
     if short == "gate" and num_experts and m.out_features == num_experts:
         return "router"
+    if short in _MLP_GATE:
+        return "mlp_gate"
     return "other"
 
 
