@@ -139,7 +139,7 @@ def _notes(ctx: Ctx) -> tuple[str, ...]:
     notes = [f"attention: {ctx.attn_impl}"]
     release = libs.version("transformers")
     if release:  # the code paths that differ between releases follow it (memplan.libs; docs/MODEL.md)
-        notes.append("transformers " + ".".join(map(str, release)))
+        notes.append("transformers " + libs.dotted(release))
     if dist.is_distributed(ctx.setup):
         notes.append(f"per GPU: {sharding_label(ctx.setup)}")
     if ctx.training and opt.is_paged(ctx):

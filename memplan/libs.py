@@ -20,6 +20,11 @@ def parse(v: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
+def dotted(release: tuple[int, ...] | None) -> str:
+    """A release as people write it, (4, 48, 1) -> "4.48.1"; "unknown" for None."""
+    return ".".join(map(str, release)) if release else "unknown"
+
+
 def version(package: str) -> tuple[int, ...] | None:
     """(major, minor, ...) of `package` as assumed (assume()) or installed; None when neither is known."""
     v = _ASSUMED.get().get(package)

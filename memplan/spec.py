@@ -118,9 +118,9 @@ class Arch:
     #: PreTrainedModel._keep_in_fp32_modules, e.g. T5's "wo"
     keep_in_fp32: tuple[str, ...] = ()
     needs_remote_code: bool = False
-    #: eager attention computes its softmax in fp32 and casts back (inventory._eager_softmax_fp32)
+    #: eager attention computes its softmax in fp32 and casts back (codefacts.eager_softmax_fp32)
     eager_softmax_fp32: bool = False
-    #: the RMSNorm multiplies by its weight in fp32 and casts after (inventory._norm_weight_fp32)
+    #: the RMSNorm multiplies by its weight in fp32 and casts after (codefacts.norm_weight_fp32)
     norm_weight_fp32: bool = False
 
     @property

@@ -250,7 +250,7 @@ def test_data_dependent_checks_answer_like_a_real_unpadded_run():
 
 
 def test_eager_softmax_dtype_is_read_from_the_modeling_code():
-    """inventory._eager_softmax_fp32 reads the family's eager attention: Llama-generated families (and every
+    """codefacts.eager_softmax_fp32 reads the family's eager attention: Llama-generated families (and every
     catalog family the old hand-kept list named) take softmax in fp32; GPT-2 and Falcon in the input dtype."""
     shapes = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
     assert load_spec(str(shapes / "gemma3_text" / "config.json")).arch.eager_softmax_fp32

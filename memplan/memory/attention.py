@@ -6,10 +6,10 @@ from memplan import libs
 from memplan.memory.context import Ctx
 from memplan.memory.recording import graph_blocks
 
-#: Whether a family's eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy) is read
-#: from its modeling code when its inventory is built (Arch.eager_softmax_fp32, inventory._eager_softmax_fp32):
-#: `softmax(..., dtype=torch.float32).to(query.dtype)` in Llama's eager_attention_forward and every family generated
-#: from it, BLOOM; gpt2, bert, bart, t5 (5.15 on) and falcon call softmax in the input dtype.
+# Whether a family's eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy) is read
+# from its modeling code when its inventory is built (Arch.eager_softmax_fp32, codefacts.eager_softmax_fp32):
+# `softmax(..., dtype=torch.float32).to(query.dtype)` in Llama's eager_attention_forward and every family generated
+# from it, BLOOM; gpt2, bert, bart, t5 (5.15 on) and falcon call softmax in the input dtype.
 
 #: families whose eager softmax was fp32 in older transformers releases, until the given one: T5 and mT5 called
 #: `softmax(scores.float(), dim=-1).type_as(scores)` (T5Attention.forward, 4.48.1 to 5.14.0) and softmax in the

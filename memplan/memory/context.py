@@ -161,8 +161,8 @@ def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
                  f"use --seq-len <= {a.max_positions}")
     if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
         since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
-        where = (f"before transformers {'.'.join(map(str, since))} (estimating for "
-                 f"{'.'.join(map(str, libs.version('transformers') or ()))})") if since else "in transformers"
+        where = (f"before transformers {libs.dotted(since)} (estimating for "
+                 f"{libs.dotted(libs.version('transformers'))})") if since else "in transformers"
         p.append(f"{a.model_type} does not support sdpa attention {where}; use --attn-impl eager")
     if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
         p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")

@@ -71,7 +71,7 @@ def release_buffer_bytes(ctx: Ctx) -> int:
     if (not until or not a.max_positions or not libs.older_than("transformers", until)
             or any(b.name.endswith("attn.bias") or b.name.endswith("attention.bias") for b in ctx.spec.buffers)):
         return 0
-    return (a.num_decoder_layers or a.num_encoder_layers) * alloc_bytes(a.max_positions ** 2)
+    return a.num_layers * alloc_bytes(a.max_positions ** 2)
 
 
 #: bytes per element of the non-floating buffer dtypes transformers registers
