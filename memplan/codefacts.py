@@ -53,3 +53,28 @@ def eager_softmax_fp32(model) -> bool:
     except (OSError, TypeError):  # no source (a frozen or compiled module): Llama's fp32 softmax, the common case
         return True
     return bool(_FP32_SOFTMAX.search(source))
+
+
+
+def peft_expert_targets(model_type: str) -> tuple[str, ...]:
+    """The LoRA target names peft moves onto a transformers-5 MoE family's fused expert tensors and router, as
+    "old:new" pairs (("down_proj:down_proj", "gate:gate.weight", "gate_proj:gate_up_proj", "up_proj:gate_up_proj")
+    for the qwen2_moe pattern); () where peft converts nothing. peft (utils/transformers_weight_conversion.py
+    `_convert_peft_config_moe`, peft 0.21) converts a family whose checkpoint conversion mapping exists and whose
+    `_MODEL_TO_CONVERSION_PATTERN` base ("mixtral", "qwen2_moe") has target and fused-target mappings: all-linear and
+    named targets then adapt the experts and the router instead of every Linear with an old name (a shared expert's
+    or a dense block's gate_proj/up_proj/down_proj are left out). Read from the installed peft; a peft without the
+    module converts nothing. A hand-kept {"mixtral"} missed OLMoE, Qwen3-MoE, MiniMax, DeepSeek-V2/V3, dots1 and the
+    other qwen2_moe-pattern families: an OLMoE-shaped config LoRA all-linear bf16 -20.9%, Qwen3-MoE -7.5%
+    (benchmarks/shapes)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+    except ModuleNotFoundError as e:  # an older peft: no conversion, no fused experts adapted
+        if e.name != "peft.utils.transformers_weight_conversion":
+            raise
+        return ()
+    base = conv._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    mapping = conv._MOE_TARGET_MODULE_MAPPING.get(base)
+    if not mapping or not conv._MOE_FUSED_TARGETS.get(base) or conv.get_checkpoint_conversion_mapping(model_type) is None:
+        return ()
+    return tuple(sorted(f"{old}:{new}" for old, new in mapping.items()))

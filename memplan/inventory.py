@@ -274,6 +274,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         eager_softmax_fp32=codefacts.eager_softmax_fp32(model),
         norm_weight_fp32=codefacts.norm_weight_fp32(model),
+        lora_expert_targets=codefacts.peft_expert_targets(config.model_type),
     )
 
 

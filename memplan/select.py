@@ -18,46 +18,61 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
     None: peft's default for the model type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, recorded in the
     inventory). "all-linear": every Linear/Conv1D except the output embedding (peft
     `_maybe_include_all_linear_layers`). A name that matches no module is an error listing the available names.
+    On the MoE families peft converts (Arch.lora_expert_targets) the old expert and router names move to the fused
+    expert tensors and the router (_moe_targets).
     """
     if targets is None:
         targets = spec.arch.lora_default_targets
         if not targets:
             raise BadInput(f"peft has no default LoRA target modules for model type {spec.arch.model_type!r}; "
                            "pass --lora-targets (module names, or all-linear)")
+    moved = dict(pair.split(":", 1) for pair in spec.arch.lora_expert_targets)
     if isinstance(targets, str) and targets.lower() == "all-linear":
-        return tuple(m for m in spec.linears if not m.is_output) + _moe_targets(spec)
+        # peft resolves all-linear to leaf names plus every old name, then moves the old names (a shared expert's or a
+        # dense block's gate_proj is left unadapted: a dots1-shaped config, 104,448 adapter parameters fewer)
+        return tuple(m for m in spec.linears if not m.is_output and m.short_name not in moved) + \
+            _moe_targets(spec, set(moved.values()))
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    old = {o for o in moved if any(_matches(t, o) for t in targets)}
+    _check_fused(spec, moved, old)
+    targets = tuple(t for t in targets if not any(_matches(t, o) for o in old))
     chosen = tuple(m for m in spec.linears if any(_matches(m.name, t) for t in targets))
     missing = [t for t in targets if not any(_matches(m.name, t) for m in spec.linears)]
     if missing:
-        names = sorted({m.short_name for m in spec.linears})
+        names = sorted({m.short_name for m in spec.linears} | set(moved))
         raise not_found("LoRA target", ", ".join(missing), names,
                         f"{spec.model_id} has these Linear modules: {', '.join(names)} (or use all-linear).")
-    return chosen
+    return chosen + _moe_targets(spec, {moved[o] for o in old})
 
 
-#: MoE families whose fused experts and router peft's all-linear adapts: peft 0.21 maps them through transformers'
-#: weight conversion for mixtral only (peft/utils/transformers_weight_conversion.py _MODEL_TO_CONVERSION_PATTERN);
-#: get_peft_model on Qwen2-MoE adapts its shared expert's and shared gate's Linears, not the fused experts
-#: (tests/test_select.py). Found by the tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 +11% before.
-EXPERT_LORA_ALL_LINEAR = {"mixtral"}
+def _check_fused(spec: ModelSpec, moved: dict[str, str], old: set[str]) -> None:
+    """peft refuses to adapt part of a fused expert tensor (gate_proj without up_proj: both live in gate_up_proj)."""
+    for new in {moved[o] for o in old}:
+        need = sorted(o for o, n in moved.items() if n == new)
+        if len(need) > 1 and not set(need) <= old:
+            raise BadInput(f"{spec.model_id} fuses {' and '.join(need)} into one expert tensor ({new}): peft adapts "
+                           f"them together, so target all of {', '.join(need)} or none")
 
 
-def _moe_targets(spec: ModelSpec) -> tuple[Linear, ...]:
+def _moe_targets(spec: ModelSpec, new_names: set[str]) -> tuple[Linear, ...]:
     """MoE layers that are not nn.Linear in transformers 5 (a router module with a [E, hidden] weight, fused
-    expert tensors [E, out, in]) but that peft 0.21 all-linear still adapts. Observed with get_peft_model on
-    Mixtral (tests/test_select.py): router lora_A [r, H] / lora_B [E, r]; experts lora_A [r*E*m, in] /
-    lora_B [out, r*E*m] with m = 2 for the fused gate_up_proj and 1 for down_proj."""
-    if spec.arch.model_type not in EXPERT_LORA_ALL_LINEAR:
+    expert tensors [E, out, in]) that peft adapts under their new names (gate.weight, gate_up_proj, down_proj) on the
+    families it converts (Arch.lora_expert_targets: Mixtral, OLMoE, Qwen3-MoE, ...; not Qwen2-MoE itself, whose
+    shared expert's and gate's Linears it adapts instead). Observed with get_peft_model (tests/test_select.py): router
+    lora_A [r, H] / lora_B [E, r]; experts lora_A [r*E*m, in] / lora_B [out, r*E*m] with m = 2 for the fused
+    gate_up_proj, 1 for down_proj."""
+    if not new_names:
         return ()
     out = []
     for p in spec.params:
-        if p.role == "other" and p.name.endswith(".gate.weight") and p.shape[0] == spec.arch.num_experts:
+        leaf = p.name.rsplit(".", 1)[-1]
+        if (p.role == "other" and "gate.weight" in new_names and p.name.endswith(".gate.weight")
+                and p.shape[0] == spec.arch.num_experts):
             out.append(Linear(p.name.removesuffix(".weight"), p.shape[1], p.shape[0], False, p.block, p.stack,
                               "router"))
-        elif p.role == "expert" and len(p.shape) == 3:
-            mult = p.shape[0] * (2 if p.name.endswith("gate_up_proj") else 1)
+        elif p.role == "expert" and len(p.shape) == 3 and leaf in new_names:
+            mult = p.shape[0] * (2 if leaf == "gate_up_proj" else 1)
             out.append(Linear(p.name, p.shape[2], p.shape[1], False, p.block, p.stack, "expert", False, mult))
     return tuple(out)
 

@@ -122,6 +122,8 @@ class Arch:
     eager_softmax_fp32: bool = False
     #: the RMSNorm multiplies by its weight in fp32 and casts after (codefacts.norm_weight_fp32)
     norm_weight_fp32: bool = False
+    #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
+    lora_expert_targets: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -151,6 +153,7 @@ class ModelSpec:
         arch = dict(d["arch"])
         arch["lora_default_targets"] = tuple(arch.get("lora_default_targets", ()))
         arch["keep_in_fp32"] = tuple(arch.get("keep_in_fp32", ()))
+        arch["lora_expert_targets"] = tuple(arch.get("lora_expert_targets", ()))
         return cls(
             model_id=d["model_id"],
             arch=Arch(**{k: v for k, v in arch.items() if k in arch_keys}),
@@ -166,6 +169,7 @@ class ModelSpec:
         arch = asdict(self.arch)
         arch["lora_default_targets"] = list(self.arch.lora_default_targets)
         arch["keep_in_fp32"] = list(self.arch.keep_in_fp32)
+        arch["lora_expert_targets"] = list(self.arch.lora_expert_targets)
         return {
             "format": INVENTORY_FORMAT,
             "model_id": self.model_id,

@@ -88,17 +88,20 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fal
     tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 -3.9% (its shared expert was not counted)."""
     a = ctx.spec.arch
     c, I = ctx.act_bytes, a.intermediate_size
-    k = a.experts_per_token if a.num_experts else 1
-    if shared:
-        I, k = by_slot["mlp_in"][0].out_features, 1
     outs = by_slot.get("mlp_out", [])
+    # experts as Linears (transformers 4), not a dense MLP in an MoE model (DeepSeek's and dots1's first blocks,
+    # first_k_dense_replace): found by the tracer, a dots1-shaped config full bf16 +1.7%, its dense block counted x k
+    routed = bool(a.num_experts) and not shared and len(outs) > 1
+    k = a.experts_per_token if routed else 1
+    if shared:
+        I = by_slot["mlp_in"][0].out_features
     down_trains = any(weight_trains(ctx, m.name) for m in outs)
     down_lora = 0.0
     for m in outs:
         if m.name in lora_names:
             branch, shares = lora_saves(ctx, m.in_features, c)
             down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
-    if a.num_experts and outs and not shared:
+    if routed:
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
     if a.mlp_gated:
         # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
@@ -114,7 +117,7 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fal
         # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml); T5's dropout before wo is the
         # same (found by the tracer: t5-base full bf16-mixed b16 s128, 6 MiB per block).
         core += I
-    moe = 2 * a.hidden_size * c if a.num_experts and not shared else 0
+    moe = 2 * a.hidden_size * c if routed else 0
     return k * (core + moe) + down_lora
 
 
