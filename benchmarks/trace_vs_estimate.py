@@ -128,7 +128,8 @@ _add("bigscience/mt0-xxl", layers=2, technique="lora", precision="bf16", batch_s
 # targets for some (q/v), all-linear for the rest
 SHAPES = ROOT / "benchmarks" / "shapes"
 for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "gemma3_text", "qwen2_moe", "mistral_sw",
-               "granite", "phimoe", "gpt_neox", "qwen3_moe", "olmoe", "dots1"):
+               "granite", "phimoe", "gpt_neox", "qwen3_moe", "olmoe", "dots1", "cohere2", "olmo",
+               "apertus"):
     _cfg = str(SHAPES / _shape / "config.json")
     # peft's all-linear wraps PhiMoE's router, whose forward returns a tuple peft cannot handle (a peft failure)
     _wide = "q_proj,k_proj,v_proj,o_proj" if _shape == "phimoe" else "all-linear"

@@ -1,31 +1,135 @@
-"""Facts about a model's memory that live in its transformers code rather than its config, read from the source of
-the classes and functions it runs when its inventory is built (memplan.inventory): they follow the installed
-release and cover families no hand-kept list names."""
+"""Facts about a model's memory that live in its transformers (and peft) code rather than its config, read from the
+source of the classes and functions it runs, or measured by running one of its layers on meta tensors, when its
+inventory is built (memplan.inventory): they follow the installed release and cover families no hand-kept list
+names."""
 from __future__ import annotations
 
 import re
 
 
-#: an RMSNorm forward that applies its weight in fp32 and casts after: `(self.weight * hidden_states).to(...)`
-#: (OLMo2), `* (1.0 + self.weight.float())` (Gemma, Gemma-2, Gemma-3), `self.weight.to(torch.float32) * ...`
-_FP32_WEIGHT = re.compile(r"\(self\.weight \* hidden_states\)\.to\(|self\.weight\.float\(\)|"
-                          r"self\.weight\.to\(torch\.float32\)")
+#: (residual stream bytes, weight trains) in the order Arch.norm_saves lists them
+NORM_CASES = ((2, False), (2, True), (4, False), (4, True))
 
 
-def norm_weight_fp32(model) -> bool:
-    """Whether the model's RMSNorm multiplies by its weight before casting back to the input dtype, so the
-    normalised tensor a trainable weight saves is fp32 whatever the model dtype (Llama's casts first:
-    `self.weight * hidden_states.to(input_dtype)`). Read from the first RMSNorm class's forward. The list it
-    replaces (gemma, gemma2) missed Gemma-3 (-3.4% full bf16) and OLMo2 (-2.5%) shapes."""
-    import inspect
+def norm_saves(model, hidden: int) -> tuple[tuple[float, float], ...]:
+    """What the model's normalisation layer saves for backward, measured by running it once per NORM_CASES (16-bit
+    or fp32 input and weights; weight frozen or trained) on meta tensors under torch.autograd.graph.saved_tensors_hooks:
+    (bytes per hidden element, bytes per row) for each case. Saved tensors are told apart by storage and parameters
+    left out; a tensor with the row dimension and `hidden` last counts per element, one with the row dimension and
+    last dim 1 (LayerNorm's mean and rstd, RMSNorm's rsqrt) per row, a weight-sized one ([hidden]: Gemma's
+    `1.0 + weight.float()`) not per token at all.
 
-    for module in model.modules():
-        if "RMSNorm" in type(module).__name__:
-            try:
-                return bool(_FP32_WEIGHT.search(inspect.getsource(type(module).forward)))
-            except (OSError, TypeError):  # no source: Llama's order, the common case
-                return False
-    return False
+    It follows the installed code of any family: Llama's RMSNorm keeps an fp32 copy (4 bytes/element) plus the cast
+    normalised tensor when the weight trains; T5's also its 16-bit input; Gemma's and OLMo2's apply the weight in fp32;
+    Cohere's LayerNorm centres twice in fp32; OLMo's parameter-free LayerNorm upcasts first. Lists of families missed
+    each new one: Cohere2-shaped full bf16 -3.4%, OLMo-shaped -2.6% (benchmarks/shapes). () when the model has no norm
+    or its forward does not run on meta tensors (memplan.memory.saves falls back to LayerNorm's rule)."""
+    import copy
+
+    import torch
+
+    module = _block_norm(model, hidden)
+    if module is None:
+        return ()
+    out = []
+    rows = 8
+    for r, trains in NORM_CASES:
+        mod = copy.deepcopy(module).to(torch.bfloat16 if r == 2 else torch.float32)
+        params = {p.untyped_storage()._cdata for p in mod.parameters()}
+        for p in mod.parameters():
+            p.requires_grad_(trains)
+        x = torch.empty(rows, hidden, device="meta", dtype=torch.bfloat16 if r == 2 else torch.float32,
+                        requires_grad=True)
+        saved: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+        def pack(t, saved=saved, params=params):
+            key = t.untyped_storage()._cdata
+            if key not in params:
+                saved[key] = (t.untyped_storage().nbytes(), tuple(t.shape))
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                mod(x)
+        except Exception:  # a norm that needs more than its input (a residual argument): LayerNorm's rule
+            return ()
+        per_row = [(n, shape) for n, shape in saved.values() if len(shape) > 1 and shape[0] == rows]
+        out.append((sum(n for n, shape in per_row if shape[-1] == hidden) / (rows * hidden),
+                    sum(n for n, shape in per_row if shape[-1] == 1) / rows))
+    return tuple(out)
+
+
+#: (the activation's own parameters train, input dtype, under autocast) in the order Arch.act_saves lists them
+ACT_CASES = tuple((trains, dtype, mixed) for trains in (False, True) for mixed in (False, True)
+                  for dtype in ("bfloat16", "float32"))
+
+
+def act_saves(name: str) -> tuple[float, ...]:
+    """Bytes per element of its input that the activation function `name` (transformers ACT2FN) saves for backward,
+    its input included, measured by running it on fake CPU tensors under saved_tensors_hooks, per ACT_CASES: 16-bit and
+    fp32 input, without and with autocast (CUDA autocast's fp32 ops, memplan.emulations; an fp32 input under autocast
+    is QLoRA's, whose bitsandbytes layers return fp32), its own parameters frozen or trained (xIELU's alphas train
+    with a fully trained MLP). One ATen op (silu, gelu, relu) saves its input only; Python compositions keep their
+    intermediates: gelu_new 4 tensors (8/16/14/16 bytes: pow runs in fp32 under CUDA autocast), gelu_fast 7,
+    quick_gelu 2, Apertus' xIELU 7/13/11/13 frozen, 9/17/15/17 trained (an Apertus-shaped config full bf16 -5.7% when
+    taken for one op). () for a name ACT2FN does not know or a function that does not run on fake tensors."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.activations import ACT2FN
+
+    from memplan.emulations import cuda_autocast_fp32
+
+    if name not in ACT2FN:
+        return ()
+    rows, width = 8, 64
+    out = []
+    for trains, dtype, mixed in ACT_CASES:
+        fn = ACT2FN[name]  # a fresh module: its own small parameters (xIELU's alphas) in the model's dtype
+        if isinstance(fn, torch.nn.Module):
+            fn = fn.to(getattr(torch, dtype)) if not mixed else fn
+            for p in fn.parameters():
+                p.requires_grad_(trains)
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            if t.dim() and t.shape[0] == rows:
+                saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                x = torch.empty(rows, width, dtype=getattr(torch, dtype), requires_grad=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed), cuda_autocast_fp32(), \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    fn(x)
+        except Exception:  # e.g. PReLU's weight promotion: the one-op rule (memplan.memory.saves)
+            return ()
+        out.append(sum(saved.values()) / (rows * width))
+    return tuple(out)
+
+
+def weightless_norms(model) -> int:
+    """Normalisation layers without parameters in the model's first block (OLMo's OlmoLayerNorm): the inventory
+    counts norms by their weights (memplan.memory.layout), so these add to every block."""
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if re.search(r"(^|\.)(layers|layer|h|block|blocks)\.0$", name):
+            return sum(1 for m in module.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
+                       and not any(True for _ in m.parameters(recurse=False)))
+    return 0
+
+
+def _block_norm(model, hidden: int):
+    """The model's normalisation layer: the first module named *Norm* (or an nn.LayerNorm) with a [hidden] weight,
+    else the first *Norm* module (OLMo's has no parameters)."""
+    from torch import nn
+
+    norms = [m for m in model.modules() if "Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm)]
+    for m in norms:
+        if any(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False)):
+            return m
+    return norms[0] if norms else None
 
 
 #: a softmax call that runs in fp32: `softmax(x, dim=-1, dtype=torch.float32)` (Llama's eager_attention_forward and

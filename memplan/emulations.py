@@ -117,7 +117,7 @@ def cuda_like():
     F.dropout = dropout
     F.scaled_dot_product_attention = sdpa
     try:
-        with _grouped_mm_any_dtype(), _cuda_autocast_fp32(), _all_ones_masks():
+        with _grouped_mm_any_dtype(), cuda_autocast_fp32(), _all_ones_masks():
             yield
     finally:
         F.dropout = original
@@ -132,7 +132,7 @@ AUTOCAST_FP32 = {"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10
 AUTOCAST_FP32_DTYPE = {"softmax", "log_softmax", "cumsum", "cumprod", "prod"}
 
 
-def _cuda_autocast_fp32():
+def cuda_autocast_fp32():
     """While CPU autocast is on, run CUDA autocast's fp32 ops in fp32 (16-bit tensor arguments cast up first): e.g.
     gelu_new's torch.pow, whose fp32 cast and outputs CUDA saves (14 B per element instead of 8). Found with the H100
     rows: the tracer was 10-14% below every gpt2 bf16-mixed measurement, the estimate within 0.6%."""
@@ -188,12 +188,12 @@ def _all_ones_masks():
 
 def checkpoint_kwargs() -> dict:
     """torch.utils.checkpoint arguments (non-reentrant, as Trainer's plan files set): the recompute re-enters the
-    CPU emulation of CUDA autocast's fp32 ops (_cuda_autocast_fp32), which the autograd engine does not carry into
+    CPU emulation of CUDA autocast's fp32 ops (cuda_autocast_fp32), which the autograd engine does not carry into
     backward; otherwise recomputed values differ from the forward's and checkpoint raises. The mode only acts under
     CPU autocast: a no-op on the GPU."""
     import contextlib
 
-    return {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _cuda_autocast_fp32())}
+    return {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), cuda_autocast_fp32())}
 
 
 def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):

@@ -273,7 +273,9 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         eager_softmax_fp32=codefacts.eager_softmax_fp32(model),
-        norm_weight_fp32=codefacts.norm_weight_fp32(model),
+        norm_saves=codefacts.norm_saves(model, hidden),
+        act_saves=codefacts.act_saves(_activation(config)),
+        weightless_norms=codefacts.weightless_norms(model),
         lora_expert_targets=codefacts.peft_expert_targets(config.model_type),
     )
 

@@ -120,8 +120,12 @@ class Arch:
     needs_remote_code: bool = False
     #: eager attention computes its softmax in fp32 and casts back (codefacts.eager_softmax_fp32)
     eager_softmax_fp32: bool = False
-    #: the RMSNorm multiplies by its weight in fp32 and casts after (codefacts.norm_weight_fp32)
-    norm_weight_fp32: bool = False
+    #: what the MLP activation saves per input element, per codefacts.ACT_CASES (codefacts.act_saves)
+    act_saves: tuple[float, ...] = ()
+    #: parameter-free norm layers per block (codefacts.weightless_norms: OLMo)
+    weightless_norms: int = 0
+    #: what the norm layer saves, (bytes per element, bytes per row) per codefacts.NORM_CASES (codefacts.norm_saves)
+    norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
 
@@ -154,6 +158,9 @@ class ModelSpec:
         arch["lora_default_targets"] = tuple(arch.get("lora_default_targets", ()))
         arch["keep_in_fp32"] = tuple(arch.get("keep_in_fp32", ()))
         arch["lora_expert_targets"] = tuple(arch.get("lora_expert_targets", ()))
+        arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
+        arch["act_saves"] = tuple(arch.get("act_saves", ()))
+        arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
         return cls(
             model_id=d["model_id"],
             arch=Arch(**{k: v for k, v in arch.items() if k in arch_keys}),
@@ -170,6 +177,8 @@ class ModelSpec:
         arch["lora_default_targets"] = list(self.arch.lora_default_targets)
         arch["keep_in_fp32"] = list(self.arch.keep_in_fp32)
         arch["lora_expert_targets"] = list(self.arch.lora_expert_targets)
+        arch["norm_saves"] = [list(pair) for pair in self.arch.norm_saves]
+        arch["act_saves"] = list(self.arch.act_saves)
         return {
             "format": INVENTORY_FORMAT,
             "model_id": self.model_id,

@@ -40,7 +40,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     per_tok = (1 if a.parallel_block else blk.norms) * norm_bytes(ctx, h, block_trains)
     # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
     # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
-    per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.qk_norm_widths)
+    per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim) for w in blk.qk_norm_widths)
     # a gate beside the MLP reads its input (layout "mlp_gate"): one group with mlp_in, so that a LoRA on it keeps its
     # own fp32 copy and a trained one shares the 16-bit input (found by the tracer: a Qwen2-MoE-shaped config, LoRA
     # all-linear bf16 sdpa -1.6%, the shared_expert_gate's lora_A input [tokens, hidden] fp32 per block uncounted)
@@ -82,7 +82,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
 
 def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> float:
     """MLP: gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
-    activation's inputs (saves.ACT_SAVED) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
+    activation's inputs (saves.act_saved_bytes) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
     experts) and adds the gathered expert inputs/outputs. shared: a MoE block's shared expert (every token, its own
     width: Qwen2-MoE's shared_expert_intermediate_size; the sigmoid gate's product is the caller's). Found by the
     tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 -3.9% (its shared expert was not counted)."""
@@ -107,10 +107,10 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fal
         # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
         # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh: found by the tracer on flan-t5-xl
         # LoRA, -6.5% before)
-        core = I * (act_saved_bytes(ctx) + 2 * c) + (I * c if down_trains else 0)
+        core = I * (act_saved_bytes(ctx, down_trains) + 2 * c) + (I * c if down_trains else 0)
     else:
         shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0
-        core = I * act_saved_bytes(ctx) + (I * c if down_trains and not shared else 0)
+        core = I * act_saved_bytes(ctx, down_trains) + (I * c if down_trains and not shared else 0)
     if a.act_dropout > 0:
         # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
         # when fc2 trains. Measured: bart-large LoRA bf16 b16 s256 kept 24 x [4096, 4096] bool masks at
@@ -221,7 +221,7 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
             continue
         if "embed" in p.name and not embeds_record:
             continue
-        total += norm_bytes(ctx, p.shape[0], p.name in ctx.trainable, a.model_type) * _outside_tokens(ctx, p.name)
+        total += norm_bytes(ctx, p.shape[0], p.name in ctx.trainable) * _outside_tokens(ctx, p.name)
     tied = dict(ctx.spec.tied)
     lora_names = {m.name for m in ctx.lora}
     for m in ctx.spec.linears:
@@ -236,7 +236,7 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
         if m.is_output:
             total += (m.in_features * c if trains and a.has_lm_head else 0) * tokens
         else:
-            total += ((m.in_features * c if trains else 0) + m.out_features * act_saved_bytes(ctx)) * tokens
+            total += ((m.in_features * c if trains else 0) + m.out_features * act_saved_bytes(ctx, trains)) * tokens
     if a.hidden_dropout > 0 and embeds_record:
         total += h * ctx.setup.batch_size * ctx.src_len
     return total + position_bias_bytes(ctx)

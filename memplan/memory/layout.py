@@ -109,7 +109,8 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
                 norms[key] = norms.get(key, 0) + 1
     order = {"encoder": 0, None: 1, "decoder": 2}
     keys = sorted(groups, key=lambda k: (order.get(k[0], 1), k[1]))
-    out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0), tuple(qk.get(k, {}).values()))
+    out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0) + a.weightless_norms,
+                            tuple(qk.get(k, {}).values()))
                 for k in keys)
     _CACHE[id(spec)] = (spec, out)
     return out

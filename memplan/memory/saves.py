@@ -3,25 +3,23 @@ function, a normalisation layer. memplan.memory.activations adds them up per blo
 rule, from torch's tools/autograd/derivatives.yaml)."""
 from __future__ import annotations
 
+from memplan.codefacts import ACT_CASES, NORM_CASES
 from memplan.memory.context import Ctx
 
 
-#: activation -> bytes saved per element of its input, as f(c) for compute bytes c; `mixed` variant under autocast.
-#: gelu/silu/relu (one ATen op): the input (or output) only. gelu_new (transformers NewGELUActivation, five python
-#: ops): pow saves x, tanh saves its output, the final mul saves 0.5*x and (1+tanh); under autocast pow runs in fp32
-#: (autocast fp32 op list) so x is upcast and the tanh chain is fp32.
-ACT_SAVED = {
-    "gelu_new": (lambda c: 4 * c, lambda c: 4 + 4 + c + 4),
-    "default": (lambda c: c, lambda c: c),
-}
 #: activations whose backward needs their output (aten threshold_backward for relu): that output is also fc2's
 #: input, so a trainable fc2 adds nothing when no dropout sits between them.
 SAVES_OUTPUT = {"relu"}
 
 
-def act_saved_bytes(ctx: Ctx) -> float:
-    pure, mixed = ACT_SAVED.get(ctx.spec.arch.hidden_act, ACT_SAVED["default"])
-    return (mixed if ctx.mixed else pure)(ctx.act_bytes)
+def act_saved_bytes(ctx: Ctx, trains: bool = False) -> float:
+    """Bytes per element of its input the MLP activation saves (trains: its own parameters, if any, train with the
+    MLP): measured on the family's activation when its inventory was built (Arch.act_saves, codefacts.act_saves),
+    else one ATen op's (its input)."""
+    table, c = ctx.spec.arch.act_saves, ctx.act_bytes
+    if not table:
+        return c
+    return table[ACT_CASES.index((trains, "bfloat16" if c < 4 else "float32", ctx.mixed))]
 
 
 def weight_trains(ctx: Ctx, name: str) -> bool:
@@ -62,30 +60,19 @@ def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
     return x + s.lora_r * xb, not own_copy
 
 
-#: RMSNorms that multiply the *input* (not its fp32 upcast) by rsqrt(variance): T5LayerNorm
-#: (`hidden_states * torch.rsqrt(variance + eps)` after computing the variance from `hidden_states.to(float32)`),
-#: so a 16-bit model saves the input as well as its fp32 copy.
-RMS_KEEPS_INPUT = {"t5", "mt5"}
-#: RMSNorms that apply the weight in fp32 and cast after (`output * (1.0 + self.weight.float())`, GemmaRMSNorm;
-#: `(self.weight * hidden_states).to(input_dtype)`, Olmo2RMSNorm): the normalised tensor a trainable weight needs is
-#: fp32 whatever the model dtype. Read from the norm's code when the inventory is built (Arch.norm_weight_fp32).
-#: LayerNorms written out in fp32 that centre the input twice (modeling_cohere.py CohereLayerNorm: `(hidden_states -
-#: mean).pow(2)` for the variance and `(hidden_states - mean) * torch.rsqrt(...)`, then `weight.float() * ...`): pow
-#: and the product each save their own fp32 centred copy, and a trainable weight the fp32 normalised tensor. Found by
-#: the tracer: a Cohere-shaped config 1.5 MiB per block above the estimate (LoRA all-linear bf16 b2 s256, -2.5%).
-CENTRED_FP32_LAYERNORM = {"cohere"}
+def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1) -> float:
+    """Bytes per token a normalisation layer of width h saves for backward (rows: how many normalised rows a token
+    has, the heads of a per-head q/k norm): measured on the family's own norm when its inventory was built
+    (Arch.norm_saves, codefacts.norm_saves), indexed by the residual stream's dtype and whether the weight trains.
+    Without a measurement (a hand-built spec): Llama's RMSNorm for an RMSNorm (an fp32 copy, rsqrt's fp32 output per
+    row, the normalised tensor in the stream's dtype when the weight trains), else ATen native_layer_norm's (its input
+    plus fp32 mean and rstd per row)."""
 
-
-def norm_bytes(ctx: Ctx, h: int, trains: bool, model_type: str = "") -> float:
-    """RMSNorm (HF Llama style: upcast to fp32, x*rsqrt(var), weight * x.to(dtype)): saves the fp32 input and,
-    when the weight trains, the normalised tensor. LayerNorm (ATen native_layer_norm): saves its input (+ [t] stats);
-    Cohere's fp32 LayerNorm two centred fp32 copies (CENTRED_FP32_LAYERNORM)."""
     r = ctx.residual_bytes
-    if ctx.spec.arch.norm == "rmsnorm":
-        mt = model_type or ctx.spec.arch.model_type
-        keeps = mt in RMS_KEEPS_INPUT and r != 4
-        normed = 4 if ctx.spec.arch.norm_weight_fp32 else r
-        return 4 * h + (normed * h if trains else 0) + (r * h if keeps else 0)
-    if (model_type or ctx.spec.arch.model_type) in CENTRED_FP32_LAYERNORM:
-        return 8 * h + (4 * h if trains else 0) + 8
-    return r * h + 8
+    table = ctx.spec.arch.norm_saves
+    if not table:
+        if ctx.spec.arch.norm == "rmsnorm":
+            return 4 * h + (r * h if trains else 0) + 4 * rows
+        return r * h + 8 * rows
+    per_element, per_row = table[NORM_CASES.index((2 if r < 4 else 4, trains))]
+    return per_element * h + per_row * rows

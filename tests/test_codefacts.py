@@ -1,0 +1,74 @@
+"""Facts memplan reads from a family's own code when it builds the inventory (memplan.codefacts): what its norm layer
+and its activation save for backward, measured on meta / fake tensors. Golden values are the saves torch's
+tools/autograd/derivatives.yaml gives for each module's ops (cited per case)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memplan.models import load_spec
+
+SHAPES = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
+
+
+@pytest.mark.parametrize("model, expected", [
+    # LlamaRMSNorm: fp32 copy (pow and mul save it) + rsqrt's fp32 output per row; a trained weight saves the
+    # normalised tensor cast back to the input dtype (modeling_llama.py LlamaRMSNorm.forward)
+    ("meta-llama/Llama-2-7b-hf", ((4, 4), (6, 4), (4, 4), (8, 4))),
+    # T5LayerNorm multiplies the 16-bit input itself by rsqrt (modeling_t5.py): the input is saved as well
+    ("google-t5/t5-base", ((6, 4), (8, 4), (4, 4), (8, 4))),
+    # GemmaRMSNorm applies (1 + weight) in fp32: the normalised tensor is fp32 whatever the model dtype
+    ("google/gemma-7b", ((4, 4), (8, 4), (4, 4), (8, 4))),
+    # nn.LayerNorm (aten native_layer_norm): its input plus fp32 mean and rstd per row; the weight saves nothing more
+    ("openai-community/gpt2", ((2, 8), (2, 8), (4, 8), (4, 8))),
+    # CohereLayerNorm centres twice in fp32 (modeling_cohere.py): two fp32 centred copies, + the normalised tensor
+    (str(SHAPES / "cohere2" / "config.json"), ((8, 4), (12, 4), (8, 4), (12, 4))),
+    # OlmoLayerNorm: F.layer_norm on an fp32 copy, no parameters
+    (str(SHAPES / "olmo" / "config.json"), ((4, 8), (4, 8), (4, 8), (4, 8))),
+])
+def test_norm_saves_per_family(model, expected):
+    assert load_spec(model).arch.norm_saves == expected
+
+
+@pytest.mark.parametrize("act, expected", [
+    ("silu", (2, 4, 2, 4) * 2),  # one ATen op: its input
+    # gelu_new (activations.py NewGELUActivation): pow saves x, tanh its output, the product 0.5x and 1 + tanh; under
+    # CUDA autocast pow runs in fp32, so x and the tanh chain are fp32 (4 + 4 + 2 + 4)
+    ("gelu_new", (8, 16, 14, 16) * 2),
+    ("quick_gelu", (4, 8, 4, 8) * 2),  # x * sigmoid(1.702 x): x and the sigmoid's output
+    # xIELU (activations.py XIELUActivation, Python path): its trainable alphas need more of its intermediates
+    ("xielu", (7, 13, 11, 13, 9, 17, 15, 17)),
+])
+def test_activation_saves(act, expected):
+    from memplan.codefacts import act_saves
+
+    assert act_saves(act) == expected
+
+
+def test_olmo_counts_its_parameter_free_norms(tmp_path):
+    from memplan.memory.layout import blocks
+
+    spec = load_spec(str(SHAPES / "olmo" / "config.json"))
+    assert spec.arch.weightless_norms == 2
+    assert {b.norms for b in blocks(spec)} == {2}
+
+
+def test_qlora_activations_are_fp32_under_autocast():
+    # bitsandbytes layers return fp32 after k-bit preparation, so gelu_new's input is fp32 under autocast (16 bytes),
+    # not the 16-bit case (14)
+    from memplan.memory.context import resolve
+    from memplan.memory.saves import act_saved_bytes
+    from memplan.setup import Setup
+
+    ctx = resolve(load_spec("openai-community/gpt2"), Setup(technique="qlora", precision="bf16"))
+    assert ctx.mixed and act_saved_bytes(ctx) == 16
+
+
+def test_stored_inventory_round_trips_the_measured_facts(tmp_path):
+    from memplan.spec import ModelSpec
+
+    spec = load_spec(str(SHAPES / "cohere2" / "config.json"))
+    again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again.arch == spec.arch
