@@ -129,21 +129,23 @@ _add("bigscience/mt0-xxl", layers=2, technique="lora", precision="bf16", batch_s
 SHAPES = ROOT / "benchmarks" / "shapes"
 for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "gemma3_text", "qwen2_moe", "mistral_sw",
                "granite", "phimoe", "gpt_neox", "qwen3_moe", "olmoe", "dots1", "cohere2", "olmo",
-               "apertus"):
+               "apertus", "roberta", "xlm-roberta", "mbart", "gpt_oss"):
     _cfg = str(SHAPES / _shape / "config.json")
     # peft's all-linear wraps PhiMoE's router, whose forward returns a tuple peft cannot handle (a peft failure)
     _wide = "q_proj,k_proj,v_proj,o_proj" if _shape == "phimoe" else "all-linear"
+    _attn_targets = {"gpt_neox": "query_key_value", "roberta": "query,value", "xlm-roberta": "query,value"}.get(
+        _shape, "q_proj,v_proj")
     _add(_cfg, technique="lora", precision="bf16", lora_targets=_wide, batch_size=2, seq_len=256)
     _add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256)
     if _shape != "phimoe":  # the tracer's QLoRA stand-ins fail inside PhiMoE's expert routing (a tracer limit)
         _add(_cfg, technique="qlora", precision="bf16", lora_targets=_wide, batch_size=2, seq_len=256, grad_ckpt=True)
     _add(_cfg, technique="lora", precision="bf16-mixed", batch_size=2, seq_len=256, attn_impl="eager",
-         lora_targets="query_key_value" if _shape == "gpt_neox" else "q_proj,v_proj")
+         lora_targets=_attn_targets)
     # without autocast a trainable norm weight saves the normalised tensor in the family's own dtype (saves.py)
     _add(_cfg, technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512)
     # without autocast the eager softmax's dtype is the family's own (Arch.eager_softmax_fp32, read from its code)
     _add(_cfg, technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager",
-         lora_targets="query_key_value" if _shape == "gpt_neox" else "q_proj,v_proj")
+         lora_targets=_attn_targets)
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

@@ -7,6 +7,14 @@ from __future__ import annotations
 import re
 
 
+def read(model, model_type: str, hidden: int, activation: str) -> dict:
+    """Every fact this module reads, as memplan.spec.Arch fields, for the inventory of a model built on meta."""
+    return dict(eager_softmax_fp32=eager_softmax_fp32(model), norm_saves=norm_saves(model, hidden),
+                act_saves=act_saves(activation), weightless_norms=weightless_norms(model),
+                plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
+                expert_gate_saves=expert_gate_saves(model))
+
+
 #: (residual stream bytes, weight trains) in the order Arch.norm_saves lists them
 NORM_CASES = ((2, False), (2, True), (4, False), (4, True))
 
@@ -108,6 +116,38 @@ def act_saves(name: str) -> tuple[float, ...]:
     return tuple(out)
 
 
+def expert_gate_saves(model) -> tuple[float, ...]:
+    """Bytes per element of the gated [tokens, I] output that a family's own expert gating function saves, its
+    [tokens, 2I] input included, for a 16-bit and an fp32 input: measured on fake tensors where the experts have
+    one (`_apply_gate`: GPT-OSS clamps gate and up, then `gate * sigmoid(alpha * gate)` and `(up + 1) * glu` keep four
+    [I] tensors beside the input, 6 elements where SwiGLU's act(gate) * up keeps 3). () for the standard SwiGLU.
+    Found by the tracer: a GPT-OSS-shaped config full bf16 -13%."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gate = next((m._apply_gate for m in model.modules() if "Experts" in type(m).__name__
+                 and callable(getattr(m, "_apply_gate", None))), None)
+    if gate is None:
+        return ()
+    rows, width, out = 8, 64, []
+    for dtype in (torch.bfloat16, torch.float32):
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                x = torch.empty(rows, 2 * width, dtype=dtype, requires_grad=True)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    gate(x)
+        except Exception:  # the standard rule
+            return ()
+        out.append(sum(saved.values()) / (rows * width))
+    return tuple(out)
+
+
 def weightless_norms(model) -> int:
     """Normalisation layers without parameters in the model's first block (OLMo's OlmoLayerNorm): the inventory
     counts norms by their weights (memplan.memory.layout), so these add to every block."""
@@ -118,6 +158,22 @@ def weightless_norms(model) -> int:
             return sum(1 for m in module.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
                        and not any(True for _ in m.parameters(recurse=False)))
     return 0
+
+
+def plain_cross_entropy(model) -> bool:
+    """Whether the model's head computes its loss with torch's CrossEntropyLoss on the logits as they are (BERT and
+    every encoder copied from it, T5, BART and the seq2seq families copied from it: `loss_fct = CrossEntropyLoss()`,
+    DistilBERT's `self.mlm_loss_fct`) rather than through `self.loss_function` (transformers loss/loss_utils.py, which
+    upcasts the logits to fp32 first). Read from the source of the head class's forward. A list (bert, t5, mt5, bart)
+    missed RoBERTa, XLM-R, DeBERTa-v2, DistilBERT, ALBERT, MPNet, mBART, Marian and Pegasus: their pure-bf16 rows
+    were taken for fp32 losses, +28% to +48% (RoBERTa-shaped full bf16 b2 s512: +43%)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):  # no source: the loss_function, the common case
+        return False
+    return "self.loss_function" not in source and bool(re.search(r"CrossEntropyLoss|cross_entropy\(|loss_fct", source))
 
 
 def _block_norm(model, hidden: int):
@@ -179,6 +235,7 @@ def peft_expert_targets(model_type: str) -> tuple[str, ...]:
         return ()
     base = conv._MODEL_TO_CONVERSION_PATTERN.get(model_type)
     mapping = conv._MOE_TARGET_MODULE_MAPPING.get(base)
-    if not mapping or not conv._MOE_FUSED_TARGETS.get(base) or conv.get_checkpoint_conversion_mapping(model_type) is None:
+    if (not mapping or not conv._MOE_FUSED_TARGETS.get(base)
+            or conv.get_checkpoint_conversion_mapping(model_type) is None):
         return ()
     return tuple(sorted(f"{old}:{new}" for old, new in mapping.items()))

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from memplan import codefacts
+from memplan.modelclass import auto_class, check_flat, check_remote_code
 from memplan.errors import BadInput
 from memplan.spec import Arch, Buffer, Linear, ModelSpec, Param
 
@@ -17,34 +18,9 @@ BLOCK_LISTS = "layers|layer|h|block|blocks"
 _BLOCK_RE = re.compile(rf"\.(?:{BLOCK_LISTS})\.(\d+)\.")
 
 
-def _auto_class(config_dict: dict, config):
-    import transformers as tf
-
-    arch = (config_dict.get("architectures") or [""])[0]
-    order = [tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM]
-    if "ConditionalGeneration" in arch or config.is_encoder_decoder:
-        order = [tf.AutoModelForSeq2SeqLM] + order
-    elif "MaskedLM" in arch or "PreTraining" in arch or config.model_type in ("bert", "roberta"):
-        order = [tf.AutoModelForMaskedLM] + order
-    for cls in order:
-        if type(config) in cls._model_mapping:
-            return cls
-    raise BadInput(f"transformers has no causal-LM, seq2seq-LM or masked-LM class for model type "
-                   f"{config.model_type!r}; memplan supports decoder, encoder-decoder and encoder language models")
-
-
-def _check_remote_code(d: dict, trust_remote_code: bool) -> None:
-    from transformers import CONFIG_MAPPING
-
-    # transformers uses its own class when it knows the model_type, ignoring a legacy auto_map (phi-2 ships one)
-    if d.get("model_type") not in CONFIG_MAPPING and not trust_remote_code:
-        raise BadInput(f"model_type {d.get('model_type')!r} is not built into transformers: its code lives in the "
-                       "model's repository; memplan never runs remote code unless you pass --trust-remote-code")
-
-
 def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_remote_code: bool = False) -> ModelSpec:
     """Instantiate `config_dict` on the meta device and record its exact inventory."""
-    _check_remote_code(config_dict, trust_remote_code)
+    check_remote_code(config_dict, trust_remote_code)
     import torch
     import transformers
     from accelerate import init_empty_weights
@@ -57,7 +33,8 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
             config = transformers.AutoConfig.from_pretrained(str(Path(config_file).parent), trust_remote_code=True)
     except (TypeError, ValueError, KeyError) as e:
         raise BadInput(f"{config_file or model_id}: transformers rejects this config: {e}") from None
-    cls = _auto_class(config_dict, config)
+    check_flat(config, config_file or model_id)
+    cls = auto_class(config_dict, config)
     with init_empty_weights():
         model = cls.from_config(config, trust_remote_code=trust_remote_code)
     model.tie_weights()
@@ -111,15 +88,19 @@ def _params(model, torch):
     for mname, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
             owners.setdefault(f"{mname}.{pname}" if mname else pname, module)
+    # a tied weight takes the input embedding's name, the head's is the alias, even where the head comes first
+    # (XLMRobertaForMaskedLM: the head counted as untied and the tracer untied it, XLM-R-shaped bf16-mixed -23%)
+    emb = model.get_input_embeddings()
+    canonical = {id(emb.weight): _module_name(model, emb) + ".weight"} if hasattr(emb, "weight") else {}
     seen, params, tied = {}, [], []
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
+        if id(p) not in seen:
+            seen[id(p)] = kept = canonical.get(id(p), name)
+            m = _BLOCK_RE.search(kept)
+            params.append(Param(kept, tuple(p.shape), _role(kept, owners[kept], model, torch),
+                                int(m.group(1)) if m else None, _stack(kept, model)))
+        if name != seen[id(p)]:
             tied.append((name, seen[id(p)]))
-            continue
-        seen[id(p)] = name
-        m = _BLOCK_RE.search(name)
-        params.append(Param(name, tuple(p.shape), _role(name, owners[name], model, torch),
-                            int(m.group(1)) if m else None, _stack(name, model)))
     return params, tied
 
 
@@ -272,11 +253,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         default_attn_impl="sdpa" if getattr(model, "_supports_sdpa", False) else "eager",
         lora_default_targets=tuple(LORA_DEFAULTS.get(config.model_type, ())),
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
-        eager_softmax_fp32=codefacts.eager_softmax_fp32(model),
-        norm_saves=codefacts.norm_saves(model, hidden),
-        act_saves=codefacts.act_saves(_activation(config)),
-        weightless_norms=codefacts.weightless_norms(model),
-        lora_expert_targets=codefacts.peft_expert_targets(config.model_type),
+        **codefacts.read(model, config.model_type, hidden, _activation(config)),
     )
 
 

@@ -124,6 +124,11 @@ class Arch:
     act_saves: tuple[float, ...] = ()
     #: parameter-free norm layers per block (codefacts.weightless_norms: OLMo)
     weightless_norms: int = 0
+    #: the head's loss is torch CrossEntropyLoss on the logits as they are, no fp32 upcast
+    #: (codefacts.plain_cross_entropy)
+    plain_cross_entropy: bool = False
+    #: what the experts' own gating saves per gated element, 16-bit and fp32 (codefacts.expert_gate_saves: GPT-OSS)
+    expert_gate_saves: tuple[float, ...] = ()
     #: what the norm layer saves, (bytes per element, bytes per row) per codefacts.NORM_CASES (codefacts.norm_saves)
     norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
@@ -160,6 +165,7 @@ class ModelSpec:
         arch["lora_expert_targets"] = tuple(arch.get("lora_expert_targets", ()))
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
+        arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
         return cls(
             model_id=d["model_id"],
@@ -179,6 +185,7 @@ class ModelSpec:
         arch["lora_expert_targets"] = list(self.arch.lora_expert_targets)
         arch["norm_saves"] = [list(pair) for pair in self.arch.norm_saves]
         arch["act_saves"] = list(self.arch.act_saves)
+        arch["expert_gate_saves"] = list(self.arch.expert_gate_saves)
         return {
             "format": INVENTORY_FORMAT,
             "model_id": self.model_id,

@@ -60,7 +60,8 @@ def test_activations_equal_autograd_saved_bytes(stem, overrides, setup_kw):
     import peft
     import transformers
 
-    from memplan.inventory import _auto_class, build_spec
+    from memplan.inventory import build_spec
+    from memplan.modelclass import auto_class
     from memplan.memory import activations, logits
     from memplan.memory.context import resolve
     from memplan.setup import Setup
@@ -72,7 +73,7 @@ def test_activations_equal_autograd_saved_bytes(stem, overrides, setup_kw):
     setup = Setup(batch_size=b, seq_len=s, attn_impl="eager", **setup_kw, **extra)
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "auto_map"})
-    model = _auto_class(d, config).from_config(config, attn_implementation="eager")
+    model = auto_class(d, config).from_config(config, attn_implementation="eager")
     model = model.to(torch.float32 if setup.precision == "fp32" else torch.bfloat16).train()
     if setup.technique == "lora":
         model = peft.get_peft_model(model, peft.LoraConfig(r=setup.lora_r, target_modules="all-linear"))

@@ -72,3 +72,30 @@ def test_stored_inventory_round_trips_the_measured_facts(tmp_path):
     spec = load_spec(str(SHAPES / "cohere2" / "config.json"))
     again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
     assert again.arch == spec.arch
+
+
+@pytest.mark.parametrize("model, plain", [
+    ("google-bert/bert-base-uncased", True), ("google-t5/t5-base", True), ("facebook/bart-base", True),
+    ("meta-llama/Llama-2-7b-hf", False), ("openai-community/gpt2", False),
+    # families a list of four missed: BERT-like encoders and BART-like seq2seq models copy `CrossEntropyLoss()`
+    (str(SHAPES / "roberta" / "config.json"), True), (str(SHAPES / "mbart" / "config.json"), True),
+])
+def test_plain_cross_entropy_is_read_from_the_head(model, plain):
+    assert load_spec(model).arch.plain_cross_entropy is plain
+
+
+def test_a_tied_head_registered_first_is_still_the_alias(tmp_path):
+    # XLMRobertaForMaskedLM registers lm_head before roberta: the embedding keeps the weight, the head is its alias
+    cfg = json.loads((SHAPES / "xlm-roberta" / "config.json").read_text())
+    del cfg["architectures"]  # a family with a masked-LM class and no architectures is built as the encoder
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_spec(str(tmp_path / "config.json"))
+    assert spec.arch.auto_class == "AutoModelForMaskedLM" and spec.arch.tie_word_embeddings
+    assert ("lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight") in spec.tied
+
+
+def test_expert_gating_is_measured_on_the_family_function():
+    # GptOssExperts._apply_gate keeps gate_up [2I] (the clamps save their input) and four [I] tensors: clamped gate,
+    # sigmoid output, up + 1 and glu - 6 elements per gated element, where SwiGLU's act(gate) * up keeps 3 (Mixtral)
+    assert load_spec(str(SHAPES / "gpt_oss" / "config.json")).arch.expert_gate_saves == (12, 24)
+    assert load_spec("mistralai/Mixtral-8x7B-v0.1").arch.expert_gate_saves == (6, 12)

@@ -28,12 +28,12 @@ def _peft_trainable(config_dir, targets, r: int) -> int:
     from accelerate import init_empty_weights
 
     from memplan.models import read_config
-    from memplan.inventory import _auto_class
+    from memplan.modelclass import auto_class
 
     d = read_config(config_dir / "config.json")
     config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "auto_map"})
     with init_empty_weights():
-        model = _auto_class(d, config).from_config(config)
+        model = auto_class(d, config).from_config(config)
     model = peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=targets))
     trainable, _ = model.get_nb_trainable_parameters()
     return trainable

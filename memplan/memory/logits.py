@@ -13,12 +13,6 @@ def _logit_tokens(ctx: Ctx) -> int:
     return ctx.setup.batch_size * (ctx.tgt_len if a.kind == "seq2seq" else ctx.src_len)
 
 
-#: LM heads that call torch CrossEntropyLoss on the logits as they are (transformers 5.23 BertForMaskedLM,
-#: T5/MT5ForConditionalGeneration, BartForConditionalGeneration); every other family goes through
-#: `self.loss_function` (loss/loss_utils.py ForCausalLMLoss), which first does `logits = logits.float()`.
-PLAIN_CROSS_ENTROPY = {"bert", "t5", "mt5", "bart"}
-
-
 #: transformers 4.49 (loss/loss_utils.py ForCausalLMLoss) pads the labels instead of shifting the logits; from 4.46
 #: to 4.48 the loss shifted them, `shift_logits = logits[..., :-1, :].contiguous()`: one more [tokens, vocab] copy
 #: alive in the loss's forward. Traced (transformers 4.48.1, peft 0.13.2): Mistral-7B LoRA bf16 b4 s4096 with
@@ -39,14 +33,17 @@ def _shifts_logits(ctx: Ctx) -> bool:
     `.contiguous()` returns it uncopied (seen with a dispatch spy on 4.48.1: Gemma-2 and Mistral at batch 1 slice
     and view, no copy; the tracer's gemma-2-2b b1 s1024 forward peaks equal 5.23's)."""
     a = ctx.spec.arch
-    return (a.kind != "seq2seq" and a.model_type not in PLAIN_CROSS_ENTROPY and ctx.setup.batch_size > 1
+    return (a.kind != "seq2seq" and not a.plain_cross_entropy and ctx.setup.batch_size > 1
             and libs.older_than("transformers", LOGITS_UNSHIFTED_FROM))
 
 
 def _plain_cross_entropy(ctx: Ctx) -> bool:
-    """The family calls CrossEntropyLoss on the logits without the loss_function's fp32 upcast."""
-    model_type = ctx.spec.arch.model_type
-    return model_type in PLAIN_CROSS_ENTROPY or (model_type in OWN_SHIFT_BEFORE_4_49 and _shifts_logits(ctx))
+    """The family calls CrossEntropyLoss on the logits without the loss_function's fp32 upcast (Arch.
+    plain_cross_entropy, read from its head's code: BERT-like encoders, T5, BART and their copies; every other family
+    goes through `self.loss_function`, loss/loss_utils.py, which first does `logits = logits.float()`), or did before
+    transformers 4.49 (OWN_SHIFT_BEFORE_4_49)."""
+    a = ctx.spec.arch
+    return a.plain_cross_entropy or (a.model_type in OWN_SHIFT_BEFORE_4_49 and _shifts_logits(ctx))
 
 
 def _logit_bytes(ctx: Ctx) -> int:

@@ -21,14 +21,19 @@ def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     gradient; the down output [H] (the routing-weight multiply); the gathered input [H] when gate_up needs one.
     Found by the tracer on Mixtral-8x7B (bf16-mixed LoRA -3.0% before)."""
     a = ctx.spec.arch
-    # each expert's width from its down_proj [E, H, I] (Qwen2-MoE's moe_intermediate_size is not intermediate_size)
-    widths = [p.shape[-1] for p in experts if p.name.endswith("down_proj") and len(p.shape) == 3]
-    e, i, h = ctx.weight_bytes, widths[0] if widths else a.intermediate_size, a.hidden_size
+    # each expert's width from its down_proj, [E, H, I] or GPT-OSS's [E, I, H] (Qwen2-MoE's moe_intermediate_size is
+    # not intermediate_size)
+    h = a.hidden_size
+    widths = [max(p.shape[1:], key=lambda d: d != h) for p in experts
+              if p.name.endswith("down_proj") and len(p.shape) == 3]
+    e, i = ctx.weight_bytes, widths[0] if widths else a.intermediate_size
+    # the gate_up output [2I] and act(gate) [I], or what the family's own gating keeps (Arch.expert_gate_saves)
+    gating = a.expert_gate_saves[0 if e < 4 else 1] if a.expert_gate_saves else 3 * e
 
     def grads(suffix: str) -> bool:
         return any(p.name.endswith(suffix) and (p.name in ctx.trainable or p.name in lora_names) for p in experts)
     up, down = grads("gate_up_proj") or grads("up_proj"), grads("down_proj")
-    return a.experts_per_token * (3 * i * e + (i * e if down else 0) + h * e + (h * e if up else 0))
+    return a.experts_per_token * (i * gating + (i * e if down else 0) + h * e + (h * e if up else 0))
 
 
 def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> int:
