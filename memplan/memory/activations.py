@@ -67,8 +67,9 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     per_tok += moe_bytes(ctx, experts, lora_names) if experts else _mlp_bytes(ctx, by_slot, lora_names)
     if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE), gated by a sigmoid
         per_tok += _mlp_bytes(ctx, by_slot, lora_names, shared=True) + a.hidden_size * c
-    for m in by_slot.get("other", []):
+    for m in by_slot.get("other", []):  # a Linear no slot names: its input if it trains, its LoRA branch
         per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
+        per_tok += lora_saves(ctx, m.in_features, c)[0] if m.name in lora_names else 0
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \

@@ -7,7 +7,8 @@ shared_expert_gate), "other". Names follow the transformers modeling files of ea
 gemma: q_proj..down_proj; gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/gpt_neox: query_key_value, dense,
 dense_h_to_4h, dense_4h_to_h; t5: q,k,v,o, wi/wi_0/wi_1, wo; bart/opt: q_proj.., out_proj, fc1, fc2; bert: query,
 key, value, attention.output.dense, intermediate.dense, output.dense; phi: dense, fc1, fc2; phi3: qkv_proj,
-gate_up_proj; mixtral: w1, w2, w3, gate).
+gate_up_proj; mixtral: w1, w2, w3, gate; distilbert: q_lin.., out_lin, lin1, lin2; deberta-v2: query_proj..;
+modernbert: Wqkv, attn.Wo, mlp.Wi, mlp.Wo; albert: ffn, ffn_output).
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 from memplan.spec import Linear, ModelSpec
 
 _ATTN_IN = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "c_attn", "query_key_value",
-            "qkv_proj", "Wqkv", "q_attn"}
+            "qkv_proj", "Wqkv", "q_attn", "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj"}
 _MLP_IN = {"gate_proj", "up_proj", "gate_up_proj", "wi", "wi_0", "wi_1", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3",
-           "fc_in"}
-_MLP_OUT = {"down_proj", "wo", "fc2", "dense_4h_to_h", "w2", "fc_out"}
+           "fc_in", "lin1", "Wi", "ffn"}
+_MLP_OUT = {"down_proj", "wo", "fc2", "dense_4h_to_h", "w2", "fc_out", "lin2", "ffn_output"}
 _CROSS = ("encoder_attn.", "EncDecAttention.", "crossattention.", "cross_attn.")
 #: Linears that read the MLP's input beside mlp_in without being part of the MLP: Qwen2-MoE's sigmoid gate on its
 #: shared expert (modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock.forward:
@@ -38,8 +39,10 @@ def slot(m: Linear, num_experts: int = 0) -> str:
         return "mlp_in"
     if short in _MLP_OUT:
         return "mlp_out"
-    if short in ("o_proj", "o", "out_proj"):
+    if short in ("o_proj", "o", "out_proj", "out_lin"):
         return "attn_out"
+    if short == "Wo":  # ModernBERT: attn.Wo, mlp.Wo
+        return "mlp_out" if parent == "mlp" else "attn_out"
     if short == "c_proj":
         return "attn_out" if parent in ("attn", "attention", "crossattention") else "mlp_out"
     if short == "dense":
