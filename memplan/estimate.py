@@ -142,6 +142,9 @@ def _notes(ctx: Ctx) -> tuple[str, ...]:
         notes.append("transformers " + libs.dotted(release))
     if dist.is_distributed(ctx.setup):
         notes.append(f"per GPU: {sharding_label(ctx.setup)}")
+    if ctx.spec.arch.unmodelled_layers:
+        notes.append(f"not modelled: the {', '.join(ctx.spec.arch.unmodelled_layers)} layers' own activations "
+                     "(a token mixer other than attention): this estimate is a lower bound")
     if ctx.training and opt.is_paged(ctx):
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")

@@ -180,6 +180,12 @@ def _parallel(config) -> bool:
     return mt in ("phi", "gptj", "cohere")
 
 
+#: config.layer_types values memplan models: attention over the whole sequence, a window or chunks; anything else
+#: (linear_attention: Qwen3-Next's gated DeltaNet, MiniMax's lightning attention; conv: LFM2) is a token mixer whose
+#: activations are not counted (a Qwen3-Next-shaped config traced 55% above the estimate)
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
 def _sliding_layers(config, layers: int) -> tuple[int, ...]:
     """Decoder layers that attend through the sliding window (Arch.sliding_layers), of `layers` decoder layers."""
     types = getattr(config, "layer_types", None)
@@ -247,6 +253,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         attn_logit_softcap=_first(config, "attn_logit_softcapping"),
         mask_kinds=len(set(getattr(config, "layer_types", None) or ())) or 1,
         sliding_layers=_sliding_layers(config, dec_layers),
+        unmodelled_layers=tuple(sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)),
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
         supports_flash=bool(getattr(model, "_supports_flash_attn", False)),

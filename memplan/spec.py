@@ -129,6 +129,8 @@ class Arch:
     plain_cross_entropy: bool = False
     #: what the experts' own gating saves per gated element, 16-bit and fp32 (codefacts.expert_gate_saves: GPT-OSS)
     expert_gate_saves: tuple[float, ...] = ()
+    #: config.layer_types whose token mixer is not attention and is not modelled (inventory.ATTENTION_LAYERS)
+    unmodelled_layers: tuple[str, ...] = ()
     #: what the norm layer saves, (bytes per element, bytes per row) per codefacts.NORM_CASES (codefacts.norm_saves)
     norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
@@ -165,6 +167,7 @@ class ModelSpec:
         arch["lora_expert_targets"] = tuple(arch.get("lora_expert_targets", ()))
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
+        arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
         return cls(
@@ -185,6 +188,7 @@ class ModelSpec:
         arch["lora_expert_targets"] = list(self.arch.lora_expert_targets)
         arch["norm_saves"] = [list(pair) for pair in self.arch.norm_saves]
         arch["act_saves"] = list(self.arch.act_saves)
+        arch["unmodelled_layers"] = list(self.arch.unmodelled_layers)
         arch["expert_gate_saves"] = list(self.arch.expert_gate_saves)
         return {
             "format": INVENTORY_FORMAT,

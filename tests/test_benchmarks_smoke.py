@@ -50,3 +50,13 @@ def test_accuracy_table_counts_every_ok_gpu_row_and_summarises_each_group(tmp_pa
     assert summary[-1]["group"] == "all" and summary[-1]["rows"] == len(rows)
     assert sum(s["rows"] for s in summary[:-1]) == len(rows)
     assert acc.main(["--out", str(tmp_path)]) == 0 and "| **all** |" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_family_survey_shapes_every_family_small_and_traces_one(tmp_path):
+    spec = importlib.util.spec_from_file_location("family_survey", ROOT / "benchmarks" / "family_survey.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    d = mod.shape_config("qwen3_moe")
+    assert d["hidden_size"] == 512 and d["num_experts"] == 4 and d["eos_token_id"] in (None, 2)
+    cells, failures = mod.survey("llama", tmp_path)
+    assert not failures and all(abs(float(c.rstrip("%"))) < 1 for c in cells), (cells, failures)
