@@ -34,7 +34,8 @@ SIZES = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num
              decoder_ffn_dim=1536, d_ff=1536, d_kv=64, num_heads=8, num_layers=4, num_decoder_layers=4, dim=512,
              hidden_dim=1536, n_layers=4, n_heads=8, num_experts=4, num_local_experts=4, n_routed_experts=4,
              moe_intermediate_size=256, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-             topk_group=1, shared_expert_intermediate_size=512, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1)
+             topk_group=1, shared_expert_intermediate_size=512, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+             kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)
 #: special token ids inside the small vocabulary (a config class default such as 151329 is out of range)
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0, cls_token_id=3, sep_token_id=4,
               mask_token_id=5)
@@ -59,6 +60,8 @@ def shape_config(family: str) -> dict:
     d = config.to_diff_dict()
     d["model_type"] = family
     d.update({k: v for k, v in TOKENS.items() if d.get(k) is not None})
+    if config.is_encoder_decoder:  # the labels' shift needs it (T5's class default is not in the diff)
+        d["decoder_start_token_id"] = TOKENS["decoder_start_token_id"]
     return d
 
 
