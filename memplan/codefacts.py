@@ -72,6 +72,16 @@ ACT_CASES = tuple((trains, dtype, mixed) for trains in (False, True) for mixed i
                   for dtype in ("bfloat16", "float32"))
 
 
+def act_case(trains: bool, mixed: bool, input_bytes: int) -> int:
+    """Index into Arch.act_saves (ACT_CASES order), computed: the estimator asks per block."""
+    return 4 * trains + 2 * mixed + (input_bytes >= 4)
+
+
+def norm_case(residual_bytes: int, trains: bool) -> int:
+    """Index into Arch.norm_saves (NORM_CASES order)."""
+    return 2 * (residual_bytes >= 4) + trains
+
+
 def act_saves(name: str) -> tuple[float, ...]:
     """Bytes per element of its input that the activation function `name` (transformers ACT2FN) saves for backward,
     its input included, measured by running it on fake CPU tensors under saved_tensors_hooks, per ACT_CASES: 16-bit and

@@ -114,3 +114,14 @@ def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path):
     notes = estimate(spec, technique="lora", lora_targets="all-linear", precision="bf16").notes
     assert any("linear_attention" in n and "lower bound" in n for n in notes)
     assert load_spec("meta-llama/Llama-2-7b-hf").arch.unmodelled_layers == ()
+
+
+def test_case_indices_follow_the_measured_tables_order():
+    from memplan.codefacts import ACT_CASES, NORM_CASES, act_case, norm_case
+
+    for trains in (False, True):
+        for mixed in (False, True):
+            for c, dtype in ((2, "bfloat16"), (4, "float32")):
+                assert act_case(trains, mixed, c) == ACT_CASES.index((trains, dtype, mixed))
+        for r in (2, 4):
+            assert norm_case(r, trains) == NORM_CASES.index((r, trains))

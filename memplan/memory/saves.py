@@ -3,7 +3,7 @@ function, a normalisation layer. memplan.memory.activations adds them up per blo
 rule, from torch's tools/autograd/derivatives.yaml)."""
 from __future__ import annotations
 
-from memplan.codefacts import ACT_CASES, NORM_CASES
+from memplan.codefacts import act_case, norm_case
 from memplan.memory.context import Ctx
 
 
@@ -19,7 +19,7 @@ def act_saved_bytes(ctx: Ctx, trains: bool = False) -> float:
     table, c = ctx.spec.arch.act_saves, ctx.act_bytes
     if not table:
         return c
-    return table[ACT_CASES.index((trains, "bfloat16" if c < 4 else "float32", ctx.mixed))]
+    return table[act_case(trains, ctx.mixed, c)]
 
 
 def weight_trains(ctx: Ctx, name: str) -> bool:
@@ -74,5 +74,5 @@ def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1) -> float:
         if ctx.spec.arch.norm == "rmsnorm":
             return 4 * h + (r * h if trains else 0) + 4 * rows
         return r * h + 8 * rows
-    per_element, per_row = table[NORM_CASES.index((2 if r < 4 else 4, trains))]
+    per_element, per_row = table[norm_case(r, trains)]
     return per_element * h + per_row * rows
