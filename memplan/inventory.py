@@ -11,6 +11,7 @@ from pathlib import Path
 from memplan import codefacts
 from memplan.modelclass import auto_class, check_flat, check_remote_code
 from memplan.errors import BadInput
+from memplan.memory.layout import slot
 from memplan.spec import Arch, Buffer, Linear, ModelSpec, Param
 
 #: the names transformers gives a model's ModuleList of blocks (GPT-2 h, T5 block, BERT layer, Llama layers)
@@ -148,15 +149,19 @@ def _first(config, *names, default=None):
 
 
 def _intermediate(config, linears, hidden: int) -> int:
-    """Width of the MLP: the out_features of the first block's MLP input Linear (gate_up fused: half), else the
+    """Width of the MLP: the out_features of the first block's MLP input Linear (gate and up fused: half), else the
     config's intermediate size (fused MoE experts are not Linears)."""
-    from memplan.memory.layout import slot
-
     for m in linears:
         if m.block is not None and slot(m) == "mlp_in":
-            return m.out_features // 2 if m.short_name == "gate_up_proj" else m.out_features
+            return m.out_features // 2 if _fused_glu(config, m) else m.out_features
     return int(_first(config, "intermediate_size", "moe_intermediate_size", "n_inner", "d_ff", "ffn_dim",
                       default=4 * hidden))
+
+
+def _fused_glu(config, m) -> bool:
+    """One Linear computing gate and up together: Phi-3's gate_up_proj, or any MLP input twice the config's
+    intermediate size (ModernBERT's Wi, chunked into input and gate: taken for a plain MLP twice as wide, -4.8%)."""
+    return m.short_name == "gate_up_proj" or m.out_features == 2 * (getattr(config, "intermediate_size", 0) or 0)
 
 
 #: post-LN families (modeling_bert.py BertSelfOutput: LayerNorm(hidden + input); modeling_bart.py
@@ -233,7 +238,9 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied) -> Arch:
         num_encoder_layers=(int(_first(config, "encoder_layers", "num_layers", default=layers)) if enc else
                             (layers if kind == "encoder" else 0)),
         num_decoder_layers=dec_layers if kind != "encoder" else 0,
-        mlp_gated=any(m.short_name in _GATED for m in linears) or bool(getattr(config, "is_gated_act", False))
+        mlp_gated=any(m.short_name in _GATED or m.block is not None and slot(m) == "mlp_in" and _fused_glu(config, m)
+                      for m in linears)
+        or bool(getattr(config, "is_gated_act", False))
         or bool(getattr(config, "num_local_experts", 0)),
         hidden_act=_activation(config),
         norm="rmsnorm" if any("RMS" in n or n in ("T5LayerNorm", "MT5LayerNorm") for n in norms) else "layernorm",

@@ -238,6 +238,9 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     # DistilBERT's Linears (q_lin, out_lin, lin1, lin2) had no layout slot: its LoRA branches went uncounted (-15%)
     (_shape("distilbert"), dict(technique="lora", precision="bf16", batch_size=2, seq_len=256,
                                 lora_targets="all-linear"), 0.01),
+    # ModernBERT's Wi computes input and gate together (twice intermediate_size): a plain MLP twice as wide before
+    (_shape("modernbert"), dict(technique="lora", precision="bf16", batch_size=2, seq_len=256,
+                                lora_targets="all-linear"), 0.025),
     # GPT-OSS's experts gate with their own clamped SwiGLU (Arch.expert_gate_saves, measured; -13% before)
     (_shape("gpt_oss"), _FULL_BF16, 0.01),
     (_shape("xlm-roberta"),
