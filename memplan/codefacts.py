@@ -12,7 +12,7 @@ def read(model, model_type: str, hidden: int, activation: str) -> dict:
     return dict(eager_softmax_fp32=eager_softmax_fp32(model), norm_saves=norm_saves(model, hidden),
                 act_saves=act_saves(activation), weightless_norms=weightless_norms(model),
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
-                expert_gate_saves=expert_gate_saves(model))
+                expert_gate_saves=expert_gate_saves(model), relative_bias_layers=relative_bias_layers(model))
 
 
 #: (residual stream bytes, weight trains) in the order Arch.norm_saves lists them
@@ -156,6 +156,12 @@ def expert_gate_saves(model) -> tuple[float, ...]:
             return ()
         out.append(sum(saved.values()) / (rows * width))
     return tuple(out)
+
+
+def relative_bias_layers(model) -> int:
+    """Attention modules that own a learned relative position bias (`relative_attention_bias`): T5 and mT5 compute it
+    once per stack (2), UMT5 in every self-attention layer. 0 for every other family."""
+    return sum(1 for m in model.modules() if getattr(m, "relative_attention_bias", None) is not None)
 
 
 def weightless_norms(model) -> int:

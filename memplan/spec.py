@@ -131,6 +131,8 @@ class Arch:
     expert_gate_saves: tuple[float, ...] = ()
     #: config.layer_types whose token mixer is not attention and is not modelled (inventory.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
+    #: attention modules owning a learned relative position bias (codefacts.relative_bias_layers: T5 2, UMT5 each)
+    relative_bias_layers: int = 0
     #: what the norm layer saves, (bytes per element, bytes per row) per codefacts.NORM_CASES (codefacts.norm_saves)
     norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)

@@ -21,9 +21,17 @@ SOFTMAX_FP32_UNTIL = {"t5": (5, 15), "mt5": (5, 15)}
 #: scores and their softmax are fp32. Found by the tracer: a GPT-J-shaped config, LoRA bf16 b2 s256, -5.6%.
 QK_FP32 = {"gptj", "codegen"}
 
-#: families with a learned relative position bias passed to every attention layer of a stack as one
-#: [b, heads, q, k] float tensor (T5Attention.compute_bias + mask), kept for backward by sdpa's efficient kernel.
-POSITION_BIAS = {"t5", "mt5"}
+def has_position_bias(a) -> bool:
+    """A learned relative position bias reaches every attention layer as a [b, heads, q, k] float tensor
+    (T5Attention.compute_bias + mask), kept for backward by sdpa's efficient kernel (Arch.relative_bias_layers, read
+    from the model: T5, mT5, UMT5; a list {t5, mt5} missed UMT5, -12.6% full bf16 s512 sdpa)."""
+    return a.relative_bias_layers > 0
+
+
+def bias_per_layer(a) -> bool:
+    """Every layer computes its own bias (UMT5: relative_attention_bias in each self-attention, a zero bias built by
+    each cross-attention) instead of the stack's first layer passing one on (T5: one per stack)."""
+    return a.relative_bias_layers > 2
 
 #: transformers before 5.20 handed T5's relative position bias to sdpa as a permuted view (modeling_t5 compute_bias
 #: `values.permute([2, 0, 1])`; integrations/sdpa_attention.create_position_bias_mask made it contiguous from 5.20
@@ -77,7 +85,7 @@ def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
         return "eager"
     if ctx.attn_impl == "sdpa" and heads_broadcast(ctx):
         return "math"
-    if (relative_bias and ctx.attn_impl == "sdpa" and ctx.spec.arch.model_type in POSITION_BIAS
+    if (relative_bias and ctx.attn_impl == "sdpa" and has_position_bias(ctx.spec.arch)
             and libs.older_than("transformers", MATH_SDPA_UNTIL)):
         return "math"
     return "fused"
@@ -184,19 +192,21 @@ def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str) -> float
     batches may keep [1, ...]: the padded-batch upper bound). Found by the tracer: t5-base LoRA bf16 r64 b16 s256
     sdpa -9.5% before. Math kernel (older transformers): added to the scores, nothing kept."""
     a = ctx.spec.arch
-    if a.model_type not in POSITION_BIAS or ctx.attn_impl != "sdpa" or kernel != "fused":
+    if not has_position_bias(a) or ctx.attn_impl != "sdpa" or kernel != "fused":
         return 0.0
     return batch * a.num_heads * q_len * q_len * _bias_mask_dtype_bytes(ctx)
 
 
 def position_bias_bytes(ctx: Ctx) -> float:
     """T5/mT5 decoders: the cross-attention's zero bias, one [b, heads, q_len, k_len] tensor shared by every layer
-    (the self-attentions' per-layer masks are in the blocks: self_bias_mask_bytes). Only a recorded decoder keeps
+    (UMT5: one per recorded decoder layer, bias_per_layer; the self-attentions' per-layer masks are in the blocks:
+    self_bias_mask_bytes). Only a recorded decoder keeps
     it (graph_blocks: found by the tracer on t5-base freeze)."""
     a = ctx.spec.arch
-    if a.model_type not in POSITION_BIAS or ctx.attn_impl == "eager":
+    if not has_position_bias(a) or ctx.attn_impl == "eager":
         return 0.0  # eager adds the bias to the scores, which saves nothing
     recorded = {stack for stack, _ in graph_blocks(ctx)}
     if a.kind != "seq2seq" or "decoder" not in recorded:
         return 0.0
-    return ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)
+    layers = sum(1 for stack, _ in graph_blocks(ctx) if stack == "decoder") if bias_per_layer(a) else 1
+    return layers * ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)

@@ -3,7 +3,7 @@ during prefill (no autograd)."""
 from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
-from memplan.memory.attention import POSITION_BIAS, attention_kernel, kernel_casts_kv
+from memplan.memory.attention import attention_kernel, has_position_bias, kernel_casts_kv
 from memplan.memory.context import Ctx
 
 
@@ -128,9 +128,9 @@ def prefill_working_bytes(ctx: Ctx) -> int:
 def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
     """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
     compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
-    from transformers 5.20 sdpa gets it expanded over the batch and contiguous (attention.POSITION_BIAS)."""
+    from transformers 5.20 sdpa gets it expanded over the batch and contiguous (attention.has_position_bias)."""
     a = ctx.spec.arch
-    if a.model_type not in POSITION_BIAS:
+    if not has_position_bias(a):
         return 0
     rows = 1 if kernel != "fused" else ctx.setup.batch_size
     return rows * a.num_heads * ctx.src_len * ctx.src_len * ctx.compute_bytes
