@@ -9,6 +9,9 @@ folder, and four setups run through `memplan trace` and the estimate: LoRA all-l
 (s512), LoRA all-linear bf16 eager (s512), full bf16-mixed (s256), batch 2. Writes benchmarks/results/
 family_survey.md: one row per family with the four errors, and what failed. The families checked in CI-sized detail
 live in benchmarks/shapes/ (trace_vs_estimate.py); this script is the wide net that found most of them.
+
+Vision-language families (VLM_FAMILIES) are composite configs: their text_config is shaped as above, their vision
+tower at VISION_SIZES (width 256, 2 blocks), and the four setups are text-only steps.
 """
 from __future__ import annotations
 
@@ -28,6 +31,15 @@ FAMILIES = ("llama mistral qwen2 qwen3 gemma gemma2 gemma3_text phi phi3 olmo ol
             "granite bitnet ministral lfm2 mixtral qwen2_moe qwen3_moe olmoe granitemoe minimax dots1 deepseek_v2 "
             "glm4_moe ernie4_5_moe hunyuan_v1_moe exaone_moe gpt_oss qwen3_next llama4_text bert roberta xlm-roberta "
             "deberta-v2 modernbert electra distilbert albert mpnet t5 mt5 umt5 bart mbart marian pegasus").split()
+#: vision-language families (composite configs, estimated for text-only steps: the vision tower held, never run)
+VLM_FAMILIES = ("gemma3 gemma4 gemma3n mistral3 mistral4 llava llava_next paligemma qwen2_vl qwen2_5_vl qwen3_vl "
+                "qwen3_vl_moe qwen3_5 qwen3_5_moe idefics3 smolvlm mllama aya_vision internvl llama4 lfm2_vl glm4v "
+                "cohere2_vision").split()
+#: a vision tower shaped small: the names vision configs use for width, depth and heads; out_hidden_size is Qwen-VL's
+#: merger output, which must equal the language model's width
+VISION_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, depth=2,
+                    embed_dim=256, num_heads=4, out_hidden_size=512, num_key_value_heads=4, head_dim=64,
+                    vision_output_dim=256, num_global_layers=1)
 SIZES = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
              vocab_size=32000, max_position_embeddings=4096, head_dim=64, d_model=512, encoder_layers=4,
              decoder_layers=4, encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=1536,
@@ -65,6 +77,52 @@ def shape_config(family: str) -> dict:
     return d
 
 
+def shape_composite(family: str) -> dict:
+    """A vision-language config: its text_config at SIZES (as shape_config), its vision_config at VISION_SIZES."""
+    from transformers import AutoConfig
+
+    top = AutoConfig.for_model(family)
+    if getattr(top, "text_config", None) is None:  # Mistral-4: a flat config its image-text class takes
+        return shape_config(family)
+    d = top.to_diff_dict()
+    d["model_type"] = family
+    text = top.get_text_config()
+    d["text_config"] = _shaped(text, SIZES, pattern=True) | {"model_type": text.model_type}
+    d["text_config"].update({k: v for k, v in TOKENS.items() if d["text_config"].get(k) is not None})
+    vision = getattr(top, "vision_config", None)
+    if vision is not None:
+        d["vision_config"] = _shaped(vision, VISION_SIZES) | {"model_type": vision.model_type}
+    for k in ("image_token_id", "image_token_index", "video_token_id", "boi_token_id", "eoi_token_id",
+              "vision_start_token_id", "vision_end_token_id"):
+        if isinstance(d.get(k), int) or isinstance(getattr(top, k, None), int):
+            d[k] = 31990 + len([x for x in d if x.endswith("token_id") or x.endswith("token_index")]) % 9
+    return d
+
+
+def _shaped(config, sizes: dict, pattern: bool = False) -> dict:
+    """A sub-config's fields at `sizes` where it has them (layer patterns cut to the block count)."""
+    d = config.to_dict()
+    depth = d.get("num_hidden_layers")
+    d.update({k: v for k, v in sizes.items() if k in d})
+    if pattern:
+        n = sizes["num_hidden_layers"]
+        for key, value in list(d.items()):  # per-layer lists (Gemma-3n's widths and sparsity): the first blocks
+            if isinstance(value, list) and len(value) == depth and key not in ("layer_types", "mlp_layer_types"):
+                d[key] = [sizes[key]] * n if key in sizes else value[:n]
+        if isinstance(d.get("per_layer_config"), dict):  # Gemma-4: the last block global, at twice the head_dim
+            d["per_layer_config"] = {f"{n - 1:02d}": {"head_dim": 2 * sizes["head_dim"]}}
+        for key in ("layer_types", "mlp_layer_types"):
+            if isinstance(d.get(key), list) and d[key]:
+                d[key] = (d[key] * sizes["num_hidden_layers"])[:sizes["num_hidden_layers"]]
+        if isinstance(d.get("cross_attention_layers"), list):  # Mllama: one of the shaped blocks
+            d["cross_attention_layers"] = [1]
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        if isinstance(rope, dict) and "_vl" in d.get("model_type", ""):  # Qwen-VL's M-RoPE spans head_dim / 2
+            section = rope.get("mrope_section") or [16, 24, 24]  # Qwen2-VL's code default, for head_dim 128
+            rope["mrope_section"] = [x * (sizes["head_dim"] // 2) // sum(section) for x in section]
+    return d
+
+
 def survey(family: str, folder: Path) -> tuple[list[str], str]:
     """(four error cells, failures) of one family."""
     from memplan.errors import MemplanError
@@ -73,7 +131,7 @@ def survey(family: str, folder: Path) -> tuple[list[str], str]:
     path = folder / family / "config.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(shape_config(family)))
+        path.write_text(json.dumps(shape_composite(family) if family in VLM_FAMILIES else shape_config(family)))
     except Exception as e:  # the config class rejects the sizes
         return ["-"] * len(SETUPS), f"config: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
     cells, failures = [], []
@@ -92,7 +150,8 @@ def survey(family: str, folder: Path) -> tuple[list[str], str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated transformers model types")
+    ap.add_argument("--families", default=",".join(FAMILIES + VLM_FAMILIES),
+                    help="comma-separated transformers model types")
     args = ap.parse_args(argv)
     import torch
     import transformers
@@ -108,7 +167,7 @@ def main(argv=None) -> int:
             print(family, *cells, failures[:120], flush=True)
     within = sum(e <= 3 for e in errors)
     head = (f"{datetime.date.today()} · torch {torch.__version__} · transformers {transformers.__version__} · "
-            f"{len(rows)} families · {len(errors)} setups traced · median |error| {statistics.median(errors):.2f}% · "
+            f"{len(rows)} families · {len(errors)} setups traced · median |error| {statistics.median(errors or [0]):.2f}% · "
             f"within 3%: {within}/{len(errors)}")
     lines = ["# Family survey: estimate vs trace on every family, shaped small", "", head, "",
              "| family | " + " | ".join(name for name, _ in SETUPS) + " | not run / failures |",

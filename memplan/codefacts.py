@@ -7,12 +7,15 @@ from __future__ import annotations
 import re
 
 
-def read(model, model_type: str, hidden: int, activation: str) -> dict:
-    """Every fact this module reads, as memplan.spec.Arch fields, for the inventory of a model built on meta."""
-    return dict(eager_softmax_fp32=eager_softmax_fp32(model), norm_saves=norm_saves(model, hidden),
-                act_saves=act_saves(activation), weightless_norms=weightless_norms(model),
+def read(model, model_type: str, hidden: int, activation: str, body=None) -> dict:
+    """Every fact this module reads, as memplan.spec.Arch fields, for the inventory of a model built on meta. `body`:
+    the language model whose layers the facts are about (a composite model's; default the model itself); the loss
+    is the head's, peft's conversion the whole model's type."""
+    body = model if body is None else body
+    return dict(eager_softmax_fp32=eager_softmax_fp32(body), norm_saves=norm_saves(body, hidden),
+                act_saves=act_saves(activation), weightless_norms=weightless_norms(body),
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
-                expert_gate_saves=expert_gate_saves(model), relative_bias_layers=relative_bias_layers(model))
+                expert_gate_saves=expert_gate_saves(body), relative_bias_layers=relative_bias_layers(body))
 
 
 #: (residual stream bytes, weight trains) in the order Arch.norm_saves lists them

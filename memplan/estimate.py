@@ -145,6 +145,11 @@ def _notes(ctx: Ctx) -> tuple[str, ...]:
     if ctx.spec.arch.unmodelled_layers:
         notes.append(f"not modelled: the {', '.join(ctx.spec.arch.unmodelled_layers)} layers' own activations "
                      "(a token mixer other than attention): this estimate is a lower bound")
+    if ctx.spec.media:
+        n = sum(p.numel for p in ctx.spec.media)
+        notes.append(f"text-only steps: {', '.join(ctx.spec.arch.media_parts)} ({n / 1e6:,.1f}M parameters) held in "
+                     "the weights, never run: no gradients, optimizer state or activations; image inputs are not "
+                     "modelled")
     if ctx.training and opt.is_paged(ctx):
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")

@@ -38,12 +38,27 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
     _check_fused(spec, moved, old)
     targets = tuple(t for t in targets if not any(_matches(t, o) for o in old))
     chosen = tuple(m for m in spec.linears if any(_matches(m.name, t) for t in targets))
-    missing = [t for t in targets if not any(_matches(m.name, t) for m in spec.linears)]
+    missing = [t for t in targets if not any(_matches(m.name, t) for m in spec.linears + spec.media_linears)]
     if missing:
-        names = sorted({m.short_name for m in spec.linears} | set(moved))
+        names = sorted({m.short_name for m in spec.linears + spec.media_linears} | set(moved))
         raise not_found("LoRA target", ", ".join(missing), names,
                         f"{spec.model_id} has these Linear modules: {', '.join(names)} (or use all-linear).")
     return chosen + _moe_targets(spec, {moved[o] for o in old})
+
+
+def media_lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
+    """Linears of a composite model's media parts (vision tower, projector) peft wraps too: all of them under
+    all-linear (peft `_maybe_include_all_linear_layers` walks the whole model), those a target name matches (SigLIP's
+    q_proj/v_proj). Their adapters are resident but never run in a text-only step: no gradient, no optimizer state."""
+    if not spec.media_linears:
+        return ()
+    if targets is None:
+        targets = spec.arch.lora_default_targets
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        return spec.media_linears
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    return tuple(m for m in spec.media_linears if any(_matches(m.name, t) for t in targets))
 
 
 def _check_fused(spec: ModelSpec, moved: dict[str, str], old: set[str]) -> None:
@@ -80,7 +95,8 @@ def _moe_targets(spec: ModelSpec, new_names: set[str]) -> tuple[Linear, ...]:
 def lora_params(spec: ModelSpec, targets, r: int) -> int:
     """Adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]); fused experts
     use rank r x rank_mult."""
-    return sum(r * m.rank_mult * (m.in_features + m.out_features) for m in lora_linears(spec, targets))
+    return sum(r * m.rank_mult * (m.in_features + m.out_features)
+               for m in lora_linears(spec, targets) + media_lora_linears(spec, targets))
 
 
 def _last_blocks(spec: ModelSpec, n: int) -> tuple[Param, ...]:
@@ -127,7 +143,8 @@ def quantized_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     embedding, tied weights and the module of the model's last parameter; plus the model's _keep_in_fp32_modules
     (quantizer_bnb_4bit.py / quantizer_bnb_8bit.py pass them to get_modules_to_not_convert: T5's "wo")."""
     tied = {name.removesuffix(".weight") for pair in spec.tied for name in pair}
-    last = spec.params[-1].name.rsplit(".", 1)[0] if spec.params else ""
+    last = spec.arch.last_module or (spec.params[-1].name.rsplit(".", 1)[0] if spec.params else "")
     keep = spec.arch.keep_in_fp32
-    return tuple(m for m in spec.linears if not m.is_output and m.name not in tied and m.name != last
+    return tuple(m for m in spec.linears + spec.media_linears
+                 if not m.is_output and m.name not in tied and m.name != last
                  and not any(_matches(m.name, k) or ("." + k + ".") in ("." + m.name + ".") for k in keep))

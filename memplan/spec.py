@@ -10,7 +10,9 @@ Inventory JSON (version 1)::
      "params":  [[name, shape, role, block, stack], ...],          # unique parameters only
      "linears": [[name, in, out, bias, block, stack, kind, is_output], ...],
      "tied":    [[alias_name, target_name], ...],                  # aliases not listed in params
-     "buffers": [[name, shape, dtype], ...]}                       # registered buffers (absent: none recorded)
+     "buffers": [[name, shape, dtype], ...],                       # registered buffers (absent: none recorded)
+     "media": [[name, shape, role, null, "media"], ...],            # a composite model's parts off the text path
+     "media_linears": [[...as linears...], ...]}                    # (absent: none)
 
 Roles: "embedding" (token embeddings), "pos_embedding" (learned positions, token types, relative-position
 tables), "linear" (weight of an nn.Linear / GPT-2 Conv1D), "bias" (any bias), "norm" (LayerNorm/RMSNorm
@@ -81,7 +83,7 @@ class Arch:
     auto_class: str
     hidden_size: int
     num_heads: int
-    num_kv_heads: int  # K/V heads as the attention holds them (inventory._kv_heads)
+    num_kv_heads: int  # K/V heads as the attention holds them (configfacts.kv_heads)
     head_dim: int
     intermediate_size: int
     vocab_size: int  # rows of the input embedding as instantiated
@@ -129,7 +131,7 @@ class Arch:
     plain_cross_entropy: bool = False
     #: what the experts' own gating saves per gated element, 16-bit and fp32 (codefacts.expert_gate_saves: GPT-OSS)
     expert_gate_saves: tuple[float, ...] = ()
-    #: config.layer_types whose token mixer is not attention and is not modelled (inventory.ATTENTION_LAYERS)
+    #: config.layer_types whose token mixer is not attention and is not modelled (configfacts.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
     #: attention modules owning a learned relative position bias (codefacts.relative_bias_layers: T5 2, UMT5 each)
     relative_bias_layers: int = 0
@@ -137,6 +139,12 @@ class Arch:
     norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
+    #: composite models (a vision-language model estimated for text-only steps): the module of the model's last
+    #: parameter, which transformers keeps out of bitsandbytes quantization (get_keys_to_not_convert); "" = the
+    #: module of ModelSpec.params[-1]
+    last_module: str = ""
+    #: composite models: the top-level parts the text-only step never runs (vision tower, projector), for the notes
+    media_parts: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -155,10 +163,15 @@ class ModelSpec:
     config_file: str = ""
     transformers_version: str = ""
     buffers: tuple[Buffer, ...] = ()
+    #: a composite model's parameters and Linears outside its language model (vision tower, projector): resident,
+    #: quantized and LoRA-wrapped like the rest, but a text-only step never runs them, so they get no gradients,
+    #: optimizer state or activations (memplan.inventory.build_spec)
+    media: tuple[Param, ...] = ()
+    media_linears: tuple[Linear, ...] = ()
     numel_total: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "numel_total", sum(p.numel for p in self.params))
+        object.__setattr__(self, "numel_total", sum(p.numel for p in self.params) + sum(p.numel for p in self.media))
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
@@ -172,6 +185,7 @@ class ModelSpec:
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
+        arch["media_parts"] = tuple(arch.get("media_parts", ()))
         return cls(
             model_id=d["model_id"],
             arch=Arch(**{k: v for k, v in arch.items() if k in arch_keys}),
@@ -181,6 +195,8 @@ class ModelSpec:
             config_file=d.get("config_file", ""),
             transformers_version=d.get("transformers_version", ""),
             buffers=tuple(Buffer(n, tuple(s), dt) for n, s, dt in d.get("buffers", ())),
+            media=tuple(Param(n, tuple(s), r, b, st) for n, s, r, b, st in d.get("media", ())),
+            media_linears=tuple(Linear(*row) for row in d.get("media_linears", ())),
         )
 
     def to_dict(self) -> dict:
@@ -192,7 +208,8 @@ class ModelSpec:
         arch["act_saves"] = list(self.arch.act_saves)
         arch["unmodelled_layers"] = list(self.arch.unmodelled_layers)
         arch["expert_gate_saves"] = list(self.arch.expert_gate_saves)
-        return {
+        arch["media_parts"] = list(self.arch.media_parts)
+        out = {
             "format": INVENTORY_FORMAT,
             "model_id": self.model_id,
             "config_file": self.config_file,
@@ -204,3 +221,8 @@ class ModelSpec:
             "tied": [list(t) for t in self.tied],
             "buffers": [[b.name, list(b.shape), b.dtype] for b in self.buffers],
         }
+        if self.media or self.media_linears:
+            out["media"] = [[p.name, list(p.shape), p.role, p.block, p.stack] for p in self.media]
+            out["media_linears"] = [[m.name, m.in_features, m.out_features, m.bias, m.block, m.stack, m.kind,
+                                     m.is_output] for m in self.media_linears]
+        return out

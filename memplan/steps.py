@@ -60,8 +60,11 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "
 
 
 def cut_config(d: dict, layers: int) -> dict:
-    """The config with every layer count set to `layers` (per-layer lists truncated)."""
+    """The config with every layer count set to `layers` (per-layer lists truncated); a composite config's language
+    model (text_config) only: its vision tower is held whole."""
     d = dict(d)
+    if isinstance(d.get("text_config"), dict):
+        d["text_config"] = cut_config(d["text_config"], layers)
     for k in _LAYER_KEYS:
         if isinstance(d.get(k), int):
             d[k] = min(d[k], layers)
@@ -194,11 +197,10 @@ def cut_spec(spec, layers: int | None):
     """The spec restricted to blocks < layers (for freezing's 'last N blocks' on a cut model)."""
     if not layers:
         return spec
-    from memplan.spec import ModelSpec
+    from dataclasses import replace
     params = tuple(p for p in spec.params if p.block is None or p.block < layers)
     linears = tuple(m for m in spec.linears if m.block is None or m.block < layers)
-    return ModelSpec(spec.model_id, spec.arch, params, linears, spec.tied, spec.config_file,
-                     spec.transformers_version)
+    return replace(spec, params=params, linears=linears, buffers=())
 
 
 def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:

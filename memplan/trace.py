@@ -147,9 +147,15 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     d = config_dict(spec)
     total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
     asked, layers = layers, layers and min_layers(setup, layers)
-    if not layers or layers >= total_layers:
+    skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
+    if not layers or layers >= total_layers or skipping:
         t = _run(spec, setup, d, None, steps, fake)
-        return _result(spec, setup, t, None, total_layers)
+        result = _result(spec, setup, t, None, total_layers)
+        if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
+            result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
+                                "({}), so its blocks differ; traced whole".format(
+                                    ", ".join(p for p in spec.arch.media_parts if p[-1:].isdigit())))
+        return result
     a, b = (_run(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True)) for n in (layers, layers + 1))
     result = _extrapolate(spec, setup, a, b, layers, total_layers)
     if layers != asked:

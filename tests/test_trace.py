@@ -244,6 +244,13 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     # UMT5 computes a relative position bias in every self-attention and a zero bias in every cross-attention
     # (Arch.relative_bias_layers; a list {t5, mt5} missed it: -12.6% full bf16 s512 sdpa)
     (_shape("umt5"), _FULL_BF16, 0.025),
+    # vision-language configs, text-only steps: the vision tower held, never run (ModelSpec.media); Mllama skips its
+    # cross-attention layers without an image (were refused as composite configs before)
+    (_shape("gemma3"), dict(technique="qlora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256,
+                            grad_ckpt=True), 0.01),
+    (_shape("mllama"), _FULL_BF16, 0.01),
+    (_shape("qwen2_5_vl"), dict(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2,
+                                seq_len=256), 0.01),
     # GPT-OSS's experts gate with their own clamped SwiGLU (Arch.expert_gate_saves, measured; -13% before)
     (_shape("gpt_oss"), _FULL_BF16, 0.01),
     (_shape("xlm-roberta"),

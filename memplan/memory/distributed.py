@@ -88,7 +88,7 @@ def _unit(x) -> tuple | None:
 def _units(ctx: Ctx) -> dict[tuple, list]:
     """Parameters grouped by unit (_unit)."""
     units: dict[tuple, list] = defaultdict(list)
-    for p in ctx.spec.params:
+    for p in ctx.spec.params + ctx.spec.media:  # a composite model's media parts: in the root unit
         units[_unit(p)].append(p)
     return units
 
@@ -180,7 +180,8 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
     buckets = ds_buckets(ctx.spec.arch.hidden_size)
     t = weights.trainable_numel(ctx)
     lora_numel = weights.lora_numel(ctx)
-    base = sum(weights.stored_bytes(ctx, p, pb) for p in ctx.spec.params) + weights.quant_state_bytes(ctx)
+    base = sum(weights.stored_bytes(ctx, p, pb) for p in ctx.spec.params + ctx.spec.media) + \
+        weights.quant_state_bytes(ctx)
     states = (t * 4 if sixteen else 0) + _optimizer_state_fp32(ctx)
     offload_opt = s.offload in ("optimizer", "params+optimizer")
     offload_par = s.offload == "params+optimizer"
@@ -189,7 +190,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
     host = (math.ceil(states / n) + partition * 4) if offload_opt else 0  # + the fp32 gradient partition
     retained = 0
     if stage == 3:
-        persistent = sum(weights.stored_bytes(ctx, p, pb) for p in ctx.spec.params
+        persistent = sum(weights.stored_bytes(ctx, p, pb) for p in ctx.spec.params + ctx.spec.media
                          if p.numel <= buckets["stage3_param_persistence_threshold"])
         sharded = base - persistent
         resident = persistent + (0 if offload_par else math.ceil(sharded / n))
@@ -240,7 +241,8 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
     def unit_bytes(key, per: float) -> float:
         return sum(weights.stored_bytes(ctx, p, per) for p in units.get(key, ())) + lora_units.get(key, 0) * per
 
-    base = sum(weights.stored_bytes(ctx, p, wb) for p in ctx.spec.params) + weights.quant_state_bytes(ctx)
+    base = sum(weights.stored_bytes(ctx, p, wb) for p in ctx.spec.params + ctx.spec.media) + \
+        weights.quant_state_bytes(ctx)
     lora = weights.lora_numel(ctx) * 4
     t = weights.trainable_numel(ctx)
     trainable_units = _trainable_by_unit(ctx)

@@ -67,7 +67,7 @@ def rounding_waste(tensor_bytes: list[int] | tuple[int, ...]) -> int:
 def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
     """Sizes of the resident tensors allocated one by one: each weight, and per trainable weight its gradient and
     (Adam) two states of the same size."""
-    sizes = [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params]
+    sizes = [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params + ctx.spec.media]
     if ctx.training:
         per = 3 if ctx.setup.optimizer in ("adamw", "adamw-fused") else 1
         sizes += [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params if p.name in ctx.trainable] * per

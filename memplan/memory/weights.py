@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from memplan import libs
+from memplan import libs, select
 from memplan.memory.context import Ctx, per_model
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
@@ -51,7 +51,7 @@ def weights_bytes(ctx: Ctx) -> int:
 
 @per_model("added_tokens")
 def _resident_bytes(ctx: Ctx) -> int:
-    total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params)
+    total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params + ctx.spec.media)
     return int(total) + buffer_bytes(ctx)
 
 
@@ -107,7 +107,7 @@ def quant_state_bytes(ctx: Ctx) -> int:
     output feature), plus bitsandbytes' shared 256-entry fp32 dynamic code table used by double quant."""
     s = ctx.setup
     total = 0
-    for m in ctx.spec.linears:
+    for m in ctx.spec.linears + ctx.spec.media_linears:
         if m.name not in ctx.quantized:
             continue
         if s.quant == "int8":
@@ -127,8 +127,18 @@ def lora_numel(ctx: Ctx) -> int:
 
 def lora_bytes(ctx: Ctx) -> int:
     """LoRA adapters are fp32: peft's get_peft_model(autocast_adapter_dtype=True) upcasts bf16/fp16 adapter weights
-    to float32 (peft tuners_utils `_cast_adapter_dtype`); on an fp32 base they are fp32 anyway."""
-    return lora_numel(ctx) * 4
+    to float32 (peft tuners_utils `_cast_adapter_dtype`); on an fp32 base they are fp32 anyway. Includes the adapters
+    on a composite model's media parts, which never train (media_lora_numel)."""
+    return (lora_numel(ctx) + media_lora_numel(ctx)) * 4
+
+
+@per_model("lora_r")
+def media_lora_numel(ctx: Ctx) -> int:
+    """Adapters peft puts on a composite model's vision tower and projector (select.media_lora_linears)."""
+    if not ctx.setup.uses_lora or not ctx.spec.media_linears:
+        return 0
+    r = ctx.setup.lora_r
+    return sum(r * (m.in_features + m.out_features) for m in select.media_lora_linears(ctx.spec, ctx.setup.lora_targets))
 
 
 @per_model("added_tokens", "lora_r")
@@ -141,4 +151,4 @@ def trainable_numel(ctx: Ctx) -> int:
 def trainable_bytes(ctx: Ctx) -> int:
     """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
     base = sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable)
-    return base * ctx.weight_bytes + lora_bytes(ctx)
+    return base * ctx.weight_bytes + lora_numel(ctx) * 4

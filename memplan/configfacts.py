@@ -1,0 +1,71 @@
+"""Architecture facts read from a model's config alone (memplan.inventory builds Arch from these, codefacts and the
+instantiated module tree)."""
+from __future__ import annotations
+
+
+def first(config, *names, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def activation(config) -> str:
+    act = first(config, "hidden_act", "activation_function", "dense_act_fn", "hidden_activation", default="gelu")
+    return str(act).removeprefix("gated-")
+
+
+def parallel(config) -> bool:
+    mt = config.model_type
+    if mt == "falcon":
+        return bool(getattr(config, "parallel_attn", True) or getattr(config, "new_decoder_architecture", False))
+    if mt == "gpt_neox":
+        return bool(getattr(config, "use_parallel_residual", True))
+    return mt in ("phi", "gptj", "cohere")
+
+
+#: config.layer_types values memplan models: attention over the whole sequence, a window or chunks; anything else
+#: (linear_attention: Qwen3-Next's gated DeltaNet, MiniMax's lightning attention; conv: LFM2) is a token mixer whose
+#: activations are not counted (a Qwen3-Next-shaped config traced 55% above the estimate)
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def sliding_layers(config, layers: int) -> tuple[int, ...]:
+    """Decoder layers that attend through the sliding window (Arch.sliding_layers), of `layers` decoder layers."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return tuple(range(layers)) if first(config, "sliding_window") else ()
+
+
+def kv_heads(config, heads: int) -> int:
+    """K/V heads as the attention holds them (Arch.num_kv_heads)."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1  # falcon-7b / gpt_bigcode multi-query attention
+    if config.model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
+        # Falcon-40B/180B: FalconAttention._split_heads broadcasts each K/V group to its query heads and forward
+        # reshapes them to num_heads (modeling_falcon.py): sdpa, the saved tensors and the cache hold K/V at every
+        # head. Tracer, a Falcon-40B config cut to 2 blocks, LoRA bf16 b2 s256: +5.7% when counted at 8 heads
+        return heads
+    return int(first(config, "num_key_value_heads", "num_kv_heads", default=heads) or heads)
+
+
+#: families whose MLP applies the model's one dropout rate between the activation and the output projection
+#: (modeling_t5 T5DenseActDense / T5DenseGatedActDense: `hidden_states = self.dropout(hidden_states)` before `wo`)
+MLP_DROPOUT_IS_DROPOUT_RATE = {"t5", "mt5"}
+
+
+def act_dropout(config) -> float:
+    """Dropout on the MLP activation's output: BART-style configs name it activation_dropout; T5 reuses dropout_rate."""
+    if config.model_type in MLP_DROPOUT_IS_DROPOUT_RATE:
+        return float(getattr(config, "dropout_rate", 0.0) or 0.0)
+    return float(first(config, "activation_dropout", default=0.0) or 0.0)
+
+
+def max_positions(config) -> int | None:
+    """Longest sequence the position scheme allows: learned/rotary tables set it; T5's relative buckets and
+    BLOOM's ALiBi have no table (T5 configs carry a legacy n_positions=512 that nothing enforces)."""
+    if config.model_type in ("t5", "mt5", "bloom"):
+        return None
+    return first(config, "max_position_embeddings", "n_positions")
