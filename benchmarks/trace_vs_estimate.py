@@ -148,6 +148,12 @@ for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "ge
     # without autocast the eager softmax's dtype is the family's own (Arch.eager_softmax_fp32, read from its code)
     _add(_cfg, technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager",
          lora_targets=_attn_targets)
+# Llama-4's experts see every token and autocast their bmm (Arch.experts_dense); peft's all-linear and the tracer's
+# QLoRA stand-ins fail on its router (it returns a tuple), so attention LoRA only
+_cfg = str(SHAPES / "llama4_text" / "config.json")
+_add(_cfg, technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512)
+_add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256)
+_add(_cfg, technique="lora", precision="bf16", lora_targets="q_proj,v_proj", batch_size=2, seq_len=512)
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

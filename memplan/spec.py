@@ -139,6 +139,9 @@ class Arch:
     norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
+    #: the MoE block runs every expert on every token, weighted by the router's scores (codefacts.experts_dense:
+    #: Llama-4) instead of each token's top-k
+    experts_dense: bool = False
     #: composite models (a vision-language model estimated for text-only steps): the module of the model's last
     #: parameter, which transformers keeps out of bitsandbytes quantization (get_keys_to_not_convert); "" = the
     #: module of ModelSpec.params[-1]

@@ -125,3 +125,14 @@ def test_case_indices_follow_the_measured_tables_order():
                 assert act_case(trains, mixed, c) == ACT_CASES.index((trains, dtype, mixed))
         for r in (2, 4):
             assert norm_case(r, trains) == NORM_CASES.index((r, trains))
+
+
+
+
+def test_llama4_experts_see_every_token():
+    # Llama4TextMoe repeats the tokens once per expert, scaled by the router's scores (zero where not chosen): every
+    # expert computes and saves every token. Measured on meta tensors (codefacts.experts_dense); the grouped_mm
+    # families hand their experts each token's top-k
+    assert load_spec(str(SHAPES / "llama4_text" / "config.json")).arch.experts_dense
+    assert not load_spec("mistralai/Mixtral-8x7B-v0.1").arch.experts_dense
+    assert not load_spec(str(SHAPES / "qwen3_moe" / "config.json")).arch.experts_dense

@@ -26,14 +26,19 @@ def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     h = a.hidden_size
     widths = [max(p.shape[1:], key=lambda d: d != h) for p in experts
               if p.name.endswith("down_proj") and len(p.shape) == 3]
-    e, i = ctx.weight_bytes, widths[0] if widths else a.intermediate_size
+    # Llama-4's dense experts run their own torch.bmm (no transformers experts-interface dispatch), which autocasts
+    e, i = ctx.act_bytes if a.experts_dense else ctx.weight_bytes, widths[0] if widths else a.intermediate_size
     # the gate_up output [2I] and act(gate) [I], or what the family's own gating keeps (Arch.expert_gate_saves)
     gating = a.expert_gate_saves[0 if e < 4 else 1] if a.expert_gate_saves else 3 * e
 
     def grads(suffix: str) -> bool:
         return any(p.name.endswith(suffix) and (p.name in ctx.trainable or p.name in lora_names) for p in experts)
     up, down = grads("gate_up_proj") or grads("up_proj"), grads("down_proj")
-    return a.experts_per_token * (i * gating + (i * e if down else 0) + h * e + (h * e if up else 0))
+    # the routing-weight multiply keeps the down output; Llama-4 multiplies before the experts instead, keeping the
+    # repeated input in the residual stream's dtype (fp32 under bf16-mixed)
+    route = h * (ctx.residual_bytes if a.experts_dense else e)
+    visits = a.num_experts if a.experts_dense else a.experts_per_token  # Llama-4: every expert sees every token
+    return visits * (i * gating + (i * e if down else 0) + route + (h * e if up else 0))
 
 
 def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> int:
