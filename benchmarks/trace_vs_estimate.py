@@ -154,6 +154,13 @@ _cfg = str(SHAPES / "llama4_text" / "config.json")
 _add(_cfg, technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512)
 _add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256)
 _add(_cfg, technique="lora", precision="bf16", lora_targets="q_proj,v_proj", batch_size=2, seq_len=512)
+# ALBERT runs its one shared layer num_hidden_layers times (Arch.block_runs); it cannot checkpoint
+_cfg = str(SHAPES / "albert" / "config.json")
+_add(_cfg, technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512)
+_add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256)
+_add(_cfg, technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256)
+_add(_cfg, technique="lora", precision="bf16-mixed", lora_targets="query,value", batch_size=2, seq_len=256,
+     attn_impl="eager")
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

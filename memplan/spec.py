@@ -114,6 +114,8 @@ class Arch:
     has_lm_head: bool = True  # a vocabulary-sized output head (MaskedLM/CausalLM/Seq2SeqLM)
     supports_sdpa: bool = True
     supports_flash: bool = False
+    #: PreTrainedModel.supports_gradient_checkpointing (ALBERT: False, gradient_checkpointing_enable raises)
+    supports_grad_ckpt: bool = True
     default_attn_impl: str = "sdpa"
     lora_default_targets: tuple[str, ...] = ()
     #: modules transformers keeps out of bitsandbytes quantization (and in fp32 when loading in fp16):
@@ -139,6 +141,9 @@ class Arch:
     norm_saves: tuple[tuple[float, float], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
+    #: how often each parameter block runs in one forward (inventory._block_runs: ALBERT shares one layer's parameters
+    #: across its num_hidden_layers blocks)
+    block_runs: int = 1
     #: the MoE block runs every expert on every token, weighted by the router's scores (codefacts.experts_dense:
     #: Llama-4) instead of each token's top-k
     experts_dense: bool = False

@@ -136,3 +136,18 @@ def test_llama4_experts_see_every_token():
     assert load_spec(str(SHAPES / "llama4_text" / "config.json")).arch.experts_dense
     assert not load_spec("mistralai/Mixtral-8x7B-v0.1").arch.experts_dense
     assert not load_spec(str(SHAPES / "qwen3_moe" / "config.json")).arch.experts_dense
+
+
+def test_albert_runs_its_shared_layer_for_every_block():
+    # AlbertTransformer runs albert_layer_groups[0] num_hidden_layers times: one block of parameters, six runs
+    from memplan.errors import BadInput
+    from memplan.estimate import estimate
+
+    spec = load_spec(str(SHAPES / "albert" / "config.json"))
+    assert spec.arch.block_runs == 6 and {p.block for p in spec.params if p.block is not None} == {0}
+    assert load_spec("google-bert/bert-base-uncased").arch.block_runs == 1
+    once = estimate(spec, technique="full", precision="bf16", batch_size=2, seq_len=256)
+    assert once.components["activations"] > 0
+    # transformers refuses gradient checkpointing on ALBERT (supports_gradient_checkpointing = False)
+    with pytest.raises(BadInput, match="gradient checkpointing"):
+        estimate(spec, technique="full", precision="bf16", grad_ckpt=True)

@@ -166,6 +166,9 @@ def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
         p.append(f"{a.model_type} does not support sdpa attention {where}; use --attn-impl eager")
     if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
         p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")
+    if setup.grad_ckpt and setup.mode == "train" and not a.supports_grad_ckpt:
+        p.append(f"{spec.model_id} does not support gradient checkpointing in transformers "
+                 "(supports_gradient_checkpointing is False: ALBERT); use --no-grad-ckpt")
     if setup.target_len is not None and a.kind != "seq2seq":
         p.append("target_len applies to encoder-decoder models only")
     if setup.mode == "infer" and a.kind == "encoder" and setup.new_tokens:

@@ -112,8 +112,10 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
                 norms[key] = norms.get(key, 0) + 1
     order = {"encoder": 0, None: 1, "decoder": 2}
     keys = sorted(groups, key=lambda k: (order.get(k[0], 1), k[1]))
+    # a block whose parameters run several times (ALBERT's shared layer, Arch.block_runs) saves its activations each
+    # time: one layout per run, under the same (stack, index) as its parameters
     out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0) + a.weightless_norms,
                             tuple(qk.get(k, {}).values()))
-                for k in keys)
+                for k in keys for _ in range(a.block_runs))
     _CACHE[id(spec)] = (spec, out)
     return out
