@@ -130,7 +130,7 @@ SHAPES = ROOT / "benchmarks" / "shapes"
 for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "gemma3_text", "qwen2_moe", "mistral_sw",
                "granite", "phimoe", "gpt_neox", "qwen3_moe", "olmoe", "dots1", "cohere2", "olmo",
                "apertus", "roberta", "xlm-roberta", "mbart", "gpt_oss", "distilbert",
-               "modernbert", "umt5", "gemma3", "mllama", "qwen2_5_vl"):
+               "modernbert", "umt5", "gemma3", "mllama", "qwen2_5_vl", "bitnet"):
     _cfg = str(SHAPES / _shape / "config.json")
     # peft's all-linear wraps PhiMoE's router, whose forward returns a tuple peft cannot handle (a peft failure)
     _wide = "q_proj,k_proj,v_proj,o_proj" if _shape == "phimoe" else "all-linear"

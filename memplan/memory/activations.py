@@ -41,6 +41,9 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
     # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
     per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim) for w in blk.qk_norm_widths)
+    # norms over another width (found by the tracer: a BitNet-shaped config counted its ffn_sub_norm over the
+    # intermediate size as a hidden-size norm, -3.6% full bf16)
+    per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.other_norm_widths)
     # a gate beside the MLP reads its input (layout "mlp_gate"): one group with mlp_in, so that a LoRA on it keeps its
     # own fp32 copy and a trained one shares the 16-bit input (found by the tracer: a Qwen2-MoE-shaped config, LoRA
     # all-linear bf16 sdpa -1.6%, the shared_expert_gate's lora_A input [tokens, hidden] fp32 per block uncounted)
@@ -191,7 +194,7 @@ def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
         starts_here = not live and (key in trained_blocks or key in lora_blocks)
         live = live or starts_here
         shape = None if not live else (
-            blk.stack, blk.norms, blk.qk_norm_widths, key in trained_blocks,
+            blk.stack, blk.norms, blk.qk_norm_widths, blk.other_norm_widths, key in trained_blocks,
             tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
                    weight_trains(ctx, m.name)) for sl, m in blk.linears))
         out.append((blk, shape, key in trained_blocks, starts_here))

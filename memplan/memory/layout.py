@@ -70,6 +70,9 @@ class BlockLayout:
     #: elements per token of the block's query/key norms (QK-norm: Qwen3, OLMo2, Gemma-3): a per-head norm's weight
     #: has head_dim elements but normalises every head, num_heads x head_dim (q) or num_kv_heads x head_dim (k)
     qk_norm_widths: tuple[int, ...] = ()
+    #: widths of the block's other norms that do not normalise the hidden size (BitNet's ffn_sub_norm over the
+    #: intermediate size, DeepSeek's q_a_layernorm / kv_a_layernorm over the low ranks)
+    other_norm_widths: tuple[int, ...] = ()
 
 
 #: module names of query/key norms (modeling_qwen3 / modeling_gemma3 / modeling_olmo2 `q_norm`, `k_norm`;
@@ -102,12 +105,15 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
     a = spec.arch
     width = {"q": a.num_heads * a.head_dim, "k": a.num_kv_heads * a.head_dim}
     norms: dict[tuple[str | None, int], int] = {}
+    other: dict[tuple[str | None, int], list[int]] = {}
     qk: dict[tuple[str | None, int], dict[str, int]] = {}
     for p in spec.params:
         if p.role == "norm" and p.block is not None and not p.name.endswith(".bias"):
             key, side = (p.stack, p.block), _qk_norm(p.name)
             if side:  # one entry per norm module (StableLM keeps a LayerNorm per head in a ModuleList)
                 qk.setdefault(key, {})[side[0]] = width[side[1]]
+            elif p.shape[0] != a.hidden_size:
+                other.setdefault(key, []).append(p.shape[0])
             else:
                 norms[key] = norms.get(key, 0) + 1
     order = {"encoder": 0, None: 1, "decoder": 2}
@@ -115,7 +121,7 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
     # a block whose parameters run several times (ALBERT's shared layer, Arch.block_runs) saves its activations each
     # time: one layout per run, under the same (stack, index) as its parameters
     out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0) + a.weightless_norms,
-                            tuple(qk.get(k, {}).values()))
+                            tuple(qk.get(k, {}).values()), tuple(other.get(k, ())))
                 for k in keys for _ in range(a.block_runs))
     _CACHE[id(spec)] = (spec, out)
     return out
