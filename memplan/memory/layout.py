@@ -76,8 +76,10 @@ class BlockLayout:
 
 
 #: module names of query/key norms (modeling_qwen3 / modeling_gemma3 / modeling_olmo2 `q_norm`, `k_norm`;
-#: StableLM and Cohere's `q_layernorm`, `k_layernorm`)
-_QK_NORMS = {"q_norm": "q", "q_layernorm": "q", "k_norm": "k", "k_layernorm": "k"}
+#: StableLM and Cohere's `q_layernorm`, `k_layernorm`; HunYuan's `query_layernorm`, `key_layernorm`; `q_layer_norm`,
+#: `k_layer_norm`): the names transformers 5.24 gives every per-head norm built over head_dim on queries or keys
+_QK_NORMS = {"q_norm": "q", "q_layernorm": "q", "q_layer_norm": "q", "query_layernorm": "q",
+             "k_norm": "k", "k_layernorm": "k", "k_layer_norm": "k", "key_layernorm": "k"}
 
 
 def _qk_norm(name: str) -> tuple[str, str] | None:
