@@ -263,6 +263,9 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     (_shape("albert"), _FULL_BF16, 0.01),
     (_shape("albert"), dict(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256),
      0.015),
+    # under autocast its frozen weights are cast again on every run (autocast caches trainable leaves only: -6.4%)
+    (_shape("albert"), dict(technique="lora", precision="bf16-mixed", lora_targets="query,value", batch_size=2,
+                            seq_len=256), 0.015),
     # GPT-OSS's experts gate with their own clamped SwiGLU (Arch.expert_gate_saves, measured; -13% before)
     (_shape("gpt_oss"), _FULL_BF16, 0.01),
     (_shape("xlm-roberta"),
