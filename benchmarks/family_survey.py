@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 FAMILIES = ("llama mistral qwen2 qwen3 gemma gemma2 gemma3_text phi phi3 olmo olmo2 cohere cohere2 glm glm4 exaone4 "
             "helium smollm3 ernie4_5 seed_oss hunyuan_v1_dense arcee apertus nemotron persimmon stablelm starcoder2 "
             "granite bitnet ministral lfm2 mixtral qwen2_moe qwen3_moe olmoe granitemoe minimax dots1 deepseek_v2 "
+            "deepseek_v3 glm4_moe_lite longcat_flash minicpm3 youtu sarvam_mla deepseek_v32 "
             "glm4_moe ernie4_5_moe hunyuan_v1_moe exaone_moe gpt_oss qwen3_next llama4_text bert roberta xlm-roberta "
             "deberta-v2 modernbert electra distilbert albert mpnet t5 mt5 umt5 bart mbart marian pegasus").split()
 #: vision-language families (composite configs, estimated for text-only steps: the vision tower held, never run)
@@ -69,6 +70,10 @@ def shape_config(family: str) -> dict:
         pattern = getattr(config, key, None)
         if isinstance(pattern, list) and pattern:
             setattr(config, key, (pattern * SIZES["num_hidden_layers"])[:SIZES["num_hidden_layers"]])
+    if getattr(config, "kv_lora_rank", None) is not None:  # MLA expands K/V to every head (real configs: kv = heads)
+        config.num_key_value_heads = config.num_attention_heads
+        if getattr(config, "head_dim", None) is not None:  # their head_dim is the rotary part (DeepseekV3Config)
+            config.head_dim = config.qk_rope_head_dim
     d = config.to_diff_dict()
     d["model_type"] = family
     d.update({k: v for k, v in TOKENS.items() if d.get(k) is not None})

@@ -51,6 +51,17 @@ def kv_heads(config, heads: int) -> int:
     return int(first(config, "num_key_value_heads", "num_kv_heads", default=heads) or heads)
 
 
+def mla_dims(config) -> tuple[int, int] | None:
+    """(query/key head size, value head size) of multi-head latent attention (DeepSeek-V2/V3, Mistral-4, Kimi: a
+    config with kv_lora_rank): kv_b_proj expands the latent to every head, k = [k_nope, k_rope] at
+    qk_nope_head_dim + qk_rope_head_dim and v at v_head_dim (modeling_deepseek_v2.py DeepseekV2Attention); their
+    configs' head_dim is the rotary part alone. None for any other attention."""
+    if first(config, "kv_lora_rank") is None or first(config, "qk_nope_head_dim") is None:
+        return None
+    qk = int(config.qk_nope_head_dim) + int(first(config, "qk_rope_head_dim", default=0))
+    return qk, int(first(config, "v_head_dim", default=qk))
+
+
 #: families whose MLP applies the model's one dropout rate between the activation and the output projection
 #: (modeling_t5 T5DenseActDense / T5DenseGatedActDense: `hidden_states = self.dropout(hidden_states)` before `wo`)
 MLP_DROPOUT_IS_DROPOUT_RATE = {"t5", "mt5"}

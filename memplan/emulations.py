@@ -41,7 +41,11 @@ EMULATIONS = {
             "fine-tuning or under checkpointing) has no gradient in the CPU kernel: fake tensors go through a "
             "stand-in of CUDA's efficient kernel (saves q, k, v, bias, output, logsumexp; returns a [b, h, q, k] bias "
             "gradient padded to 16), real ones through the math kernel; under autocast q, k, v "
-            "and a float mask are first cast to the compute dtype, as autocast's sdpa entry does",
+            "and a float mask are first cast to the compute dtype, as autocast's sdpa entry does. Values with a "
+            "head size other than the queries' (DeepSeek's MLA: q/k 192, v 128) have no CPU flash kernel and would "
+            "take the math kernel ([b, h, s, s] scores); CUDA's flash kernel refuses them too but its memory-"
+            "efficient one takes them (sdp_utils.cpp check_head_dim_size_mem_efficient: q and k equal, both sizes "
+            "aligned), so fake tensors go through a stand-in of that kernel",
 }
 
 @contextlib.contextmanager
@@ -87,15 +91,56 @@ def cuda_like():
             return gq, gk, gv, gbias, None, None  # the engine sums gbias down to the mask's shape
 
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
-            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 scale=scale, enable_gqa=enable_gqa)
-        if torch.is_autocast_enabled("cpu"):  # the aten calls below bypass autocast's sdpa entry, which casts every
-            dt = torch.get_autocast_dtype("cpu")  # floating argument to the compute dtype (lower-precision list)
+    class EfficientOtherValueSize(torch.autograd.Function):
+        """CUDA's memory-efficient sdpa kernel where the values' head size differs from the queries' (aten
+        _scaled_dot_product_efficient_attention; derivatives.yaml saves query, key, value, attn_bias, output and
+        logsumexp): forward returns the output [b, h, q, v size] (stored [b, q, h, v size]: attention.cu) and keeps
+        a logsumexp [b, h, q rounded up to 32] fp32
+        (attention.cu _efficient_attention_forward, kAlignLSE = 32); backward returns the q, k, v gradients.
+        Fake tensors only: shapes and dtypes, no values."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, mask):
+            b, h, s, _ = q.shape  # the kernel writes [b, s, h, d] and returns it transposed, like the flash kernels
+            out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
+            lse = q.new_empty((*q.shape[:-2], -(-q.shape[-2] // 32) * 32), dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, mask, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, mask, out, lse = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+    def _autocast(query, key, value, attn_mask):
+        """autocast's sdpa entry (lower-precision list) casts every floating argument to the compute dtype; the
+        aten calls and stand-ins below bypass it"""
+        if torch.is_autocast_enabled("cpu"):
+            dt = torch.get_autocast_dtype("cpu")
             query, key, value = (t.to(dt) for t in (query, key, value))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.to(dt)
+        return query, key, value, attn_mask
+
+    def _other_value_size(query, key, value) -> bool:
+        align = 4 if query.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") else 8
+        return (is_fake(query) and value.shape[-1] != query.shape[-1] and query.shape[-1] == key.shape[-1]
+                and query.shape[-1] % align == 0 and value.shape[-1] % align == 0)
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if _other_value_size(query, key, value):
+            query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+            if key.shape[-3] != query.shape[-3]:  # the efficient kernel takes no groups: sdpa repeats K/V
+                rep = query.shape[-3] // key.shape[-3]
+                key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~attn_mask, float("-inf"))
+            return EfficientOtherValueSize.apply(query, key, value, attn_mask)
+        if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
+            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa)
+        query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
         if key.shape[-3] != query.shape[-3]:  # grouped-query attention: expand like enable_gqa
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from memplan import codefacts, configfacts
+from memplan import cachefacts, codefacts, configfacts
 from memplan.modelclass import (auto_class, check_flat, check_remote_code, check_uniform, is_composite, skipped_layers,
                                 split_media, text_body)
 from memplan.errors import BadInput
@@ -214,9 +214,12 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
     kind = "seq2seq" if enc else ("encoder" if _is_encoder_only(model) else "causal")
     body = text_body(model) if composite else model
     norms = {type(m).__name__ for m in body.modules() if "Norm" in type(m).__name__}
+    mla = configfacts.mla_dims(config)
     return Arch(
         kind=kind, model_type=config.model_type, auto_class=auto_class, hidden_size=hidden, num_heads=heads,
-        num_kv_heads=configfacts.kv_heads(config, heads), head_dim=int(configfacts.first(config, "head_dim", "d_kv", default=hidden // heads)),
+        num_kv_heads=heads if mla else configfacts.kv_heads(config, heads),
+        head_dim=mla[0] if mla else int(configfacts.first(config, "head_dim", "d_kv", default=hidden // heads)),
+        v_head_dim=mla[1] if mla else 0,
         intermediate_size=_intermediate(config, linears, hidden), vocab_size=model.get_input_embeddings().num_embeddings,
         num_encoder_layers=(int(configfacts.first(config, "encoder_layers", "num_layers", default=layers)) if enc else
                             (layers if kind == "encoder" else 0)),
@@ -252,5 +255,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         lora_default_targets=tuple(LORA_DEFAULTS.get(model.config.model_type, ())),
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         block_runs=_block_runs(linears, max(layers, dec_layers if enc else 0)),
+        kv_cache_per_token=cachefacts.kv_cache_elems(model, kind),
+        frozen_params=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
         **codefacts.read(model, model.config.model_type, hidden, configfacts.activation(config), body), **composite,
     )

@@ -84,7 +84,7 @@ class Arch:
     hidden_size: int
     num_heads: int
     num_kv_heads: int  # K/V heads as the attention holds them (configfacts.kv_heads)
-    head_dim: int
+    head_dim: int  # query/key head size
     intermediate_size: int
     vocab_size: int  # rows of the input embedding as instantiated
     num_encoder_layers: int = 0
@@ -153,10 +153,28 @@ class Arch:
     last_module: str = ""
     #: composite models: the top-level parts the text-only step never runs (vision tower, projector), for the notes
     media_parts: tuple[str, ...] = ()
+    #: value head size where it differs from head_dim (configfacts.mla_dims: DeepSeek's MLA); 0 = head_dim
+    v_head_dim: int = 0
+    #: elements (keys + values) one decoder layer caches per token, measured (cachefacts.kv_cache_elems: MLA caches
+    #: its latent); 0 = not measured, 2 x num_kv_heads x head_dim
+    kv_cache_per_token: int = 0
+    #: parameters the model builds with requires_grad=False (Marian's and Pegasus' sinusoidal position tables): no
+    #: gradients or optimizer state in any technique
+    frozen_params: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:
         return self.num_encoder_layers + self.num_decoder_layers
+
+    @property
+    def kv_cache_elems(self) -> int:
+        """Elements one decoder layer caches per token (keys + values)."""
+        return self.kv_cache_per_token or 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def v_ratio(self) -> float:
+        """Value (and attention output) head size over the query/key head size."""
+        return self.v_head_dim / self.head_dim if self.v_head_dim else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +212,7 @@ class ModelSpec:
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
         arch["media_parts"] = tuple(arch.get("media_parts", ()))
+        arch["frozen_params"] = tuple(arch.get("frozen_params", ()))
         return cls(
             model_id=d["model_id"],
             arch=Arch(**{k: v for k, v in arch.items() if k in arch_keys}),
@@ -217,6 +236,7 @@ class ModelSpec:
         arch["unmodelled_layers"] = list(self.arch.unmodelled_layers)
         arch["expert_gate_saves"] = list(self.arch.expert_gate_saves)
         arch["media_parts"] = list(self.arch.media_parts)
+        arch["frozen_params"] = list(self.arch.frozen_params)
         out = {
             "format": INVENTORY_FORMAT,
             "model_id": self.model_id,

@@ -266,6 +266,12 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     # under autocast its frozen weights are cast again on every run (autocast caches trainable leaves only: -6.4%)
     (_shape("albert"), dict(technique="lora", precision="bf16-mixed", lora_targets="query,value", batch_size=2,
                             seq_len=256), 0.015),
+    # DeepSeek's multi-head latent attention: q/k at qk_nope + qk_rope, v at v_head_dim, run by CUDA's efficient
+    # kernel (the tracer's stand-in: the CPU has no flash kernel for unequal head sizes), the values a view of
+    # kv_b_proj's output (-11% before: rotary head_dim, math-kernel scores in the trace)
+    (_shape("deepseek_v3"), _FULL_BF16, 0.01),
+    (_shape("deepseek_v2"), dict(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256),
+     0.01),
     # GPT-OSS's experts gate with their own clamped SwiGLU (Arch.expert_gate_saves, measured; -13% before)
     (_shape("gpt_oss"), _FULL_BF16, 0.01),
     (_shape("xlm-roberta"),
@@ -349,3 +355,52 @@ def test_query_key_norm_names_beyond_q_norm(tmp_path):
     setup = Setup(technique="full", precision="bf16", batch_size=2, seq_len=512, attn_impl="sdpa")
     c = T.compare(T.trace(model, setup), estimate(model, setup))
     assert abs(c["rel_error"]) < 0.005, c
+
+
+def test_multi_head_latent_attention_sizes_and_cache(tmp_path):
+    """DeepSeek-V3's MLA (configfacts.mla_dims): queries and keys at qk_nope + qk_rope per head, values at v_head_dim,
+    K/V expanded to every head whatever num_key_value_heads says; transformers 5 caches the compressed latent
+    (kv_lora_rank + qk_rope_head_dim per token, one head: cachefacts.kv_cache_elems), so a generation's KV cache is
+    that, not 2 x heads x head_dim."""
+    from memplan.memory.context import resolve
+    from memplan.memory.inference import kv_cache_bytes
+    model = _shape("deepseek_v3")
+    a = load_spec(model).arch
+    assert (a.head_dim, a.v_head_dim, a.num_kv_heads) == (64 + 32, 64, 8)
+    cfg = json.loads(Path(model).read_text())
+    assert a.kv_cache_per_token == cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    setup = Setup(mode="infer", precision="bf16", batch_size=2, seq_len=512, new_tokens=65)
+    assert kv_cache_bytes(resolve(load_spec(model), setup)) == 2 * a.num_decoder_layers * (512 + 64) * 160 * 2
+
+
+def test_measured_cache_equals_the_formula_for_plain_attention():
+    """The measured per-token cache of every causal catalog model equals 2 x kv_heads x head_dim (GQA, multi-query,
+    fused qkv): the measurement changes nothing where the formula was right."""
+    from memplan.models import catalog_index
+    for model in catalog_index():
+        a = load_spec(model).arch
+        if a.kind == "causal":
+            assert a.kv_cache_per_token == 2 * a.num_kv_heads * a.head_dim, model
+
+
+def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
+    """Marian builds its sinusoidal position tables with requires_grad=False (modeling_marian.py
+    MarianSinusoidalPositionalEmbedding): full fine-tuning gives them no gradient and no optimizer state
+    (Arch.frozen_params, select.trainable_params). A Marian-shaped config (family survey sizes), full bf16-mixed b2
+    s256: +3.2% when they counted as trainable."""
+    from transformers import MarianConfig
+
+    from memplan.estimate import estimate
+    MarianConfig(d_model=512, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
+                 decoder_attention_heads=8, encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=32000,
+                 decoder_vocab_size=32000, max_position_embeddings=4096, pad_token_id=0, eos_token_id=2,
+                 decoder_start_token_id=0).save_pretrained(tmp_path)
+    model = str(tmp_path / "config.json")
+    spec = load_spec(model)
+    assert set(spec.arch.frozen_params) == {"model.encoder.embed_positions.weight",
+                                            "model.decoder.embed_positions.weight"}
+    setup = Setup(technique="full", precision="bf16-mixed", batch_size=2, seq_len=256)
+    traced, est = T.trace(model, setup), estimate(model, setup)
+    assert est.params_trainable == traced.params_trainable == spec.numel_total - 2 * 4096 * 512
+    c = T.compare(traced, est)
+    assert abs(c["rel_error"]) < 0.01, c

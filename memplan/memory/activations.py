@@ -61,7 +61,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     for m in by_slot.get("attn_out", []):
         saved_input = eager and weight_trains(ctx, m.name)
-        per_tok += q_dim * c if saved_input else 0
+        per_tok += m.in_features * c if saved_input else 0  # the attention's output (MLA: heads x v_head_dim)
         if m.name in lora_names:
             branch, shares = lora_saves(ctx, m.in_features, c)
             # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
@@ -73,6 +73,11 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     for m in by_slot.get("other", []):  # a Linear no slot names: its input if it trains, its LoRA branch
         per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
         per_tok += lora_saves(ctx, m.in_features, c)[0] if m.name in lora_names else 0
+        if m.short_name == "kv_b_proj" and kernel == "fused":
+            # MLA's values are a view of kv_b_proj's output [heads x (qk_nope + v)] (expand_kv splits it; keys
+            # are copied out): the fused kernel saves that view, which keeps the keys' part of the storage alive.
+            # Found by the tracer: a DeepSeek-V3-shaped config, full bf16 sdpa -1.0% without it
+            per_tok += (m.out_features - a.num_heads * a.v_head_dim) * c
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \

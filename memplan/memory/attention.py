@@ -115,14 +115,15 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     a = ctx.spec.arch
     c = _kernel_bytes(ctx)
     ratio = k_tok / q_tok
+    vr = a.v_ratio  # v and the output at their own head size (MLA: CUDA's efficient kernel, emulations "sdpa")
     # broadcast K/V (heads_broadcast): torch.matmul expands them to every head and reshapes to 3-D - a copy, except
     # at batch 1 where the reshape is a stride-0 view and they stay at kv_dim
     if heads_broadcast(ctx) and ctx.setup.batch_size > 1:
         kv_dim = q_dim
     if kernel == "math":
-        return (q_dim + 2 * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
+        return (q_dim + (1 + vr) * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
     if kernel == "fused":
-        return (2 * q_dim + 2 * kv_dim * ratio) * c + a.num_heads * 4, 0.0
+        return (1 + vr) * (q_dim + kv_dim * ratio) * c + a.num_heads * 4, 0.0
     fp32_softmax = _softmax_fp32(ctx, c)
     probs = 4 if fp32_softmax else c
     drop = a.attn_dropout > 0
@@ -135,7 +136,7 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     # repeat_kv - or, in falcon, a broadcasting batched matmul (above) - materialises K and V at all heads
     kv = (kv_dim if heads_broadcast(ctx) else q_dim) * ratio
     qk = 4 if a.model_type in QK_FP32 and not ctx.mixed else c  # under autocast the matmul saves its bf16 casts
-    return q_dim * qk + kv * qk + kv * c, probs
+    return q_dim * qk + kv * qk + kv * vr * c, probs
 
 
 def score_grad_bytes(ctx: Ctx) -> int:

@@ -15,7 +15,7 @@ def kv_cache_bytes(ctx: Ctx) -> int:
     if a.kind == "encoder":
         return 0
     new = s.new_tokens if s.new_tokens is not None else 128
-    kv_elems = a.num_kv_heads * a.head_dim * 2  # K and V
+    kv_elems = a.kv_cache_elems  # K and V (measured: transformers 5 caches MLA's latent, not expanded K and V)
     if a.kind == "seq2seq":
         per_layer = kv_elems * (max(new - 1, 0) + ctx.src_len)
     else:
@@ -40,7 +40,7 @@ def training_cache_bytes(ctx: Ctx) -> int:
     # K/V over the encoder tokens (EncoderDecoderCache; t5-base freeze: 22 x 2 x [8, 12, 512, 64] in the trace)
     tokens = ctx.tgt_len + (ctx.src_len if a.kind == "seq2seq" else 0)
     promoted = rotary_promotes_kv(ctx)
-    per_block = 2 * kv_dim * s.batch_size * tokens * (ctx.residual_bytes if promoted else ctx.act_bytes)
+    per_block = a.kv_cache_elems * s.batch_size * tokens * (ctx.residual_bytes if promoted else ctx.act_bytes)
     if promoted or kernel_casts_kv(ctx) or (
             attention_kernel(ctx, False) == "eager" and kv_dim != a.num_heads * a.head_dim):
         return per_block * a.num_decoder_layers
@@ -114,7 +114,7 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     t = ctx.setup.batch_size * ctx.src_len
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     k = a.experts_per_token if a.num_experts else 1
-    attn = (2 * a.hidden_size + 2 * q_dim + 2 * kv_dim) * c * t
+    attn = (2 * a.hidden_size + (q_dim + kv_dim) * (1 + a.v_ratio)) * c * t
     kernel = attention_kernel(ctx, relative_bias=True)
     if kernel == "eager":
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)

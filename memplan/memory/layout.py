@@ -8,7 +8,8 @@ gemma: q_proj..down_proj; gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/g
 dense_h_to_4h, dense_4h_to_h; t5: q,k,v,o, wi/wi_0/wi_1, wo; bart/opt: q_proj.., out_proj, fc1, fc2; bert: query,
 key, value, attention.output.dense, intermediate.dense, output.dense; phi: dense, fc1, fc2; phi3: qkv_proj,
 gate_up_proj; mixtral: w1, w2, w3, gate; distilbert: q_lin.., out_lin, lin1, lin2; deberta-v2: query_proj..;
-modernbert: Wqkv, attn.Wo, mlp.Wi, mlp.Wo; albert: ffn, ffn_output).
+modernbert: Wqkv, attn.Wo, mlp.Wi, mlp.Wo; albert: ffn, ffn_output; deepseek_v2/v3 MLA: q_a_proj and
+kv_a_proj_with_mqa read the normed hidden state, q_b_proj and kv_b_proj their low-rank latents ("other")).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from memplan.spec import Linear, ModelSpec
 
 _ATTN_IN = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "c_attn", "query_key_value",
-            "qkv_proj", "Wqkv", "q_attn", "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj"}
+            "qkv_proj", "Wqkv", "q_attn", "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj",
+            "q_a_proj", "kv_a_proj_with_mqa"}
 _MLP_IN = {"gate_proj", "up_proj", "gate_up_proj", "wi", "wi_0", "wi_1", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3",
            "fc_in", "lin1", "Wi", "ffn"}
 _MLP_OUT = {"down_proj", "wo", "fc2", "dense_4h_to_h", "w2", "fc_out", "lin2", "ffn_output"}
