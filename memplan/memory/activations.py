@@ -15,7 +15,7 @@ from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_co
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
-from memplan.memory.recording import block_training, input_grads
+from memplan.memory.recording import block_training, gradless_linears, input_grads
 from memplan.memory.saves import (SAVES_OUTPUT, act_saved_bytes, input_saves, lora_saves, norm_bytes,
                                   weight_trains)
 
@@ -172,8 +172,22 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
         full = same[shape]
         if starts_here and not trained and not ctx.spec.arch.post_norm:
             full -= norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
+        if starts_here and not trained:
+            full -= _gradless_mlp_bytes(ctx, blk, lora_names) * tokens
         out.append((full, tokens * h * ctx.residual_bytes))
     return out
+
+
+def _gradless_mlp_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> float:
+    """What block_bytes counted for an MLP whose input carries no gradient (recording.gradless_linears: the first
+    LoRA block of a parallel model, no adapter in its MLP): its activation and products record nothing."""
+    gradless = gradless_linears(ctx)
+    by_slot: dict[str, list] = {}
+    for sl, m in blk.linears:
+        by_slot.setdefault(sl, []).append(m)
+    if not by_slot.get("mlp_in") or any(m.name not in gradless for m in by_slot["mlp_in"]):
+        return 0.0
+    return _mlp_bytes(ctx, by_slot, lora_names)
 
 
 @per_model()

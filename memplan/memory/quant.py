@@ -71,20 +71,26 @@ def _outside(per: dict) -> int:
     return sum(n for k, (n, _) in per.items() if k[1] is None)
 
 
-@per_model("lora_r")
+@per_model("lora_r", "grad_ckpt")
 def _casts_by_block(ctx: Ctx) -> Mapping[tuple, tuple[int, int]]:
-    """(stack, block index; None outside the blocks) -> (elements autocast casts there, of which trainable)."""
-    per: dict[tuple, tuple[int, int]] = {}
+    """(stack, block index; None outside the blocks) -> (elements autocast casts and the matmuls save there, of which
+    trainable). A frozen weight whose matmul input carries no gradient (recording.gradless_linears) is cast and freed
+    at once: its matmul saves nothing."""
+    from memplan.memory.recording import gradless_linears
+
+    gradless = gradless_linears(ctx)
+    per: dict[tuple, tuple[int, int, int]] = {}
     for m, size, trains in _cast_weights(ctx):
-        n, t = per.get((m.stack, m.block), (0, 0))
-        per[(m.stack, m.block)] = (n + size, t + (size if trains else 0))
+        n, t, g = per.get((m.stack, m.block), (0, 0, 0))
+        per[(m.stack, m.block)] = (n + size, t + (size if trains else 0),
+                                   g + (size if not trains and m.name in gradless else 0))
     # a block whose parameters run several times (ALBERT's shared layer, Arch.block_runs): autocast caches only
-    # trainable leaves, so a frozen weight is cast again on every run and each matmul saves its own cast. Found by the
-    # tracer: an ALBERT-shaped config, LoRA query,value bf16-mixed, -6.4% with one cast per frozen weight
+    # trainable leaves, so a frozen weight is cast again on every run and each matmul saves its own cast (the
+    # gradless ones in the first run only). Found by the tracer: an ALBERT-shaped config, LoRA query,value
+    # bf16-mixed, -6.4% with one cast per frozen weight
     runs = ctx.spec.arch.block_runs
-    if runs > 1:
-        per = {k: (t + (n - t) * (runs if k[1] is not None else 1), t) for k, (n, t) in per.items()}
-    return MappingProxyType(per)
+    return MappingProxyType({k: (t + (n - t) * (runs if k[1] is not None else 1) - g, t)
+                             for k, (n, t, g) in per.items()})
 
 
 def _cast_weights(ctx: Ctx):

@@ -57,3 +57,28 @@ def graph_blocks(ctx: Ctx) -> frozenset[tuple]:
         if live:
             out.add(key)
     return frozenset(out)
+
+
+@per_model("grad_ckpt")
+def gradless_linears(ctx: Ctx) -> frozenset[str]:
+    """Linears of the block where recording starts (nothing below trains, no input_grads; the block's own base
+    parameters frozen: LoRA) whose input carries no gradient, so their matmuls save neither the input nor, under
+    autocast, the weight's cast: the attention's input projections (they read the block's gradless input or its
+    frozen norm's output), and in a parallel block (GPT-J, GPT-NeoX, Falcon, Phi) the MLP when none of its Linears is
+    adapted - it reads the same normed input, so its activation saves nothing either. Found by the tracer: a
+    GPT-J-shaped config, LoRA q,v bf16-mixed eager +3.4% with the first block's MLP and casts counted."""
+    lora_blocks, trained, live = block_training(ctx)
+    if live:
+        return frozenset()
+    lora = {m.name for m in ctx.lora}
+    for blk in blocks(ctx.spec):
+        key = (blk.stack, blk.index)
+        if key in trained:
+            return frozenset()
+        if key in lora_blocks:
+            names = {m.name for sl, m in blk.linears if sl == "attn_in"}
+            mlp = [m.name for sl, m in blk.linears if sl in ("mlp_in", "mlp_out", "mlp_gate")]
+            if ctx.spec.arch.parallel_block and mlp and not lora.intersection(mlp):
+                names.update(mlp)
+            return frozenset(names)
+    return frozenset()
