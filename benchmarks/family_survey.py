@@ -72,8 +72,10 @@ def shape_config(family: str) -> dict:
             setattr(config, key, (pattern * SIZES["num_hidden_layers"])[:SIZES["num_hidden_layers"]])
     if getattr(config, "kv_lora_rank", None) is not None:  # MLA expands K/V to every head (real configs: kv = heads)
         config.num_key_value_heads = config.num_attention_heads
-        if getattr(config, "head_dim", None) is not None:  # their head_dim is the rotary part (DeepseekV3Config)
+        if getattr(default, "head_dim", None) == default.qk_rope_head_dim:  # DeepseekV3Config: the rotary part
             config.head_dim = config.qk_rope_head_dim
+        elif getattr(default, "head_dim", None) == default.qk_nope_head_dim + default.qk_rope_head_dim:  # Mistral-4
+            config.head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     d = config.to_diff_dict()
     d["model_type"] = family
     d.update({k: v for k, v in TOKENS.items() if d.get(k) is not None})
