@@ -258,6 +258,10 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     (_shape("llama4_text"), _FULL_BF16, 0.015),
     (_shape("llama4_text"), dict(technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256),
      0.01),
+    # with checkpointing the untied input embedding's gradient comes after the first block's recompute
+    # (phases._late_grad_bytes; +4.0% when counted beside it)
+    (_shape("llama4_text"), dict(technique="full", precision="bf16-mixed", batch_size=2, seq_len=256, grad_ckpt=True),
+     0.01),
     # BitNet's ffn_sub_norm normalises the intermediate size (layout.BlockLayout.other_norm_widths; counted at the
     # hidden size: -3.6% full bf16)
     (_shape("bitnet"), _FULL_BF16, 0.01),
