@@ -5,7 +5,8 @@
 # pool: every gpu-*.yaml sweep side by side (benchmarks/gpu_pool.py), until SECONDS; pool:--planner adds the
 # planner check pairs. wheels:DIR:SWEEP.yaml runs SWEEP through the pool with DIR's wheels (another transformers,
 # say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions);
-# quote a glob of sweeps: 'wheels:.whl-t448:benchmarks/sweeps/t448-*.yaml'.
+# quote a glob of sweeps: 'wheels:.whl-t448:benchmarks/sweeps/t448-*.yaml'. The wheel folders are not kept in a
+# checkout: make them first with benchmarks/gpu_wheels.sh.
 set -u
 budget=$1; shift
 end=$(( $(date +%s) + budget ))

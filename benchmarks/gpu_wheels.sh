@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Fetch (here, where PyPI answers) the wheels issue 6's device calls carry, into git-ignored folders:
+#   .whl        bitsandbytes 0.50.2 (the device image has no bitsandbytes; peft, accelerate, transformers 5.17 are there)
+#   .whl-t523   transformers 5.23.0 (T5's per-layer sdpa position-bias masks: benchmarks/sweeps/t5-transformers523.yaml)
+#   .whl-t448   transformers 4.48.1, peft 0.13.2 and their pins (older code paths: benchmarks/sweeps/t448-*.yaml)
+# A checkout does not keep ignored folders between sessions; run this first in a session with a GPU (about a
+# minute), then: carry [".whl", ".whl-t523"] (about 50 MiB of the 64 MiB a call may carry) and so on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qsx '/.whl*/' .git/info/exclude || { mkdir -p .git/info; echo '/.whl*/' >> .git/info/exclude; }
+get() {  # DIR SPEC...: Python 3.12 manylinux wheels for the device image, none of their dependencies
+  local dir=$1; shift
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$dir" "$@"
+}
+get .whl bitsandbytes==0.50.2
+get .whl-t523 transformers==5.23.0
+get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_hub==0.36.2
+du -sh .whl .whl-t523 .whl-t448
