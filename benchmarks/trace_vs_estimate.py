@@ -162,6 +162,26 @@ _add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", ba
 _add(_cfg, technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256)
 _add(_cfg, technique="lora", precision="bf16-mixed", lora_targets="query,value", batch_size=2, seq_len=256,
      attn_impl="eager")
+# Padded batches (Setup.padded): sdpa gets a boolean mask in every attention, converts it to a float bias per call
+# and keeps it; grouped K/V are repeated to every head (no enable_gqa with a mask); encoder-decoders mask the encoder
+# and the cross-attention, T5 merges the mask into its per-layer position-bias masks
+for _m, _layers, _kw in (
+        ("meta-llama/Llama-3.2-1B", 2, dict(technique="lora", precision="bf16", batch_size=4, seq_len=512)),
+        ("meta-llama/Llama-3.2-1B", 2, dict(technique="full", precision="bf16-mixed", batch_size=2, seq_len=512)),
+        ("Qwen/Qwen2.5-1.5B", 2, dict(technique="qlora", precision="bf16", batch_size=4, seq_len=512, grad_ckpt=True)),
+        ("mistralai/Mistral-7B-v0.1", 2, dict(technique="lora", precision="bf16", batch_size=2, seq_len=1024)),
+        ("openai-community/gpt2", None, dict(technique="full", precision="bf16-mixed", batch_size=4, seq_len=512)),
+        ("google-bert/bert-base-uncased", None, dict(technique="full", precision="bf16-mixed", batch_size=8, seq_len=512)),
+        ("facebook/bart-base", None, dict(technique="full", precision="bf16", batch_size=4, seq_len=512, target_len=128)),
+        ("google-t5/t5-base", 2, dict(technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256)),
+        ("microsoft/Phi-3-mini-4k-instruct", 2, dict(technique="lora", precision="bf16", lora_targets="qkv_proj",
+                                                    batch_size=1, seq_len=2048)),
+        (str(SHAPES / "gemma3_text" / "config.json"), None, dict(technique="full", precision="bf16", batch_size=2,
+                                                                 seq_len=512)),
+        (str(SHAPES / "mbart" / "config.json"), None, dict(technique="full", precision="bf16", batch_size=2, seq_len=1024)),
+        (str(SHAPES / "modernbert" / "config.json"), None, dict(technique="full", precision="bf16", batch_size=2,
+                                                                seq_len=512))):
+    _add(_m, layers=_layers, attn_impl="sdpa", padded=True, **_kw)
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

@@ -111,7 +111,7 @@ def _field(f: Setup | Mapping, name: str):
 
 #: pins that are not searched: every candidate carries them
 _BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable", "attn_impl", "added_tokens",
-              "num_gpus", "num_nodes")
+              "num_gpus", "num_nodes", "padded")
 
 
 class Pool:

@@ -69,6 +69,7 @@ def _label(row: dict) -> str:
     s = setup_from_row(row)
     parts = [s.mode, s.technique, s.precision] + ([s.quant] if s.quant else []) + [s.optimizer] * (s.mode == "train")
     parts += [f"b{s.batch_size}", f"s{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) + ([s.attn_impl] if s.attn_impl else [])
+    parts += ["padded"] if s.padded else []
     if s.uses_lora:
         parts.insert(2, f"r{s.lora_r}")
     return " ".join(parts)

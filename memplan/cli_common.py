@@ -22,6 +22,8 @@ _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "qu
 _HELP = {
     "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
     "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
+    "padded": "batches hold padding, as a padding collator makes them (sdpa then keeps a mask per layer); "
+              "default: no padding (equal-length or packed batches), except for plan, whose config pads",
 }
 
 

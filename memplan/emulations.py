@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
+from memplan.emulate_masks import mask_checks
+
 
 #: Where the CPU path differs from CUDA, what the tracer does instead (applied by cuda_like() below).
 EMULATIONS = {
@@ -15,9 +17,10 @@ EMULATIONS = {
     "adamw-fused": "torch.optim.AdamW(fused=True) (Trainer's adamw_torch_fused); the fused kernel also exists on CPU",
     "dropout": "F.dropout -> torch.native_dropout: the CUDA path (one bool mask saved); the CPU path draws a float "
                "mask with bernoulli_",
-    "padding mask": "decoder-only models get their unpadded batch without attention_mask: transformers cannot "
-                    "read a fake all-ones mask to skip it (masking_utils is_tracing), so it would build the causal "
-                    "mask and sdpa would repeat grouped K/V to every head, unlike a real run (steps.make_batch)",
+    "padding mask": "transformers reads the attention mask to skip it (no padding: sdpa's is_causal, grouped K/V "
+                    "passed through with enable_gqa); fake masks cannot be read (masking_utils is_tracing), so the "
+                    "tracer answers from its batch: all ones unless Setup.padded, a seq2seq decoder's own mask "
+                    "always (emulate_masks.mask_checks)",
     "bitsandbytes": "bnb Linear4bit/Linear8bitLt do not run on fake tensors: stand-in layers hold exactly the "
                     "storages bnb allocates and dequantize to the compute dtype in forward and backward",
     "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
@@ -26,8 +29,8 @@ EMULATIONS = {
     "data-dependent checks": "transformers 4.x drops an all-ones attention mask for sdpa after "
                              "`torch.all(mask == 1)` (modeling_attn_mask_utils _ignore_causal_mask_sdpa, "
                              "_prepare_4d_attention_mask_for_sdpa) and draws `torch.rand([])` against LayerDrop (BART, "
-                             "OPT): fake tensors cannot be read, so the tracer answers True to the first, as a real "
-                             "run of its unpadded batches would, and draws 1.0 for the second, so every layer runs",
+                             "OPT): fake tensors cannot be read, so the tracer answers `not Setup.padded` to the first, "
+                             "as a real run of its batches would, and draws 1.0 for the second, so every layer runs",
     "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
                   "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
@@ -49,10 +52,11 @@ EMULATIONS = {
 }
 
 @contextlib.contextmanager
-def cuda_like():
+def cuda_like(padded: bool = False, seq2seq: bool = False):
     """The CUDA code paths the CPU would not take (memplan.trace.EMULATIONS): native_dropout for dropout, the
     flash-style sdpa kernel with attention dropout, grouped_mm's output for fp32/fp16 experts, CUDA autocast's
-    fp32 op list."""
+    fp32 op list, and transformers' mask checks answered for fake masks (padded: the batch holds padding; seq2seq:
+    an encoder-decoder, whose decoder mask is all ones)."""
     import torch
     import torch.nn.functional as F
 
@@ -162,7 +166,7 @@ def cuda_like():
     F.dropout = dropout
     F.scaled_dot_product_attention = sdpa
     try:
-        with _grouped_mm_any_dtype(), cuda_autocast_fp32(), _all_ones_masks():
+        with _grouped_mm_any_dtype(), cuda_autocast_fp32(), mask_checks(padded, seq2seq):
             yield
     finally:
         F.dropout = original
@@ -202,31 +206,6 @@ def cuda_autocast_fp32():
                       and isinstance(args[0], torch.Tensor) and args[0].dtype in half):
                     kwargs = {**kwargs, "dtype": torch.float32}
             return func(*args, **kwargs)
-
-    return _Mode()
-
-
-def _all_ones_masks():
-    """EMULATIONS["data-dependent checks"]: `torch.all(x)` over a whole fake bool tensor answers a constant True
-    (the tracer's batches have all-ones masks, steps.make_batch, so a real run's check is True), and a scalar
-    `torch.rand([])` under the fake mode a constant 1.0 (LayerDrop keeps every layer: `if dropout_probability <
-    self.layerdrop`). Real tensors, reductions along a dimension and other draws run as they are."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    def faking() -> bool:
-        return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
-
-    class _Mode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if (func in (torch.all, torch.Tensor.all) and not kwargs and len(args) == 1
-                    and is_fake(args[0]) and args[0].dtype == torch.bool):
-                return torch.tensor(True)
-            if func is torch.rand and not kwargs and args in (([],), ((),)) and faking():
-                return torch.tensor(1.0)
-            return func(*args, **(kwargs or {}))
 
     return _Mode()
 

@@ -137,6 +137,9 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
 
 def _notes(ctx: Ctx) -> tuple[str, ...]:
     notes = [f"attention: {ctx.attn_impl}"]
+    if ctx.setup.mode == "train" or ctx.setup.padded:
+        notes.append("batches: padded (sdpa keeps a mask per layer)" if ctx.setup.padded else
+                     "batches: no padding (packed or equal-length; --padded for a padding collator's)")
     release = libs.version("transformers")
     if release:  # the code paths that differ between releases follow it (memplan.libs; docs/MODEL.md)
         notes.append("transformers " + libs.dotted(release))

@@ -30,7 +30,7 @@ def describe(s: Setup) -> str:
         parts.append("checkpointing")
     if s.sharding != "none":
         parts.append(sharding_label(s))
-    parts.append(f"micro-batch {s.batch_size} x {s.grad_accum}")
+    parts.append(f"micro-batch {s.batch_size} x {s.grad_accum}" + (" (padded)" if s.padded else ""))
     return ", ".join(parts)
 
 

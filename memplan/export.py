@@ -89,7 +89,9 @@ def training_arguments_section(s: Setup) -> dict:
 
 
 def data_section(spec, s: Setup) -> dict:
-    """The estimate holds for samples padded to max_length; dynamic padding ("longest") only uses less."""
+    """The collator pads each batch to its longest sample (at most max_length). The planner's estimate assumes
+    padded batches (Setup.padded: under sdpa every attention then keeps a mask), of max_length tokens: shorter
+    batches only use less. A plan made with --no-padded assumes equal-length or packed batches."""
     out = {"max_length": s.seq_len, "truncation": True, "padding": "longest",
            "pad_to_multiple_of": 8 if s.seq_len % 8 == 0 else None, "label_pad_token_id": -100}
     if spec.arch.kind == "seq2seq":

@@ -128,8 +128,10 @@ class FitResult:
                 "multi_gpu": [r.to_dict() for r in self.scale_out]}
 
 
-def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS) -> list[tuple[str, Setup]]:
-    """The FIT_OPTIONS (or `options`) rows as Setups for this model, GPU and sequence length (batch 1)."""
+def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: bool = True) -> list[tuple[str, Setup]]:
+    """The FIT_OPTIONS (or `options`) rows as Setups for this model, GPU and sequence length (batch 1), with padded
+    batches (Setup.padded) unless `padded` is False: the batches a padding collator makes from real data, as the
+    planner assumes (search.plan)."""
     bf = "bf16" if gpu.bf16 else "fp16"
     a = spec.arch
     new = 0 if a.kind == "encoder" else DEFAULT_NEW_TOKENS
@@ -146,7 +148,7 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS) -> list[tup
             # choice, every Linear, instead of nothing
             fields["lora_targets"] = "all-linear"
             label += " (all-linear)"
-        out.append((label, Setup(batch_size=1, seq_len=seq_len, **fields)))
+        out.append((label, Setup(batch_size=1, seq_len=seq_len, padded=padded, **fields)))
     return out
 
 

@@ -94,7 +94,7 @@ def setup_from_row(row: dict) -> Setup:
 def row_key(model: str, setup: Setup, device: str = "cuda", memory_fraction: float | None = None) -> str:
     """A short stable id of (model, setup, device, memory cap): what a resumed sweep skips."""
     fields = setup.to_dict()
-    for name in DISTRIBUTED_FIELDS:  # single-GPU rows keep the keys they had before these fields existed
+    for name in (*DISTRIBUTED_FIELDS, "padded"):  # rows keep the keys they had before these fields existed
         if fields[name] == Setup.__dataclass_fields__[name].default:
             del fields[name]
     payload = json.dumps([model, fields, device, memory_fraction], sort_keys=True, default=str)

@@ -8,7 +8,7 @@ from memplan.memory import inference as inf
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
 from memplan.memory import layout, moe, overhead, quant, recording, weights
-from memplan.memory.attention import score_grad_bytes, windowed
+from memplan.memory.attention import padded_masks, score_grad_bytes, windowed
 from memplan.memory.context import Ctx
 
 
@@ -178,13 +178,18 @@ def _mask_bytes(ctx: Ctx) -> int:
     """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
     (transformers masking_utils eager_mask), one per mask kind (Gemma2 builds its full and its sliding mask even
     below the window); sdpa without padding passes is_causal instead, except past a sliding window: a boolean
-    [b, 1, s, s] mask (masking_utils sdpa_mask; attention.windowed)."""
+    [b, 1, s, s] mask (masking_utils sdpa_mask; attention.windowed). With padding (Setup.padded) sdpa gets a boolean
+    mask of every kind, and an encoder-decoder's cross-attention one [b, 1, t, s] (its decoder's is skipped)."""
+    a = ctx.spec.arch
     square = ctx.setup.batch_size * ctx.src_len * ctx.src_len
     if ctx.attn_impl == "sdpa":
+        if padded_masks(ctx):
+            cross = ctx.setup.batch_size * ctx.tgt_len * ctx.src_len if a.kind == "seq2seq" else 0
+            return square * a.mask_kinds + cross
         return square if windowed(ctx) else 0
     if ctx.attn_impl != "eager":
         return 0
-    return square * ctx.residual_bytes * ctx.spec.arch.mask_kinds
+    return square * ctx.residual_bytes * a.mask_kinds
 
 
 def _checkpointed_mask_bytes(ctx: Ctx) -> int:

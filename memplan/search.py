@@ -145,7 +145,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     with `memory` (a size such as "12GiB") or neither (the detected GPU). pinned: Setup fields fixed by the user
     (e.g. technique="lora", lora_r=16); pinning num_gpus (num_nodes, sharding, offload) searches sharding x
     offload on that many GPUs, and when nothing fits one GPU and none of them is pinned the plan is for the fewest
-    GPUs that fit. host_memory: RAM per node for CPU offload (a size; default this machine's RAM). Raises BadInput
+    GPUs that fit; padded defaults to True (the plan file's collator pads). host_memory: RAM per node for CPU
+    offload (a size; default this machine's RAM). Raises BadInput
     for a bad preference, a pin that is not a Setup field, or pins that contradict each other.
     """
     if isinstance(spec, str):
@@ -173,6 +174,7 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     if problems:
         raise BadInput("cannot plan:\n" + "\n".join(f"  - {p}" for p in problems))
     pinned = {k: v for k, v in pinned.items() if v is not None and k != "mode"}
+    pinned.setdefault("padded", True)  # the plan file's collator pads batches (export.data_section)
     seq_len = pinned.pop("seq_len", seq_len)
     if host_memory is None:
         host_budget = host_memory_bytes()

@@ -92,6 +92,7 @@ class Setup:
     grad_ckpt: bool = False  # keep only block inputs; recompute one block at a time in backward
     grad_accum: int = 1  # micro-steps per optimizer step: no activation effect, grads persist across them
     attn_impl: AttnImpl | None = None  # eager keeps [b,h,s,s] probabilities; None = the model's default
+    padded: bool = False  # batches hold padding (attention mask with zeros): sdpa keeps a [b,1,q,k] bias per layer
     added_tokens: int = 0  # new special tokens: embedding, lm_head and logits grow
     prompt_len: int | None = None  # infer: prompt tokens (None = seq_len)
     new_tokens: int | None = None  # infer: generated tokens (None = 128 for generative models, 0 for encoders)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from memplan.emulations import checkpoint_kwargs, is_fake
+from memplan.emulations import checkpoint_kwargs
 from memplan.errors import BadInput
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 
@@ -204,21 +204,25 @@ def cut_spec(spec, layers: int | None):
 
 
 def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
-    """Random token ids of exactly batch_size x seq_len (seq2seq: labels of target_len), no padding."""
+    """Random token ids of exactly batch_size x seq_len (seq2seq: labels of target_len). The attention mask is all
+    ones, or with `setup.padded` holds one padding token (the last sample's last position, label -100): every
+    position is still computed, the most memory a batch padded to seq_len takes, and transformers builds the masks
+    it skips for an all-ones batch (masking_utils _ignore_causal_mask_sdpa, _ignore_bidirectional_mask_sdpa). The
+    tracer's fake masks cannot be read: emulations.mask_skips answers for them from the setup."""
     import torch
+
     b, s = setup.batch_size, setup.seq_len
     ids = torch.randint(0, vocab, (b, s), device=device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long, device=device)}
-    if spec.arch.kind == "causal" and is_fake(ids):
-        # a real all-ones mask lets transformers skip the causal mask (sdpa's is_causal, grouped K/V passed through
-        # with enable_gqa); on fake tensors it cannot read the values (masking_utils _ignore_causal_mask_sdpa:
-        # is_tracing) and builds one, which also makes sdpa repeat K/V to every head. The same unpadded batch without
-        # the mask takes the real path.
-        del batch["attention_mask"]
+    mask = torch.ones(b, s, dtype=torch.long, device=device)
+    if setup.padded:
+        mask[-1, -1] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
     if spec.arch.kind == "seq2seq":
         batch["labels"] = torch.randint(0, vocab, (b, setup.target_len or s), device=device)
     else:
         batch["labels"] = ids.clone()
+        if setup.padded:
+            batch["labels"][-1, -1] = -100
     return batch
 
 

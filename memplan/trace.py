@@ -92,7 +92,8 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     if tracker.segmented:
         watch_blocks(model, tracker)
     sharded = shard(model) if shard else contextlib.nullcontext()
-    with sharded, fake_mode, _dispatch_mode(tracker), cuda_like():
+    with sharded, fake_mode, _dispatch_mode(tracker), \
+            cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         if shard:
             model.to_empty(device="cpu")
         else:

@@ -121,7 +121,7 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
     def enter(phase: str) -> None:
         tracker.phase = phase
 
-    with _dispatch_mode(tracker), cuda_like():
+    with _dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         materialize(model, fake=False)
         for t in [*model.parameters(), *model.buffers()]:
             tracker.serial_of(t)

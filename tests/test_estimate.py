@@ -303,23 +303,30 @@ def test_t5_mlp_dropout_uses_dropout_rate():
 
 def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     """t5-base trained in its last decoder block (bf16-mixed, sdpa, 8 x 512): the frozen encoder records no graph,
-    so only the decoder's masks are saved, as autocast's bf16 casts [8, 12, 512, 512]: the cross-attention's shared
-    one and the trainable block's own self-attention mask (one per recorded layer under transformers >= 5.20);
-    the 11 frozen decoder blocks' EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the
-    encoder's 512) live through the forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
+    so only the decoder's masks are saved, as autocast's bf16 casts: the cross-attention's zero bias [1, 12, 512,
+    512], merged per layer with a padded batch's encoder mask ([8, ...] in the one recorded layer), and the trainable
+    block's own self-attention mask (one per recorded layer under transformers >= 5.20; the decoder's all-ones mask
+    is skipped: [1, ...]; an encoder layer's takes the padding mask's batch); the 11 frozen decoder blocks'
+    EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the encoder's 512) live through the
+    forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
     from memplan import libs
     from memplan.memory.attention import position_bias_bytes, self_bias_mask_bytes
     from memplan.memory.attention import attention_kernel
     from memplan.memory.inference import training_cache_bytes
-    ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,
-               attn_impl="sdpa")
-    with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (attention.MATH_SDPA_UNTIL)
-        assert position_bias_bytes(ctx) == 8 * 12 * 512 * 512 * 2
-        kernel = attention_kernel(ctx, relative_bias=True)
-        assert kernel == "fused" and self_bias_mask_bytes(ctx, 8, 512, kernel) == 8 * 12 * 512 * 512 * 2
-    with libs.assume(transformers="5.17.0"):  # the math kernel adds the bias to its scores and keeps no mask
-        assert self_bias_mask_bytes(ctx, 8, 512, attention_kernel(ctx, relative_bias=True)) == 0
-    assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2
+    square = 12 * 512 * 512 * 2
+    for padded in (False, True):
+        ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,
+                   attn_impl="sdpa", padded=padded)
+        rows = 8 if padded else 1
+        with libs.assume(transformers="5.23.0"):  # fused kernels for T5's bias (attention.MATH_SDPA_UNTIL)
+            assert position_bias_bytes(ctx) == rows * square
+            kernel = attention_kernel(ctx, relative_bias=True)
+            assert kernel == "fused" and self_bias_mask_bytes(ctx, 8, 512, kernel, "decoder") == square
+            assert self_bias_mask_bytes(ctx, 8, 512, kernel, "encoder") == rows * square
+        with libs.assume(transformers="5.17.0"):  # the math kernel adds the bias to its scores and keeps no mask
+            assert self_bias_mask_bytes(ctx, 8, 512, attention_kernel(ctx, relative_bias=True)) == 0
+            assert position_bias_bytes(ctx) == 8 * square  # the model added the mask once, shared by every layer
+        assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2
 
 
 def test_public_functions_stay_callable_in_any_import_order():
@@ -357,7 +364,7 @@ def test_registered_buffers_are_resident_beside_the_weights():
 _VARIED = {
     "double_quant": [True], "lora_r": [64], "lora_alpha": [32], "lora_dropout": [0.1], "optimizer": ["adamw", "adamw-8bit", "adafactor"],
     "batch_size": [1, 3], "seq_len": [128, 1024], "target_len": [64], "grad_ckpt": [True], "grad_accum": [4],
-    "attn_impl": ["eager"], "added_tokens": [100], "prompt_len": [300], "new_tokens": [40],
+    "attn_impl": ["eager"], "added_tokens": [100], "prompt_len": [300], "new_tokens": [40], "padded": [True],
     "num_gpus": [2], "num_nodes": [2], "sharding": ["ddp", "zero3"], "offload": ["optimizer"],
 }
 

@@ -10,14 +10,15 @@ the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face 
 """
 from __future__ import annotations
 
-from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_core, kernel_casts_kv,
-                                      position_bias_bytes, self_bias_mask_bytes, window_block_bytes, windowed)
+from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_core, bias_bucket_bytes, kernel_casts_kv,
+                                      mask_block_bytes, padded_masks, position_bias_bytes, self_bias_mask_bytes,
+                                      windowed)
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
 from memplan.memory.recording import block_training, gradless_linears, input_grads
 from memplan.memory.saves import (SAVES_OUTPUT, act_saved_bytes, input_saves, lora_saves, norm_bytes,
-                                  weight_trains)
+                                  shared_input_saves, weight_trains)
 
 
 def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], lora_names: set[str],
@@ -81,11 +82,15 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
-        self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel)
+        self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel, blk.stack) + \
+        bias_bucket_bytes(ctx, blk.stack, blk.index, seqs[0])
     if cross:
         total += _cross_bytes(ctx, by_slot, tokens, seqs, lora_names)
-    if blk.index in a.sliding_layers and blk.stack != "encoder" and kernel == "fused" and windowed(ctx):
-        total += window_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
+    # a seq2seq decoder's self-attention gets no padding mask (collators pass no decoder_attention_mask): is_causal
+    windowed_here = blk.index in a.sliding_layers and blk.stack != "encoder" and windowed(ctx)
+    padded_here = padded_masks(ctx) and not (a.kind == "seq2seq" and blk.stack == "decoder")
+    if kernel == "fused" and (windowed_here or padded_here):
+        total += mask_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
     return total
 
 
@@ -131,15 +136,21 @@ def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fal
 
 
 def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
-    """Cross-attention of a decoder block: q over decoder tokens, k/v over encoder tokens (inputs: the encoder
-    output, shared by every decoder block)."""
+    """Cross-attention of a decoder block: q over decoder tokens (its own input: the state after self-attention),
+    k/v over encoder tokens (inputs: the encoder output, shared by every decoder block: its uncast storage is
+    counted once, by per_block_bytes). Found with autograd's saved tensors (t5-small, tests/
+    test_activations_autograd.py): the query's input was taken for the self-attention's, and the encoder output
+    was counted in every block - equal and opposite only while target_len == seq_len."""
     a = ctx.spec.arch
     q_dim = a.num_heads * a.head_dim
     batch = tokens // max(seqs[0], 1)
     enc_tokens = batch * seqs[1]
-    tok_core, per_score = attn_core(ctx, q_dim, q_dim, seqs[0], seqs[1], attention_kernel(ctx, relative_bias=False))
+    kernel = attention_kernel(ctx, relative_bias=False)
+    tok_core, per_score = attn_core(ctx, q_dim, q_dim, seqs[0], seqs[1], kernel)
+    tok_core += input_saves(ctx, by_slot.get("cross_q", []), a.hidden_size, ctx.residual_bytes, lora_names)
     kv = input_saves(ctx, by_slot.get("cross_kv", []), a.hidden_size, ctx.residual_bytes, lora_names)
-    return tok_core * tokens + kv * enc_tokens / 1.0 + a.num_heads * seqs[0] * seqs[1] * per_score * batch
+    masked = mask_block_bytes(ctx, batch, seqs[0], seqs[1]) if kernel == "fused" and padded_masks(ctx) else 0
+    return tok_core * tokens + kv * enc_tokens / 1.0 + a.num_heads * seqs[0] * seqs[1] * per_score * batch + masked
 
 
 def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
@@ -162,6 +173,7 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
     h = ctx.spec.arch.hidden_size
     out = []
     same: dict[tuple, float] = {}  # blocks of identical structure save identical bytes (speed: 80-layer models)
+    encoder_output_saved = False
     for blk, shape, trained, starts_here in _block_structure(ctx):
         if shape is None:
             out.append((0.0, 0.0))
@@ -170,12 +182,23 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
         if shape not in same:
             same[shape] = block_bytes(ctx, blk, tokens, seqs, lora_names, trained)
         full = same[shape]
+        if blk.stack == "decoder" and ctx.spec.arch.kind == "seq2seq":
+            if encoder_output_saved:  # the cross-attention k/v's shared input: one storage for every block
+                full -= _encoder_output_bytes(ctx, blk, lora_names)
+            encoder_output_saved = True
         if starts_here and not trained and not ctx.spec.arch.post_norm:
             full -= norm_bytes(ctx, h, False) * tokens  # the pre-LN input norm runs before any adapter
         if starts_here and not trained:
             full -= _gradless_mlp_bytes(ctx, blk, lora_names) * tokens
         out.append((full, tokens * h * ctx.residual_bytes))
     return out
+
+
+def _encoder_output_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> float:
+    """The encoder output as the cross-attention's k/v save it uncast (_cross_bytes counts it in every block)."""
+    members = [m for sl, m in blk.linears if sl == "cross_kv"]
+    b = ctx.setup.batch_size
+    return shared_input_saves(ctx, members, ctx.spec.arch.hidden_size, ctx.residual_bytes, lora_names) * b * ctx.src_len
 
 
 def _gradless_mlp_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> float:
@@ -214,6 +237,8 @@ def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
         live = live or starts_here
         shape = None if not live else (
             blk.stack, blk.norms, blk.qk_norm_widths, blk.other_norm_widths, key in trained_blocks,
+            blk.index in ctx.spec.arch.sliding_layers,  # windowed sdpa masks (found: Gemma-3's full layer, +0.4%)
+            bias_bucket_bytes(ctx, blk.stack, blk.index, 1),  # T5's first layer holds the relative bias
             tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
                    weight_trains(ctx, m.name)) for sl, m in blk.linears))
         out.append((blk, shape, key in trained_blocks, starts_here))
@@ -259,7 +284,12 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
         if m.is_output:
             total += (m.in_features * c if trains and a.has_lm_head else 0) * tokens
         else:
-            total += ((m.in_features * c if trains else 0) + m.out_features * act_saved_bytes(ctx, trains)) * tokens
+            # a Linear from another width into the hidden size projects the embeddings into the blocks (ALBERT's
+            # embedding_hidden_mapping_in, ELECTRA's embeddings_project): no activation follows it, unlike a head's
+            # transform (found by the tracer: an ALBERT-shaped config full bf16 +1.1%, a gelu_new counted 512 wide)
+            into_blocks = m.in_features != h and m.out_features == h
+            act = 0 if into_blocks else m.out_features * act_saved_bytes(ctx, trains)
+            total += ((m.in_features * c if trains else 0) + act) * tokens
     if a.hidden_dropout > 0 and embeds_record:
         total += h * ctx.setup.batch_size * ctx.src_len
     return total + position_bias_bytes(ctx)

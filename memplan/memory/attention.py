@@ -172,42 +172,71 @@ def windowed(ctx: Ctx) -> bool:
             and ctx.tgt_len > a.sliding_window)
 
 
-def window_block_bytes(ctx: Ctx, batch: int, q_len: int) -> float:
-    """What a sliding-window layer's sdpa saves beyond the fused kernel's count (attn_core) when windowed: torch
-    converts the boolean mask to a [b, 1, q, q] float bias in the query's dtype per call (aten sdpa
-    convert_boolean_attn_mask), which the efficient kernel keeps for backward; and with a mask transformers does
-    not pass enable_gqa (integrations/sdpa_attention use_gqa_in_sdpa: CUDA needs no mask) but repeats grouped K/V
-    to every head (repeat_kv), which the kernel saves instead. Found by the tracer: Phi-3-mini (window 2047) LoRA
-    b1 s2048 -1.4% (32 x 8 MiB), a Mistral-shaped GQA config with a 128-token window b2 s512 -1.7%."""
+def padded_masks(ctx: Ctx) -> bool:
+    """sdpa gets an explicit mask in every attention because the batch holds padding (Setup.padded): transformers
+    builds a boolean [b, 1, q, k] mask instead of passing is_causal (masking_utils _ignore_causal_mask_sdpa /
+    _ignore_bidirectional_mask_sdpa read the padding mask). T5's relative position bias merges the mask itself
+    (self_bias_mask_bytes, position_bias_bytes)."""
+    return ctx.attn_impl == "sdpa" and ctx.setup.padded and not has_position_bias(ctx.spec.arch)
+
+
+def mask_block_bytes(ctx: Ctx, batch: int, q_len: int, k_len: int | None = None) -> float:
+    """What a masked sdpa call (padding, or a sliding window the sequence outruns) saves beyond the fused kernel's
+    count (attn_core): torch converts the boolean mask to a [b, 1, q, k] float bias in the query's dtype per call
+    (aten sdpa convert_boolean_attn_mask), which the efficient kernel keeps for backward; and with a mask
+    transformers does not pass enable_gqa (integrations/sdpa_attention use_gqa_in_sdpa: CUDA needs no mask) but
+    repeats grouped K/V to every head (repeat_kv), which the kernel saves instead. Found by the tracer: Phi-3-mini
+    (window 2047) LoRA b1 s2048 -1.4% (32 x 8 MiB), a Mistral-shaped GQA config with a 128-token window b2 s512
+    -1.7%; padded batches: a BART-shaped config full bf16 b2 s1024 -5.6%."""
     a = ctx.spec.arch
     c = _kernel_bytes(ctx)
+    k_len = k_len or q_len
     repeat = 2 * (a.num_heads - a.num_kv_heads) * a.head_dim * c
-    return batch * q_len * q_len * c + batch * q_len * repeat
+    return batch * q_len * k_len * c + batch * k_len * repeat
 
 
-def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str) -> float:
+def self_bias_mask_bytes(ctx: Ctx, batch: int, q_len: int, kernel: str, stack: str | None = None) -> float:
     """T5/mT5 self-attention under a fused sdpa kernel (transformers >= 5.20): every layer's call builds its own
     [b, heads, q, q] mask from the shared position bias (integrations/sdpa_attention.py create_position_bias_mask:
     merged with the padding or causal mask, then `.contiguous()`; autocast casts it again), which the kernel keeps
-    for backward - one per layer, not one per stack. The batch dimension comes from the padding mask (unpadded
-    batches may keep [1, ...]: the padded-batch upper bound). Found by the tracer: t5-base LoRA bf16 r64 b16 s256
-    sdpa -9.5% before. Math kernel (older transformers): added to the scores, nothing kept."""
+    for backward - one per layer, not one per stack. Its batch dimension comes from the padding mask: an encoder's
+    with padding (Setup.padded), else the bias's own 1 (a decoder's all-ones mask is skipped: is_causal merges a
+    [1, 1, q, q] causal mask). Found by the tracer: t5-base LoRA bf16 r64 b16 s256 sdpa -9.5% before; unpadded
+    +10.3% at batch 16. Math kernel (older transformers): added to the scores, nothing kept."""
     a = ctx.spec.arch
     if not has_position_bias(a) or ctx.attn_impl != "sdpa" or kernel != "fused":
         return 0.0
-    return batch * a.num_heads * q_len * q_len * _bias_mask_dtype_bytes(ctx)
+    rows = batch if ctx.setup.padded and stack != "decoder" else 1
+    return rows * a.num_heads * q_len * q_len * _bias_mask_dtype_bytes(ctx)
+
+
+def bias_bucket_bytes(ctx: Ctx, stack: str | None, index: int, q_len: int) -> int:
+    """A trainable relative position bias (T5: in the first layer of each stack; UMT5: in every layer) is an
+    embedding looked up with the [q, k] int64 relative position buckets, which its backward keeps (aten
+    embedding_backward needs the indices). Found by the tracer: a UMT5-shaped config, full bf16 b2 s512 sdpa -4.2%
+    (12 layers x 2 MiB of buckets)."""
+    if not has_position_bias(ctx.spec.arch):
+        return 0
+    return sum(q_len * q_len * 8 for p in ctx.spec.params
+               if p.block == index and p.stack == stack and "relative_attention_bias" in p.name
+               and p.name in ctx.trainable)
 
 
 def position_bias_bytes(ctx: Ctx) -> float:
-    """T5/mT5 decoders: the cross-attention's zero bias, one [b, heads, q_len, k_len] tensor shared by every layer
-    (UMT5: one per recorded decoder layer, bias_per_layer; the self-attentions' per-layer masks are in the blocks:
-    self_bias_mask_bytes). Only a recorded decoder keeps
-    it (graph_blocks: found by the tracer on t5-base freeze)."""
+    """T5/mT5 decoders: the cross-attentions' zero bias [1, heads, q_len, k_len], built by the first decoder layer
+    and passed on (UMT5: by every layer, bias_per_layer). From transformers 5.20 each sdpa call merges it with the
+    encoder's padding mask (create_position_bias_mask): with padding a [b, heads, q, k] copy per layer, kept by the
+    kernel; without, the bias itself. Before 5.20 the model added the mask once, [b, heads, q, k] shared by every
+    layer. The self-attentions' per-layer masks are in the blocks (self_bias_mask_bytes). Only a recorded decoder
+    keeps it (graph_blocks: found by the tracer on t5-base freeze)."""
     a = ctx.spec.arch
     if not has_position_bias(a) or ctx.attn_impl == "eager":
         return 0.0  # eager adds the bias to the scores, which saves nothing
     recorded = {stack for stack, _ in graph_blocks(ctx)}
     if a.kind != "seq2seq" or "decoder" not in recorded:
         return 0.0
-    layers = sum(1 for stack, _ in graph_blocks(ctx) if stack == "decoder") if bias_per_layer(a) else 1
-    return layers * ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)
+    decoder_layers = sum(1 for stack, _ in graph_blocks(ctx) if stack == "decoder")
+    layers, rows = decoder_layers if bias_per_layer(a) else 1, ctx.setup.batch_size
+    if ctx.attn_impl == "sdpa" and not libs.older_than("transformers", MATH_SDPA_UNTIL):
+        layers, rows = (decoder_layers, rows) if ctx.setup.padded else (layers, 1)
+    return layers * rows * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)

@@ -3,7 +3,8 @@ during prefill (no autograd)."""
 from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
-from memplan.memory.attention import attention_kernel, has_position_bias, kernel_casts_kv
+from memplan.memory.attention import (attention_kernel, has_position_bias, kernel_casts_kv, mask_block_bytes,
+                                     padded_masks, windowed)
 from memplan.memory.context import Ctx
 
 
@@ -120,17 +121,23 @@ def prefill_working_bytes(ctx: Ctx) -> int:
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)
     elif kernel == "math":  # fp32 q/k/v copies, fp32 scores and their softmax (attention.attention_kernel)
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * 8 + MATH_QSIZED_FP32 * q_dim * 4 * t
+    masks = 0
+    if kernel == "fused" and (padded_masks(ctx) or windowed(ctx)):
+        # the boolean mask for the whole forward, and per call its float bias and the K/V repeated to every head
+        masks = ctx.setup.batch_size * ctx.src_len * ctx.src_len
+        attn += mask_block_bytes(ctx, ctx.setup.batch_size, ctx.src_len)
     hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
     mlp = (hidden * a.hidden_size * c + _mlp_live(a) * a.intermediate_size * c * k) * t
-    return max(attn, mlp) + _position_bias_bytes(ctx, kernel)
+    return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
 
 
 def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
     """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
     compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
-    from transformers 5.20 sdpa gets it expanded over the batch and contiguous (attention.has_position_bias)."""
+    from transformers 5.20 sdpa gets it contiguous, merged with the padding mask: expanded over the batch with
+    padding (Setup.padded), else [1, heads, s, s] (attention.self_bias_mask_bytes)."""
     a = ctx.spec.arch
     if not has_position_bias(a):
         return 0
-    rows = 1 if kernel != "fused" else ctx.setup.batch_size
+    rows = ctx.setup.batch_size if kernel == "fused" and ctx.setup.padded else 1
     return rows * a.num_heads * ctx.src_len * ctx.src_len * ctx.compute_bytes

@@ -1,7 +1,7 @@
 """Where each Linear sits inside a transformer block, from its module name (pure, cached per ModelSpec).
 
 Slots: "attn_in" (q/k/v or fused qkv: read the normed hidden state), "cross_kv" (cross-attention k/v: read the
-encoder output), "attn_out", "mlp_in" (gate/up/fc1: read the normed hidden state), "mlp_out" (down/fc2),
+encoder output), "cross_q" (the cross-attention's query: reads the decoder's state after self-attention), "attn_out", "mlp_in" (gate/up/fc1: read the normed hidden state), "mlp_out" (down/fc2),
 "router" (MoE gate), "mlp_gate" (a gate beside an MoE block's experts that reads their input: Qwen2-MoE's
 shared_expert_gate), "other". Names follow the transformers modeling files of each family (llama/mistral/qwen2/
 gemma: q_proj..down_proj; gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/gpt_neox: query_key_value, dense,
@@ -36,7 +36,9 @@ def slot(m: Linear, num_experts: int = 0) -> str:
     parent = m.name.rsplit(".", 2)[-2] if m.name.count(".") >= 1 else ""
     cross = any(c in m.name for c in _CROSS)
     if short in _ATTN_IN:
-        return "cross_kv" if cross and short in {"k_proj", "v_proj", "k", "v", "key", "value"} else "attn_in"
+        if cross:
+            return "cross_kv" if short in {"k_proj", "v_proj", "k", "v", "key", "value"} else "cross_q"
+        return "attn_in"
     if short in _MLP_IN:
         return "mlp_in"
     if short in _MLP_OUT:

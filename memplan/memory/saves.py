@@ -44,6 +44,17 @@ def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[s
     return saved
 
 
+def shared_input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
+    """The part of input_saves that is the shared input tensor itself (not a cast copy nor a branch's own): one
+    storage, however many Linears - in however many blocks - read it."""
+    c = ctx.act_bytes
+    if in_bytes == c and any(weight_trains(ctx, m.name) for m in members):
+        return in_dim * c
+    if any(m.name in lora_names and lora_saves(ctx, in_dim, in_bytes)[1] for m in members):
+        return in_dim * in_bytes
+    return 0.0
+
+
 def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
     """One LoRA branch -> (bytes per token, whether it saves the layer's own input tensor instead of a copy).
 
