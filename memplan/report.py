@@ -63,7 +63,8 @@ def print_estimate(e, console: Console | None = None) -> None:
 def fit_table(result) -> Table:
     g = result.gpu
     t = table(f"{result.model} on {g.name} ({_gib(g.memory_bytes)} GiB; budget {_gib(result.budget_bytes)} GiB "
-              f"with {result.headroom:.1%} headroom), seq_len {result.seq_len}", "option", ("fits", "center"),
+              f"with {result.headroom:.1%} headroom), seq_len {result.seq_len}, padded batches", "option",
+              ("fits", "center"),
               ("max micro-batch", "right"), ("needs GiB at batch 1", "right"), ("missing", "right"))
     for r in result.rows:
         if r.error:
