@@ -204,11 +204,9 @@ def cut_spec(spec, layers: int | None):
 
 
 def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
-    """Random token ids of exactly batch_size x seq_len (seq2seq: labels of target_len). The attention mask is all
-    ones, or with `setup.padded` holds one padding token (the last sample's last position, label -100): every
-    position is still computed, the most memory a batch padded to seq_len takes, and transformers builds the masks
-    it skips for an all-ones batch (masking_utils _ignore_causal_mask_sdpa, _ignore_bidirectional_mask_sdpa). The
-    tracer's fake masks cannot be read: emulations.mask_skips answers for them from the setup."""
+    """Random token ids of exactly batch_size x seq_len (seq2seq: labels of target_len). setup.padded: one padding
+    token (last sample, last position, label -100), so transformers builds the masks it skips for all-ones batches;
+    the tracer answers those checks for its fake masks (emulate_masks.mask_checks)."""
     import torch
 
     b, s = setup.batch_size, setup.seq_len
@@ -273,14 +271,16 @@ def _takes(model, name: str) -> bool:
 
 
 def inference_loop(model, spec, setup: Setup, device: str, enter_phase: Callable[[str], None]) -> None:
-    """Prefill the prompt (prompt_len or seq_len tokens), then generate new_tokens greedily with the KV cache
-    (min_new_tokens = max_new_tokens: no early stop at an end-of-sequence token). Encoders: one forward pass."""
+    """Prefill the prompt (prompt_len or seq_len tokens), then generate new_tokens greedily with the KV cache (no
+    early stop). Encoders: one forward pass. setup.padded: one padding token, left in decoders (they generate)."""
     import torch
     b = setup.batch_size
     prompt = setup.prompt_len or setup.seq_len
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (b, prompt), device=device)
     mask = torch.ones(b, prompt, dtype=torch.long, device=device)
+    if setup.padded:
+        mask[(0, 0) if spec.arch.kind == "causal" else (-1, -1)] = 0
     autocast = autocast_for(setup, device)
     new = setup.new_tokens if setup.new_tokens is not None else (0 if spec.arch.kind == "encoder" else 128)
     with torch.no_grad(), autocast:
