@@ -41,7 +41,7 @@ def _answering(original, all_ones: bool):
     """`original(padding_mask, ...)` as it runs on a real mask: a fake all-ones mask is passed as None (no padding),
     which keeps every other condition (sliding windows, query offsets) the function checks."""
     def check(padding_mask, *args, **kwargs):
-        if all_ones and padding_mask is not None and _is_fake(padding_mask):
+        if all_ones and padding_mask is not None and is_fake(padding_mask):
             padding_mask = None
         return original(padding_mask, *args, **kwargs)
     return check
@@ -59,7 +59,7 @@ def _torch_answers(all_true: bool):
     class _Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if (func in (torch.all, torch.Tensor.all) and not kwargs and len(args) == 1
-                    and _is_fake(args[0]) and args[0].dtype == torch.bool):
+                    and is_fake(args[0]) and args[0].dtype == torch.bool):
                 return torch.tensor(all_true)
             if func is torch.rand and not kwargs and args in (([],), ((),)) and faking():
                 return torch.tensor(1.0)
@@ -68,6 +68,7 @@ def _torch_answers(all_true: bool):
     return _Mode()
 
 
-def _is_fake(t) -> bool:
+def is_fake(t) -> bool:
+    """A fake tensor (the tracer's): its values cannot be read."""
     from torch._subclasses.fake_tensor import is_fake
     return is_fake(t)

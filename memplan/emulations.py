@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
-from memplan.emulate_masks import mask_checks
+from memplan.emulate_masks import is_fake, mask_checks
+from memplan.emulate_sdpa import cuda_sdpa
 
 
 #: Where the CPU path differs from CUDA, what the tracer does instead (applied by cuda_like() below).
@@ -36,7 +37,8 @@ EMULATIONS = {
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
                 "matches CUDA's for matmuls; CUDA's fp32 list (pow, exp, log, rsqrt, softplus, layer_norm, "
                 "logsumexp, softmax/log_softmax/cumsum with dtype=float32, ...) is applied by a function mode "
-                "(emulations.AUTOCAST_FP32)",
+                "(emulations.AUTOCAST_FP32); CPU autocast casts cross_entropy's 16-bit logits to fp32 first, CUDA's "
+                "takes a 16-bit log_softmax and casts it for nll_loss (emulations._cuda_cross_entropy)",
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
@@ -48,7 +50,9 @@ EMULATIONS = {
             "head size other than the queries' (DeepSeek's MLA: q/k 192, v 128) have no CPU flash kernel and would "
             "take the math kernel ([b, h, s, s] scores); CUDA's flash kernel refuses them too but its memory-"
             "efficient one takes them (sdp_utils.cpp check_head_dim_size_mem_efficient: q and k equal, both sizes "
-            "aligned), so fake tensors go through a stand-in of that kernel",
+            "aligned), so fake tensors go through a stand-in of that kernel. Where CUDA's kernel choice falls back "
+            "to the math kernel (a mask or q/k/v whose last dimension is strided, K/V heads without enable_gqa: "
+            "aten sdp_utils_cpp.h), the tracer runs that composite kernel with CUDA's dropout (emulate_sdpa)",
 }
 
 @contextlib.contextmanager
@@ -68,103 +72,8 @@ def cuda_like(padded: bool = False, seq2seq: bool = False):
         return x
 
     original_sdpa = F.scaled_dot_product_attention
-
-    class FlashWithBiasGrad(torch.autograd.Function):
-        """CUDA's memory-efficient sdpa kernel with a trainable bias (aten _scaled_dot_product_efficient_attention,
-        derivatives.yaml: query, key, value, attn_bias all differentiable): forward saves q, k, v, the bias, the
-        output and the logsumexp; backward returns q/k/v gradients and a [b, h, q, k] bias gradient, allocated with
-        its last dim padded to 16 like attention_backward.cu _efficient_attention_backward (grad_bias =
-        at::empty(padded).slice(-1, 0, k)). Fake tensors only: the bias gradient's values are not computed."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, mask, is_causal, scale):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-            ctx.save_for_backward(q, k, v, mask, out, lse)
-            ctx.is_causal, ctx.scale = is_causal, scale
-            return out
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            q, k, v, mask, out, lse = ctx.saved_tensors
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
-            shape = torch.broadcast_shapes(mask.shape, (*q.shape[:-1], k.shape[-2]))
-            t = shape[-1]
-            gbias = torch.empty((*shape[:-1], -(-t // 16) * 16), dtype=mask.dtype, device=mask.device)[..., :t]
-            return gq, gk, gv, gbias, None, None  # the engine sums gbias down to the mask's shape
-
-
-    class EfficientOtherValueSize(torch.autograd.Function):
-        """CUDA's memory-efficient sdpa kernel where the values' head size differs from the queries' (aten
-        _scaled_dot_product_efficient_attention; derivatives.yaml saves query, key, value, attn_bias, output and
-        logsumexp): forward returns the output [b, h, q, v size] (stored [b, q, h, v size]: attention.cu) and keeps
-        a logsumexp [b, h, q rounded up to 32] fp32
-        (attention.cu _efficient_attention_forward, kAlignLSE = 32); backward returns the q, k, v gradients.
-        Fake tensors only: shapes and dtypes, no values."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, mask):
-            b, h, s, _ = q.shape  # the kernel writes [b, s, h, d] and returns it transposed, like the flash kernels
-            out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
-            lse = q.new_empty((*q.shape[:-2], -(-q.shape[-2] // 32) * 32), dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, mask, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            q, k, v, mask, out, lse = ctx.saved_tensors
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
-
-    def _autocast(query, key, value, attn_mask):
-        """autocast's sdpa entry (lower-precision list) casts every floating argument to the compute dtype; the
-        aten calls and stand-ins below bypass it"""
-        if torch.is_autocast_enabled("cpu"):
-            dt = torch.get_autocast_dtype("cpu")
-            query, key, value = (t.to(dt) for t in (query, key, value))
-            if attn_mask is not None and attn_mask.is_floating_point():
-                attn_mask = attn_mask.to(dt)
-        return query, key, value, attn_mask
-
-    def _other_value_size(query, key, value) -> bool:
-        align = 4 if query.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") else 8
-        return (is_fake(query) and value.shape[-1] != query.shape[-1] and query.shape[-1] == key.shape[-1]
-                and query.shape[-1] % align == 0 and value.shape[-1] % align == 0)
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if _other_value_size(query, key, value):
-            query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-            if key.shape[-3] != query.shape[-3]:  # the efficient kernel takes no groups: sdpa repeats K/V
-                rep = query.shape[-3] // key.shape[-3]
-                key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-            if attn_mask is not None and attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~attn_mask, float("-inf"))
-            return EfficientOtherValueSize.apply(query, key, value, attn_mask)
-        if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
-            return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 scale=scale, enable_gqa=enable_gqa)
-        query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-        if key.shape[-3] != query.shape[-3]:  # grouped-query attention: expand like enable_gqa
-            rep = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~attn_mask, float("-inf"))
-        if attn_mask is not None and attn_mask.requires_grad:
-            # a trainable bias as mask (T5's relative positions: full fine-tuning trains relative_attention_bias;
-            # gradient checkpointing sets position_bias.requires_grad): the CPU flash kernel refuses its gradient
-            # (autograd's check runs above the fake mode, so fake tensors refuse it too). Real CPU tensors: the
-            # math kernel, dropout mask included; fake ones: CUDA's efficient kernel, which returns the bias gradient
-            if not is_fake(query):
-                return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                     is_causal=is_causal, scale=scale)
-            return FlashWithBiasGrad.apply(query, key, value, attn_mask, is_causal, scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
     F.dropout = dropout
-    F.scaled_dot_product_attention = sdpa
+    F.scaled_dot_product_attention = cuda_sdpa(original_sdpa)
     try:
         with _grouped_mm_any_dtype(), cuda_autocast_fp32(), mask_checks(padded, seq2seq):
             yield
@@ -205,9 +114,31 @@ def cuda_autocast_fp32():
                 elif (name in AUTOCAST_FP32_DTYPE and kwargs.get("dtype") is None and args
                       and isinstance(args[0], torch.Tensor) and args[0].dtype in half):
                     kwargs = {**kwargs, "dtype": torch.float32}
+                elif name == "cross_entropy" and args and getattr(args[0], "dtype", None) in half:
+                    return _cuda_cross_entropy(*args, **kwargs)
             return func(*args, **kwargs)
 
     return _Mode()
+
+
+def _cuda_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0):
+    """F.cross_entropy on 16-bit logits under CUDA autocast, which has no entry for cross_entropy_loss (the CPU's
+    casts the logits to fp32 first): aten's decomposition (LossNLL.cpp cross_entropy_loss) takes log_softmax with
+    dtype = the logits' own, which autocast's fp32_set_opt_dtype policy respects (16-bit log-probabilities, saved),
+    then nll_loss, on autocast's fp32 list, casts them to fp32 (saved by its backward). Found with the H100 rows:
+    t5-base bf16-mixed (T5's CrossEntropyLoss on its bf16 logits) sat 8% under the tracer. Class-index targets
+    without label smoothing only; anything else runs as the CPU would."""
+    import torch
+    import torch.nn.functional as F
+
+    if label_smoothing or target.is_floating_point() or size_average is not None or reduce is not None:
+        return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    with torch.autocast("cpu", enabled=False):
+        logp = torch.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=input.dtype)
+        return F.nll_loss(logp.float(), target, None if weight is None else weight.float(),
+                          ignore_index=ignore_index, reduction=reduction)
 
 
 def checkpoint_kwargs() -> dict:
@@ -259,8 +190,3 @@ def _grouped_mm_any_dtype():
             return func(*args, **kwargs)
 
     return _Mode()
-
-
-def is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-    return is_fake(t)

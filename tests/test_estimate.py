@@ -325,7 +325,9 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
             assert self_bias_mask_bytes(ctx, 8, 512, kernel, "encoder") == rows * square
         with libs.assume(transformers="5.17.0"):  # the math kernel adds the bias to its scores and keeps no mask
             assert self_bias_mask_bytes(ctx, 8, 512, attention_kernel(ctx, relative_bias=True)) == 0
-            assert position_bias_bytes(ctx) == 8 * square  # the model added the mask once, shared by every layer
+            # the cross bias is merged per sdpa call in every transformers 5 release (create_position_bias_mask):
+            # counted [8, ...] unpadded before, the H100 t5-base freeze fp32 row on 5.17 was +2.4% (now -0.3%)
+            assert position_bias_bytes(ctx) == rows * square
         assert training_cache_bytes(ctx) == 11 * 2 * 768 * 8 * (512 + 512) * 2
 
 

@@ -19,6 +19,7 @@ from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
 from memplan.memory.recording import block_training, gradless_linears, input_grads
 from memplan.memory.saves import (SAVES_OUTPUT, act_saved_bytes, input_saves, lora_saves, norm_bytes,
                                   shared_input_saves, weight_trains)
+from memplan.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes
 
 
 def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], lora_names: set[str],
@@ -290,7 +291,5 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
             into_blocks = m.in_features != h and m.out_features == h
             act = 0 if into_blocks else m.out_features * act_saved_bytes(ctx, trains)
             total += ((m.in_features * c if trains else 0) + act) * tokens
-    if a.hidden_dropout > 0 and embeds_record:
-        total += h * ctx.setup.batch_size * ctx.src_len
-    return total + position_bias_bytes(ctx)
+    return total + position_bias_bytes(ctx) + dropout_mask_bytes(ctx, embeds_record) + checkpoint_inputs_bytes(ctx)
 

@@ -51,6 +51,23 @@ def _logit_bytes(ctx: Ctx) -> int:
     return ctx.compute_bytes
 
 
+def _fp32_logits(ctx: Ctx) -> bool:
+    """Under autocast the head adds an fp32 buffer to the 16-bit logits (BART, mBART, Marian, Pegasus and their
+    copies: `lm_logits + self.final_logits_bias`): the sum, the logits the loss reads, is fp32. Found by the tracer:
+    bart-large full bf16-mixed b8 s512 -3.4% while T5's and BERT's 16-bit loss was modelled."""
+    return ctx.mixed and any(b.name.endswith("final_logits_bias") and b.dtype == "float" for b in ctx.spec.buffers)
+
+
+def _cuda_split_loss(ctx: Ctx) -> bool:
+    """Plain CrossEntropyLoss on 16-bit logits under autocast: CUDA autocast has no entry for cross_entropy_loss, so
+    aten's decomposition runs (LossNLL.cpp: `log_softmax(self, class_dim, self.scalar_type())`): the fp32_set_opt_dtype
+    policy respects that dtype, a 16-bit log_softmax is saved, and nll_loss (on autocast's fp32 list) casts it to fp32,
+    which its backward saves too. Measured on an H100 (transformers 5.17): t5-base bf16-mixed freeze b8 s512 +7.8%
+    and full b16 s512 with checkpointing +8.3% with an fp32 log_softmax counted; the tracer followed CPU autocast,
+    which casts the logits to fp32 first (emulations._cuda_cross_entropy now runs CUDA's order)."""
+    return ctx.mixed and _plain_cross_entropy(ctx) and _logit_bytes(ctx) < 4 and not _fp32_logits(ctx)
+
+
 def _loss_bytes(ctx: Ctx) -> int:
     """dtype of log_softmax inside cross-entropy: fp32 after the loss_function upcast, or under autocast (log_softmax
     and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model."""
@@ -70,10 +87,14 @@ def logits_forward_bytes(ctx: Ctx) -> int:
     alive while log_softmax writes its output.
     """
     t, v, lb, loss = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx), _loss_bytes(ctx)
+    if _fp32_logits(ctx):  # the 16-bit head output is gone once the biased fp32 sum exists
+        lb = 4
     upcast = loss if loss != lb else 0
     shifted = 0
     if _shifts_logits(ctx):
         shifted = lb if ctx.spec.arch.model_type in OWN_SHIFT_BEFORE_4_49 else loss
+    if _cuda_split_loss(ctx):  # logits, 16-bit log-probabilities, their fp32 cast for nll_loss
+        return t * v * (lb + shifted + lb + 4) + softcap_bytes(ctx)
     return t * v * (lb + upcast + shifted + loss) + softcap_bytes(ctx)
 
 
@@ -93,14 +114,21 @@ def largest_block_bytes(ctx: Ctx) -> int:
 
 
 def logits_saved_bytes(ctx: Ctx) -> int:
-    """What the loss keeps for backward: the log_softmax output [tokens, vocab]."""
+    """What the loss keeps for backward: the log_softmax output [tokens, vocab] (and nll_loss's fp32 cast of it:
+    _cuda_split_loss)."""
+    if _cuda_split_loss(ctx):
+        return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4)
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx)
 
 
 def logits_backward_bytes(ctx: Ctx) -> int:
     """Peak at the start of backward: saved log_softmax output + nll_loss grad + log_softmax grad, all
     [tokens, vocab] in the loss dtype (aten nll_loss_backward / _log_softmax_backward_data allocate full-size
-    results), and the soft-capping's saved tanh output (softcap_bytes)."""
+    results), and the soft-capping's saved tanh output (softcap_bytes). _cuda_split_loss: the 16-bit log_softmax
+    output and nll_loss's saved fp32 cast beside its fp32 gradient (the engine frees the cast once nll_loss's
+    backward has run, before the gradient's cast back and log_softmax's backward)."""
+    if _cuda_split_loss(ctx):
+        return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4 + 4) + softcap_bytes(ctx)
     return _logit_tokens(ctx) * ctx.vocab * 3 * _loss_bytes(ctx) + softcap_bytes(ctx)
 
 

@@ -1,0 +1,81 @@
+"""The tracer's stand-in for CUDA's sdpa kernel choice and its math kernel (memplan.emulate_sdpa)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memplan.emulate_sdpa import cuda_picks_math, cuda_sdpa, math_kernel
+
+
+def _qkv(b=2, h=4, s=32, d=16, dtype=torch.float32, kv_heads=None, grad=True):
+    q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=grad)
+    k = torch.randn(b, kv_heads or h, s, d, dtype=dtype, requires_grad=grad)
+    v = torch.randn(b, kv_heads or h, s, d, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+def _permuted_bias(h=4, s=32, dtype=torch.float32):
+    """T5's position bias before transformers 5.20: compute_bias returns values.permute([2, 0, 1]).unsqueeze(0)."""
+    return torch.randn(s, s, h, dtype=dtype).permute([2, 0, 1]).unsqueeze(0)
+
+
+def _saved(fn):
+    """(shape, dtype) of every tensor autograd saves while fn() runs."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sorted(saved, key=str)
+
+
+def test_cuda_falls_back_to_math_for_strided_masks_and_ungrouped_heads():
+    """sdp_utils_cpp.h: every fused kernel needs stride 1 in the last dimension (mask included) and K/V with q's
+    heads unless enable_gqa."""
+    q, k, v = _qkv()
+    assert cuda_picks_math(q, k, v, _permuted_bias(), False)
+    assert not cuda_picks_math(q, k, v, _permuted_bias().contiguous(), False)
+    assert not cuda_picks_math(q, k, v, None, False)
+    assert not cuda_picks_math(q, k, v, torch.zeros(1, 1, 32, 1), False)  # a singleton last dimension
+    q, k, v = _qkv(kv_heads=2)
+    assert cuda_picks_math(q, k, v, None, False)
+    assert not cuda_picks_math(q, k, v, None, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_kernel_equals_torch_and_saves_what_it_saves(dtype):
+    """Without dropout the stand-in is torch's composite math kernel: the same output and the same saved tensors
+    (16-bit inputs upcast: fp32 q, k, v and scores)."""
+    q, k, v = _qkv(dtype=dtype)
+    mask = _permuted_bias(dtype=dtype)
+    ours, ours_saved = _saved(lambda: math_kernel(q, k, v, mask))
+    ref, ref_saved = _saved(lambda: torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0])
+    torch.testing.assert_close(ours, ref)
+    assert ours.dtype == dtype
+    assert ours_saved == ref_saved
+    assert ((2, 4, 32, 32), torch.float32) in ours_saved  # the fp32 softmax output, whatever the input dtype
+
+
+def test_math_kernel_dropout_saves_cudas_bool_mask():
+    """CUDA's at::dropout is native_dropout: a bool mask and the dropped fp32 probabilities are saved (the CPU's
+    at::dropout would save a float noise tensor)."""
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    _, saved = _saved(lambda: math_kernel(q, k, v, _permuted_bias(dtype=torch.bfloat16), dropout_p=0.1))
+    scores = [dt for shape, dt in saved if torch.Size(shape).numel() == 2 * 4 * 32 * 32]  # bmm saves 3-d views
+    assert sorted(map(str, scores)) == ["torch.bool", "torch.float32", "torch.float32"]
+
+
+def test_sdpa_stand_in_runs_math_under_autocast_for_a_permuted_fp32_bias():
+    """Autocast casts q, k, v and the fp32 bias to bf16 (the cast keeps the permuted strides), then the math kernel
+    runs outside autocast: fp32 scores are saved, where the flash path would save none."""
+    sdpa = cuda_sdpa(torch.nn.functional.scaled_dot_product_attention)
+    q, k, v = _qkv()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, saved = _saved(lambda: sdpa(q, k, v, attn_mask=_permuted_bias()))
+        _, fused = _saved(lambda: sdpa(q, k, v, attn_mask=_permuted_bias().contiguous()))
+    assert out.dtype == torch.bfloat16
+    assert ((2, 4, 32, 32), torch.float32) in saved
+    assert ((2, 4, 32, 32), torch.float32) not in fused
