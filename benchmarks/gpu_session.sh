@@ -3,7 +3,8 @@
 # deadline. Rows are appended (resumably) to data/measured/gpu-h100.csv and copied to $OUT.
 #   bash benchmarks/gpu_session.sh SECONDS [smoke] [tests] [planner] [pool:--planner|pool:] SWEEP.yaml...
 # pool: every gpu-*.yaml sweep side by side (benchmarks/gpu_pool.py), until SECONDS; pool:--planner adds the
-# planner check pairs. wheels:DIR:SWEEP.yaml runs SWEEP through the pool with DIR's wheels (another transformers,
+# planner check pairs. diagnose:CASES.yaml: benchmarks/gpu_diagnose.py on those cases, tables into $OUT.
+# wheels:DIR:SWEEP.yaml runs SWEEP through the pool with DIR's wheels (another transformers,
 # say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions);
 # quote a glob of sweeps: 'wheels:.whl-t448:benchmarks/sweeps/t448-*.yaml'. The wheel folders are not kept in a
 # checkout: make them first with benchmarks/gpu_wheels.sh.
@@ -33,6 +34,8 @@ for step in "$@"; do
              --seq-len 512 --attn-impl sdpa --out "$csv" ;;
     tests) timeout "$left" python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 ;;
     planner) timeout "$left" python3 benchmarks/planner_check.py run ;;
+    diagnose:*) timeout "$left" python3 benchmarks/gpu_diagnose.py "$OUTDIR/diagnose-$(basename ${step#diagnose:} .yaml)" \
+             "${step#diagnose:}" --parallel 3 2>&1 | tail -5 ;;
     pool:*) timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" ${step#pool:} \
              benchmarks/sweeps/gpu-*.yaml 2>&1 | grep -v Warning ;;
     wheels:*) spec=${step#wheels:}; dir=${spec%%:*}; name=$(basename "$dir" | tr -d .); site=/tmp/site-$name
