@@ -426,3 +426,24 @@ def test_added_tokens_grow_only_the_vocabulary_rows_that_exist_and_train():
         assert weights.weights_bytes(c1) - weights.weights_bytes(c0) == rows * 4
         assert weights.trainable_numel(c1) - weights.trainable_numel(c0) == (rows if trains else 0)
         assert optimizer.optimizer_state_bytes(c1) - optimizer.optimizer_state_bytes(c0) == (2 * rows * 4 if trains else 0)
+
+
+@pytest.mark.parametrize("model, fields, per_logit", [
+    # CUDA autocast has no cross_entropy_loss entry: a bf16 log_softmax (kept), nll_loss's fp32 cast (kept) and its
+    # fp32 gradient (H100, transformers 5.17: t5-base bf16-mixed freeze b8 s512 +7.8% -> -1.0% with this)
+    ("google-t5/t5-base", dict(precision="bf16-mixed"), 2 + 4 + 4),
+    ("google-bert/bert-large-uncased", dict(precision="bf16-mixed"), 2 + 4 + 4),
+    # BART adds its fp32 final_logits_bias first: fp32 logits, an fp32 log_softmax and two fp32 gradients
+    ("facebook/bart-large", dict(precision="bf16-mixed"), 3 * 4),
+    # under QLoRA the buffer is bf16 (k-bit preparation casts parameters only): the 16-bit loss again
+    ("facebook/bart-large", dict(technique="qlora", precision="bf16"), 2 + 4 + 4),
+    # loss_function upcasts the logits first (Llama): three fp32 buffers
+    ("meta-llama/Llama-3.2-1B", dict(precision="bf16-mixed"), 3 * 4),
+    # a 16-bit model without autocast keeps the 16-bit loss throughout
+    ("google-t5/t5-base", dict(precision="bf16"), 3 * 2),
+])
+def test_loss_backward_buffers_follow_cuda_autocast(model, fields, per_logit):
+    """Peak of the loss's backward per logit element (memory.logits.logits_backward_bytes), by head and precision."""
+    from memplan.memory.logits import logits_backward_bytes
+    ctx = _ctx(model, batch_size=4, seq_len=256, **fields)
+    assert logits_backward_bytes(ctx) == 4 * 256 * ctx.vocab * per_logit

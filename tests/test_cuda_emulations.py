@@ -1,4 +1,5 @@
-"""The tracer's stand-in for CUDA's sdpa kernel choice and its math kernel (memplan.emulate_sdpa)."""
+"""The tracer's stand-ins for what CUDA does differently: sdpa's kernel choice and math kernel (memplan.emulate_sdpa),
+autocast's cross-entropy (memplan.emulations)."""
 from __future__ import annotations
 
 import pytest
@@ -79,3 +80,20 @@ def test_sdpa_stand_in_runs_math_under_autocast_for_a_permuted_fp32_bias():
     assert out.dtype == torch.bfloat16
     assert ((2, 4, 32, 32), torch.float32) in saved
     assert ((2, 4, 32, 32), torch.float32) not in fused
+
+
+def test_cross_entropy_on_16_bit_logits_keeps_cudas_buffers():
+    """CUDA autocast: log_softmax in the logits' own bf16 dtype, then nll_loss's fp32 cast, both saved; CPU autocast
+    alone would cast the logits to fp32 and save an fp32 log_softmax only. Same loss value either way."""
+    from memplan.emulations import cuda_autocast_fp32
+    logits = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 50, (6,))
+    target[0] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu, cpu_saved = _saved(lambda: torch.nn.functional.cross_entropy(logits, target))
+        with cuda_autocast_fp32():
+            cuda, cuda_saved = _saved(lambda: torch.nn.functional.cross_entropy(logits, target))
+    torch.testing.assert_close(cuda, cpu, atol=2e-2, rtol=0)
+    full = [dt for shape, dt in cuda_saved if shape == (6, 50)]
+    assert sorted(map(str, full)) == ["torch.bfloat16", "torch.float32"]
+    assert {dt for shape, dt in cpu_saved if shape == (6, 50)} == {torch.float32}  # log_softmax's, nll_loss reads it
