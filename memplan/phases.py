@@ -8,7 +8,8 @@ from memplan.memory import inference as inf
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
 from memplan.memory import layout, moe, overhead, quant, recording, weights
-from memplan.memory.attention import padded_masks, score_grad_bytes, windowed
+from memplan.memory.attention import (BOOL_MASKS_SINCE, padded_masks, score_grad_bytes, sdpa_integration_before,
+                                     windowed)
 from memplan.memory.context import Ctx
 
 
@@ -182,6 +183,8 @@ def _mask_bytes(ctx: Ctx) -> int:
     mask of every kind, and an encoder-decoder's cross-attention one [b, 1, t, s] (its decoder's is skipped)."""
     a = ctx.spec.arch
     square = ctx.setup.batch_size * ctx.src_len * ctx.src_len
+    if shared_float_mask(ctx):
+        return square * ctx.residual_bytes
     if ctx.attn_impl == "sdpa":
         if padded_masks(ctx):
             cross = ctx.setup.batch_size * ctx.tgt_len * ctx.src_len if a.kind == "seq2seq" else 0
@@ -196,7 +199,16 @@ def _checkpointed_mask_bytes(ctx: Ctx) -> int:
     """With checkpointing the masks are inputs of every checkpointed block, kept for its recompute until the
     backward is done (torch.utils.checkpoint saves the inputs); without it they die with the model's forward,
     before the loss. Found by the tracer: gemma-2-2b QLoRA b1 s2048 eager checkpointed held 2 x 16 MiB."""
-    return _mask_bytes(ctx) if ctx.setup.grad_ckpt else 0
+    return _mask_bytes(ctx) if ctx.setup.grad_ckpt or shared_float_mask(ctx) else 0
+
+
+def shared_float_mask(ctx: Ctx) -> bool:
+    """Before transformers 4.53 a padded or windowed sdpa model got one float [b, 1, s, s] mask in the hidden states'
+    dtype per forward (attention.BOOL_MASKS_SINCE), which every layer's kernel keeps for backward: alive until the
+    first layer's backward, with or without checkpointing (traced on 4.48.1: Phi-3-mini LoRA b1 s2048, window 2047,
+    one 8 MiB mask)."""
+    return (sdpa_integration_before(ctx, BOOL_MASKS_SINCE)
+            and (ctx.setup.padded or windowed(ctx)))
 
 
 def _backward_temp_bytes(ctx: Ctx) -> int:

@@ -89,3 +89,33 @@ def test_causal_mask_buffers_of_older_releases():
         assert release_buffer_bytes(pythia) == 0 and release_buffer_bytes(gpt2) == 12 * 1024**2
     with libs.assume(transformers="5.2.0"):
         assert release_buffer_bytes(gpt2) == 0 and weights_bytes(pythia) == current
+
+
+@pytest.mark.parametrize("model, fields, traced", [
+    # transformers 4.48.1 sdpa_attention_forward copies q, k, v (.contiguous()) while the training DynamicCache
+    # holds the rotated K and the fused qkv_proj output V is a view of, to the loss: 32 x 48 MiB (-7.2% before)
+    ("microsoft/Phi-3-mini-4k-instruct", dict(lora_targets=("qkv_proj",)), 17227672064),
+    # before 4.54 grouped K/V reach the kernel repeated to every head; before 4.53 a padded batch's mask is one
+    # float [b, 1, q, k] tensor shared by every layer (-2.3% unpadded, +1.4% padded before)
+    ("meta-llama/Llama-3.2-1B", dict(padded=True), 8869108224),
+])
+def test_sdpa_integration_before_4_56(model, fields, traced):
+    """Traced with transformers 4.48.1 and peft 0.13.2 (`memplan trace --layers 2`, LoRA bf16 b1 s2048 sdpa)."""
+    from memplan.trace import comparable_estimate_bytes
+    setup = Setup(technique="lora", precision="bf16", batch_size=1, seq_len=2048, attn_impl="sdpa", **fields)
+    with libs.assume(transformers="4.48.1"):
+        est = comparable_estimate_bytes(estimate(model, setup))
+    assert abs(est - traced) / traced < 0.005
+
+
+def test_sdpa_integration_rules_leave_own_attention_code_alone():
+    """Falcon had its own sdpa code in 4.48.1 (no ALL_ATTENTION_FUNCTIONS): no repeat, copy or shared-mask rule."""
+    from memplan.memory.attention import GQA_IN_SDPA_SINCE, sdpa_integration_before
+    with libs.assume(transformers="4.48.1"):
+        falcon = resolve(load_spec("tiiuae/falcon-7b"), Setup(attn_impl="sdpa"))
+        llama = resolve(load_spec("meta-llama/Llama-3.2-1B"), Setup(attn_impl="sdpa"))
+        assert not sdpa_integration_before(falcon, GQA_IN_SDPA_SINCE)
+        assert sdpa_integration_before(llama, GQA_IN_SDPA_SINCE)
+    with libs.assume(transformers="4.56.0"):
+        assert not sdpa_integration_before(resolve(load_spec("meta-llama/Llama-3.2-1B"), Setup(attn_impl="sdpa")),
+                                           GQA_IN_SDPA_SINCE)

@@ -10,9 +10,9 @@ the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face 
 """
 from __future__ import annotations
 
-from memplan.memory.attention import (FUSED_QKV_CACHE, attention_kernel, attn_core, bias_bucket_bytes, kernel_casts_kv,
-                                      mask_block_bytes, padded_masks, position_bias_bytes, self_bias_mask_bytes,
-                                      windowed)
+from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, attention_kernel, attn_core,
+                                      bias_bucket_bytes, kernel_casts_kv, mask_block_bytes, padded_masks,
+                                      position_bias_bytes, sdpa_integration_before, self_bias_mask_bytes, windowed)
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
@@ -58,7 +58,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
     per_tok += tok_core
     if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
-            and not kernel_casts_kv(ctx)):
+            and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
         per_tok += 2 * kv_dim * c
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     for m in by_slot.get("attn_out", []):

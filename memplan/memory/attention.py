@@ -42,6 +42,32 @@ def bias_per_layer(a) -> bool:
 MATH_SDPA_UNTIL = (5, 20)
 
 
+#: transformers 4.x releases of integrations/sdpa_attention.py, the sdpa path of every family that calls
+#: ALL_ATTENTION_FUNCTIONS (4.48.1: Llama, Mistral, Mixtral, Qwen2, Phi, Phi-3, Gemma, Gemma-2, GPT-2, ...). Before 4.54
+#: grouped K/V were repeated to every head for every call (`repeat_kv`; 4.54 added use_gqa_in_sdpa / enable_gqa);
+#: before 4.53 the model built one additive float [b, 1, q, k] mask per forward in the hidden states' dtype
+#: (_update_causal_mask), shared by every layer, where 4.53's masking_utils passes a boolean mask sdpa converts per
+#: call. Found by the tracer on 4.48.1: Llama-3.2-1B LoRA b1 s2048 -2.3% (the repeated K/V), +1.4% padded (a float
+#: mask counted per layer).
+GQA_IN_SDPA_SINCE = (4, 54)
+BOOL_MASKS_SINCE = (4, 53)
+#: before 4.56 sdpa_attention_forward made q, k and v contiguous (`query = query.contiguous()`, for torch issue
+#: 112577) and DynamicCache kept its first update's K and V themselves (cache_utils `self.keys = key_states`); from
+#: 4.56 the copies are gone and the cache concatenates into new tensors (DynamicLayer.lazy_initialization +
+#: torch.cat) that the kernel saves (inference.training_cache_bytes)
+CACHE_COPIES_SINCE = (4, 56)
+#: causal families whose 4.x attention had its own sdpa code (4.48.1 modeling files without ALL_ATTENTION_FUNCTIONS):
+#: the release rules of the shared integration (above; inference.CACHE_COPIES_SINCE) are not applied to them
+OWN_SDPA_4X = {"bloom", "falcon", "gpt_bigcode", "gpt_neox", "opt"}
+
+
+def sdpa_integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
+    """The attention runs transformers' shared sdpa integration, from a release older than `release`."""
+    a = ctx.spec.arch
+    return (ctx.attn_impl == "sdpa" and a.kind == "causal" and a.model_type not in OWN_SDPA_4X
+            and libs.older_than("transformers", release))
+
+
 def kernel_casts_kv(ctx: Ctx) -> bool:
     """Autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype): the
     attention computes on compute-dtype casts of q, k and v, which it saves instead of the tensors themselves."""
@@ -118,7 +144,8 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     vr = a.v_ratio  # v and the output at their own head size (MLA: CUDA's efficient kernel, emulations "sdpa")
     # broadcast K/V (heads_broadcast): torch.matmul expands them to every head and reshapes to 3-D - a copy, except
     # at batch 1 where the reshape is a stride-0 view and they stay at kv_dim
-    if heads_broadcast(ctx) and ctx.setup.batch_size > 1:
+    if (heads_broadcast(ctx) and ctx.setup.batch_size > 1) or (
+            kernel == "fused" and sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE)):
         kv_dim = q_dim
     if kernel == "math":
         return (q_dim + (1 + vr) * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)
@@ -191,7 +218,10 @@ def mask_block_bytes(ctx: Ctx, batch: int, q_len: int, k_len: int | None = None)
     a = ctx.spec.arch
     c = _kernel_bytes(ctx)
     k_len = k_len or q_len
-    repeat = 2 * (a.num_heads - a.num_kv_heads) * a.head_dim * c
+    if sdpa_integration_before(ctx, BOOL_MASKS_SINCE):
+        return 0.0  # one shared float mask (phases._mask_bytes) and K/V repeated anyway (attn_core)
+    repeated = sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE)  # attn_core counts them
+    repeat = 0 if repeated else 2 * (a.num_heads - a.num_kv_heads) * a.head_dim * c
     return batch * q_len * k_len * c + batch * k_len * repeat
 
 

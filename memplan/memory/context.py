@@ -93,7 +93,8 @@ def _memo_get(key: tuple, spec: ModelSpec, compute: Callable[[], T]) -> T:
 
 
 def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]]:
-    """Memoize a term f(ctx) per model, per the selection fields, the Ctx's resolved dtypes and kernel, and the other
+    """Memoize a term f(ctx) per model, per the selection fields, the Ctx's resolved dtypes and kernel, the transformers
+    release estimated for (memplan.libs.assume: `memplan check` mixes rows of several releases), and the other
     Setup `fields` it reads (src_len/tgt_len come from seq_len, target_len, prompt_len: name those). The value is
     shared: return immutable values (frozensets, tuples, numbers)."""
     names = SELECTION_FIELDS + fields
@@ -105,7 +106,7 @@ def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]
             if (ctx.trainable, ctx.lora, ctx.quantized) != _selection(ctx.spec, s):
                 return f(ctx)  # a Ctx with hand-made sets (dataclasses.replace): not what the key stands for
             key = (f, id(ctx.spec), ctx.weight_bytes, ctx.compute_bytes, ctx.act_bytes, ctx.residual_bytes,
-                   ctx.attn_impl, ctx.vocab) + tuple(getattr(s, n) for n in names)
+                   ctx.attn_impl, ctx.vocab, libs.version("transformers")) + tuple(getattr(s, n) for n in names)
             return _memo_get(key, ctx.spec, lambda: f(ctx))
         return cached
     return wrap

@@ -3,8 +3,9 @@ during prefill (no autograd)."""
 from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
-from memplan.memory.attention import (attention_kernel, has_position_bias, kernel_casts_kv, mask_block_bytes,
-                                     padded_masks, windowed)
+from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, has_position_bias, kernel_casts_kv,
+                                     mask_block_bytes, padded_masks, sdpa_integration_before, windowed)
+from memplan.memory.layout import blocks
 from memplan.memory.context import Ctx
 
 
@@ -36,6 +37,8 @@ def training_cache_bytes(ctx: Ctx) -> int:
     a, s = ctx.spec.arch, ctx.setup
     if not ctx.training or s.grad_ckpt or a.kind == "encoder":
         return 0
+    if sdpa_integration_before(ctx, CACHE_COPIES_SINCE):
+        return int(_pinned_kv_bytes(ctx) * s.batch_size * ctx.tgt_len * a.num_decoder_layers)
     kv_dim = a.num_kv_heads * a.head_dim
     # decoder self-attention K/V over the decoder tokens; an encoder-decoder's cache also holds the cross-attention
     # K/V over the encoder tokens (EncoderDecoderCache; t5-base freeze: 22 x 2 x [8, 12, 512, 64] in the trace)
@@ -47,6 +50,23 @@ def training_cache_bytes(ctx: Ctx) -> int:
         return per_block * a.num_decoder_layers
     recorded = sum(1 for stack, _ in graph_blocks(ctx) if stack == "decoder")
     return per_block * (a.num_decoder_layers - recorded)
+
+
+def _pinned_kv_bytes(ctx: Ctx) -> float:
+    """Per token and layer, what a training cache before transformers 4.56 keeps alive beside the kernel's own
+    contiguous (or repeated) copies of q, k and v (attention.CACHE_COPIES_SINCE): the rotated K (a new tensor; without
+    rotary a view of its projection's output) and V, a view of its projection's output - the whole fused q/k/v output
+    where one Linear makes all three (Phi-3's qkv_proj, GPT-2's c_attn). Found by the tracer on 4.48.1: Phi-3-mini
+    LoRA b1 s2048 -7.2% (32 x 48 MiB held to the loss)."""
+    a = ctx.spec.arch
+    kv_dim = a.num_kv_heads * a.head_dim
+    rotary = not any(p.role == "pos_embedding" for p in ctx.spec.params)
+    k_bytes = ctx.residual_bytes if rotary_promotes_kv(ctx) else ctx.act_bytes
+    first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
+    attn_in = [m for slot, m in first.linears if slot == "attn_in"] if first else []
+    if len(attn_in) == 1:
+        return attn_in[0].out_features * ctx.act_bytes + (kv_dim * k_bytes if rotary else 0)
+    return kv_dim * (k_bytes + ctx.act_bytes)
 
 
 #: families whose rotary embedding multiplies q and k by cos/sin in the hidden states' dtype (modeling_llama.py
