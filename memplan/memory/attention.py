@@ -61,11 +61,16 @@ CACHE_COPIES_SINCE = (4, 56)
 OWN_SDPA_4X = {"bloom", "falcon", "gpt_bigcode", "gpt_neox", "opt"}
 
 
+def integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
+    """The family's attention goes through transformers' shared attention functions (eager_attention_forward,
+    integrations/sdpa_attention.py), in a release older than `release`."""
+    a = ctx.spec.arch
+    return a.kind == "causal" and a.model_type not in OWN_SDPA_4X and libs.older_than("transformers", release)
+
+
 def sdpa_integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
     """The attention runs transformers' shared sdpa integration, from a release older than `release`."""
-    a = ctx.spec.arch
-    return (ctx.attn_impl == "sdpa" and a.kind == "causal" and a.model_type not in OWN_SDPA_4X
-            and libs.older_than("transformers", release))
+    return ctx.attn_impl == "sdpa" and integration_before(ctx, release)
 
 
 def kernel_casts_kv(ctx: Ctx) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
 from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, has_position_bias, kernel_casts_kv,
-                                     mask_block_bytes, padded_masks, sdpa_integration_before, windowed)
+                                     integration_before, mask_block_bytes, padded_masks, windowed)
 from memplan.memory.layout import blocks
 from memplan.memory.context import Ctx
 
@@ -37,7 +37,7 @@ def training_cache_bytes(ctx: Ctx) -> int:
     a, s = ctx.spec.arch, ctx.setup
     if not ctx.training or s.grad_ckpt or a.kind == "encoder":
         return 0
-    if sdpa_integration_before(ctx, CACHE_COPIES_SINCE):
+    if ctx.attn_impl in ("sdpa", "eager") and integration_before(ctx, CACHE_COPIES_SINCE):
         return int(_pinned_kv_bytes(ctx) * s.batch_size * ctx.tgt_len * a.num_decoder_layers)
     kv_dim = a.num_kv_heads * a.head_dim
     # decoder self-attention K/V over the decoder tokens; an encoder-decoder's cache also holds the cross-attention
@@ -54,10 +54,11 @@ def training_cache_bytes(ctx: Ctx) -> int:
 
 def _pinned_kv_bytes(ctx: Ctx) -> float:
     """Per token and layer, what a training cache before transformers 4.56 keeps alive beside the kernel's own
-    contiguous (or repeated) copies of q, k and v (attention.CACHE_COPIES_SINCE): the rotated K (a new tensor; without
-    rotary a view of its projection's output) and V, a view of its projection's output - the whole fused q/k/v output
-    where one Linear makes all three (Phi-3's qkv_proj, GPT-2's c_attn). Found by the tracer on 4.48.1: Phi-3-mini
-    LoRA b1 s2048 -7.2% (32 x 48 MiB held to the loss)."""
+    contiguous (or repeated) copies of q, k and v (attention.CACHE_COPIES_SINCE; eager: torch.matmul copies the
+    transposed heads to fold them into its batch): the rotated K (a new tensor; without rotary a view of its
+    projection's output) and V, a view of its projection's output - the whole fused q/k/v output where one Linear
+    makes all three (Phi-3's qkv_proj, GPT-2's c_attn). Found by the tracer on 4.48.1: Phi-3-mini LoRA b1 s2048 sdpa
+    -7.2% (32 x 48 MiB held to the loss), GPT-2 LoRA fp32 b4 s128 eager -4.1% (12 x 4.5 MiB)."""
     a = ctx.spec.arch
     kv_dim = a.num_kv_heads * a.head_dim
     rotary = not any(p.role == "pos_embedding" for p in ctx.spec.params)
