@@ -447,3 +447,14 @@ def test_loss_backward_buffers_follow_cuda_autocast(model, fields, per_logit):
     from memplan.memory.logits import logits_backward_bytes
     ctx = _ctx(model, batch_size=4, seq_len=256, **fields)
     assert logits_backward_bytes(ctx) == 4 * 256 * ctx.vocab * per_logit
+
+
+def test_sliding_window_mask_from_the_window_length_on():
+    """masking_utils _ignore_causal_mask_sdpa keeps a sliding-window mask once kv_length >= the window: Mistral-7B
+    (window 4096) at exactly 4096 tokens gets the mask, at 4095 is_causal (the tracer's QLoRA b4 s4096 held it)."""
+    from memplan.memory.attention import windowed
+    at = _ctx("mistralai/Mistral-7B-v0.1", technique="qlora", precision="bf16", batch_size=1, seq_len=4096,
+              attn_impl="sdpa")
+    below = _ctx("mistralai/Mistral-7B-v0.1", technique="qlora", precision="bf16", batch_size=1, seq_len=4095,
+                 attn_impl="sdpa")
+    assert windowed(at) and not windowed(below)

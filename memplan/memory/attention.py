@@ -57,8 +57,9 @@ BOOL_MASKS_SINCE = (4, 53)
 #: torch.cat) that the kernel saves (inference.training_cache_bytes)
 CACHE_COPIES_SINCE = (4, 56)
 #: causal families whose 4.x attention had its own sdpa code (4.48.1 modeling files without ALL_ATTENTION_FUNCTIONS):
-#: the release rules of the shared integration (above; inference.CACHE_COPIES_SINCE) are not applied to them
-OWN_SDPA_4X = {"bloom", "falcon", "gpt_bigcode", "gpt_neox", "opt"}
+#: the release rules of the shared integration (above; inference.CACHE_COPIES_SINCE) are not applied to them.
+#: GPT-NeoX's own 4.48 sdpa function copies q/k/v the same way (`query = query.contiguous()`) and is left in
+OWN_SDPA_4X = {"bloom", "falcon", "gpt_bigcode", "opt"}
 
 
 def integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
@@ -193,15 +194,17 @@ def _bias_mask_dtype_bytes(ctx: Ctx) -> int:
 
 
 def windowed(ctx: Ctx) -> bool:
-    """sdpa gets an explicit mask from the sliding window: the sequence is longer than the window (transformers
-    masking_utils skips the causal mask for is_causal only while every query sees its whole prefix)."""
+    """sdpa gets an explicit mask from the sliding window: the sequence reaches the window (transformers masking_utils
+    _ignore_causal_mask_sdpa keeps the mask once `kv_length >= local_attention_size`; 4.x's AttentionMaskConverter
+    skipped it only while `key_value_length < sliding_window` - Mistral-7B at 4096 tokens builds it: the tracer's
+    QLoRA b4 s4096 held a 128 MiB float mask and repeated K/V counted from 4097 tokens on)."""
     a = ctx.spec.arch
     # models mixing full and sliding layers (config.layer_types: Gemma-3) window their sliding layers the same way
     # (a dispatch spy on a Gemma-3-shaped layer: the same bool mask, where-converted bias and repeat_kv clones as
     # Mistral's); the full layers get is_causal. Traced: a Gemma-3-shaped config LoRA b2 s512 holds 12.5 MiB more
     # with a 128-token window than with none, these terms 15 MiB
     return (ctx.attn_impl == "sdpa" and bool(a.sliding_layers) and a.sliding_window is not None
-            and ctx.tgt_len > a.sliding_window)
+            and ctx.tgt_len >= a.sliding_window)
 
 
 def padded_masks(ctx: Ctx) -> bool:
