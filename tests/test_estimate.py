@@ -458,3 +458,22 @@ def test_sliding_window_mask_from_the_window_length_on():
     below = _ctx("mistralai/Mistral-7B-v0.1", technique="qlora", precision="bf16", batch_size=1, seq_len=4095,
                  attn_impl="sdpa")
     assert windowed(at) and not windowed(below)
+
+
+def test_fused_qkv_output_pinned_by_the_v_view():
+    """ModernBERT's Wqkv [hidden -> 3 x hidden] with rotary q/k: sdpa saves V, a view of the whole output (traced:
+    a ModernBERT-shaped config full bf16 b2 s512 -2.2% before). A causal model's training cache copies V first."""
+    from pathlib import Path
+
+    from memplan.memory.attention import fused_qkv_pin_bytes
+    from memplan.memory.layout import blocks
+    shape = str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "modernbert" / "config.json")
+    for model, fields, expected in ((shape, {}, (1536 - 512) * 2),
+                                    ("microsoft/Phi-3-mini-4k-instruct", {}, 0),
+                                    ("microsoft/Phi-3-mini-4k-instruct", {"grad_ckpt": True}, (9216 - 3072) * 2),
+                                    ("meta-llama/Llama-3.2-1B", {"grad_ckpt": True}, 0)):
+        ctx = _ctx(model, precision="bf16", batch_size=2, seq_len=512, attn_impl="sdpa", **fields)
+        a = ctx.spec.arch
+        attn_in = [m for slot, m in blocks(ctx.spec)[0].linears if slot == "attn_in"]
+        got = fused_qkv_pin_bytes(ctx, attn_in, "fused", a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim)
+        assert got == expected, model

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, attention_kernel, attn_core,
                                       bias_bucket_bytes, kernel_casts_kv, mask_block_bytes, padded_masks,
-                                      position_bias_bytes, sdpa_integration_before, self_bias_mask_bytes, windowed)
+                                      fused_qkv_pin_bytes, position_bias_bytes, sdpa_integration_before,
+                                      self_bias_mask_bytes, windowed)
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
@@ -56,7 +57,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
         per_tok += input_saves(ctx, mlp_readers, h, r, lora_names)
     tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
-    per_tok += tok_core
+    per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim)
     if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
             and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
         per_tok += 2 * kv_dim * c

@@ -74,6 +74,20 @@ def sdpa_integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
     return ctx.attn_impl == "sdpa" and integration_before(ctx, release)
 
 
+def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim: int) -> float:
+    """Per token: one Linear makes q, k and v (ModernBERT's Wqkv, Phi-3's qkv_proj) and rotary makes q and k new
+    tensors, while V stays a view of that output, which the fused kernel saves: the whole output stays alive, its q
+    and k parts beyond attn_core's count. Not where a training cache copies V first (causal models without
+    checkpointing; before 4.56 the cache pins it: inference.training_cache_bytes), nor without rotary (GPT-2: q is
+    a view too, FUSED_QKV_CACHE). Found by the tracer: a ModernBERT-shaped config full bf16 b2 s512 -2.2%."""
+    a = ctx.spec.arch
+    rotary = not any(p.role == "pos_embedding" for p in ctx.spec.params)
+    if kernel != "fused" or len(attn_in) != 1 or not rotary or not ctx.training or (
+            a.kind == "causal" and not ctx.setup.grad_ckpt):
+        return 0.0
+    return (attn_in[0].out_features - kv_dim) * ctx.act_bytes if attn_in[0].out_features >= q_dim + 2 * kv_dim else 0
+
+
 def kernel_casts_kv(ctx: Ctx) -> bool:
     """Autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype): the
     attention computes on compute-dtype casts of q, k and v, which it saves instead of the tensors themselves."""
