@@ -40,9 +40,7 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     import torch
 
     dtype = query.dtype
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=query.device).masked_fill(
-            ~attn_mask, float("-inf"))
+    attn_mask = _additive(attn_mask, dtype)
     if dtype in (torch.bfloat16, torch.float16):
         query, key, value = query.float(), key.float(), value.float()
     root = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.size(-1)))
@@ -51,9 +49,8 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         n_q, n_k = query.size(-2), key.size(-2)
         attn_mask = torch.where(torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(), 0.0,
                                 float("-inf"))
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        rep = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    if enable_gqa:  # without it, differing heads broadcast in the matmuls (falcon's one K/V head)
+        key, value = _repeat_kv(query, key, value)
     attn = torch.matmul(query, key.transpose(-2, -1) * root)
     if attn_mask is not None:  # in place on CUDA; out of place only for tensor subclasses or under a dispatch mode
         attn.add_(attn_mask)  # (at::areAnyTensorSubclassLike) - as the tracer's own mode would make it
@@ -63,6 +60,22 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     weights = attn.to(dtype)
     del weights
     return torch.matmul(attn, value).to(dtype)
+
+
+def _additive(mask, dtype):
+    """A boolean mask as the additive float bias sdpa makes of it (aten convert_boolean_attn_mask); others as they are."""
+    import torch
+    if mask is not None and mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask
+
+
+def _repeat_kv(query, key, value):
+    """Grouped K/V repeated to every query head, as enable_gqa does (the stand-ins below take no groups)."""
+    if key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    return key, value
 
 
 def cuda_sdpa(original_sdpa):
@@ -131,17 +144,6 @@ def cuda_sdpa(original_sdpa):
         align = 4 if query.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") else 8
         return (is_fake(query) and value.shape[-1] != query.shape[-1] and query.shape[-1] == key.shape[-1]
                 and query.shape[-1] % align == 0 and value.shape[-1] % align == 0)
-
-    def _additive(mask, dtype):
-        if mask is not None and mask.dtype == torch.bool:
-            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-        return mask
-
-    def _repeat_kv(query, key, value):
-        if key.shape[-3] != query.shape[-3]:  # the kernels below take no groups: expand like enable_gqa
-            rep = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-        return key, value
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if cuda_picks_math(query, key, value, attn_mask, enable_gqa):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
 from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, has_position_bias, kernel_casts_kv,
-                                     integration_before, mask_block_bytes, padded_masks, windowed)
+                                     integration_before, mask_block_bytes, padded_masks, rotary_positions,
+                                     windowed)
 from memplan.memory.layout import blocks
 from memplan.memory.context import Ctx
 
@@ -73,7 +74,7 @@ def _pinned_kv_bytes(ctx: Ctx) -> float:
     -7.2% (32 x 48 MiB held to the loss), GPT-2 LoRA fp32 b4 s128 eager -4.1% (12 x 4.5 MiB)."""
     a = ctx.spec.arch
     kv_dim = a.num_kv_heads * a.head_dim
-    rotary = not any(p.role == "pos_embedding" for p in ctx.spec.params)
+    rotary = rotary_positions(ctx)
     # the kernel saves its own copy of the rotated K - unless K is a concatenation (contiguous already) of the
     # kernel's dtype
     copied = rotary and (a.model_type not in PARTIAL_ROTARY_CAT or rotary_promotes_kv(ctx) or kernel_casts_kv(ctx))
