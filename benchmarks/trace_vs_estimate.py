@@ -182,6 +182,14 @@ for _m, _layers, _kw in (
         (str(SHAPES / "modernbert" / "config.json"), None, dict(technique="full", precision="bf16", batch_size=2,
                                                                 seq_len=512))):
     _add(_m, layers=_layers, attn_impl="sdpa", padded=True, **_kw)
+# Checkpointed long sequences whose peak is inside a block's backward, not the loss (memplan.memory.block_ends): an
+# eager softmax's backward after its block's MLP; a gated MLP's product backward in the last and the first block
+_add("meta-llama/Llama-2-7b-hf", layers=2, technique="qlora", precision="bf16", batch_size=4, seq_len=2048, attn_impl="eager", grad_ckpt=True)
+_add("mistralai/Mistral-7B-v0.1", layers=2, technique="lora", precision="bf16", batch_size=4, seq_len=1024, attn_impl="eager", grad_ckpt=True)
+_add("mistralai/Mistral-7B-v0.1", layers=2, technique="qlora", precision="bf16", batch_size=8, seq_len=4096, grad_ckpt=True)
+for _kw in (dict(technique="qlora", precision="bf16"), dict(technique="lora", precision="bf16"),
+            dict(technique="lora", precision="bf16-mixed"), dict(technique="full", precision="bf16", optimizer="adamw-fused")):
+    _add(str(SHAPES / "mistral_1k" / "config.json"), layers=2, batch_size=8, seq_len=4096, grad_ckpt=True, **_kw)
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

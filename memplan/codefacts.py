@@ -26,7 +26,7 @@ NORM_CASES = ((2, False), (2, True), (4, False), (4, True))
 def norm_saves(model, hidden: int) -> tuple[tuple[float, float], ...]:
     """What the model's normalisation layer saves for backward, measured by running it once per NORM_CASES (16-bit
     or fp32 input and weights; weight frozen or trained) on meta tensors under torch.autograd.graph.saved_tensors_hooks:
-    (bytes per hidden element, bytes per row) for each case. Saved tensors are told apart by storage and parameters
+    (bytes per hidden element, bytes per row, bytes per element of the input itself among them) for each case. Saved tensors are told apart by storage and parameters
     left out; a tensor with the row dimension and `hidden` last counts per element, one with the row dimension and
     last dim 1 (LayerNorm's mean and rstd, RMSNorm's rsqrt) per row, a weight-sized one ([hidden]: Gemma's
     `1.0 + weight.float()`) not per token at all.
@@ -66,8 +66,9 @@ def norm_saves(model, hidden: int) -> tuple[tuple[float, float], ...]:
         except Exception:  # a norm that needs more than its input (a residual argument): LayerNorm's rule
             return ()
         per_row = [(n, shape) for n, shape in saved.values() if len(shape) > 1 and shape[0] == rows]
+        own = saved.get(x.untyped_storage()._cdata, (0, ()))[0]
         out.append((sum(n for n, shape in per_row if shape[-1] == hidden) / (rows * hidden),
-                    sum(n for n, shape in per_row if shape[-1] == 1) / rows))
+                    sum(n for n, shape in per_row if shape[-1] == 1) / rows, own / (rows * hidden)))
     return tuple(out)
 
 

@@ -137,8 +137,9 @@ class Arch:
     unmodelled_layers: tuple[str, ...] = ()
     #: attention modules owning a learned relative position bias (codefacts.relative_bias_layers: T5 2, UMT5 each)
     relative_bias_layers: int = 0
-    #: what the norm layer saves, (bytes per element, bytes per row) per codefacts.NORM_CASES (codefacts.norm_saves)
-    norm_saves: tuple[tuple[float, float], ...] = ()
+    #: what the norm layer saves, (bytes per element, bytes per row, bytes per element of its input itself) per
+    #: codefacts.NORM_CASES (codefacts.norm_saves; inventories built before the third was measured list two)
+    norm_saves: tuple[tuple[float, ...], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
     #: how often each parameter block runs in one forward (inventory._block_runs: ALBERT shares one layer's parameters

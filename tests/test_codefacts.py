@@ -15,18 +15,19 @@ SHAPES = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
 
 @pytest.mark.parametrize("model, expected", [
     # LlamaRMSNorm: fp32 copy (pow and mul save it) + rsqrt's fp32 output per row; a trained weight saves the
-    # normalised tensor cast back to the input dtype (modeling_llama.py LlamaRMSNorm.forward)
-    ("meta-llama/Llama-2-7b-hf", ((4, 4), (6, 4), (4, 4), (8, 4))),
+    # normalised tensor cast back to the input dtype (modeling_llama.py LlamaRMSNorm.forward). The third value: an
+    # fp32 input's `.to(torch.float32)` is the input itself (Tensor.to returns self when nothing changes)
+    ("meta-llama/Llama-2-7b-hf", ((4, 4, 0), (6, 4, 0), (4, 4, 4), (8, 4, 4))),
     # T5LayerNorm multiplies the 16-bit input itself by rsqrt (modeling_t5.py): the input is saved as well
-    ("google-t5/t5-base", ((6, 4), (8, 4), (4, 4), (8, 4))),
+    ("google-t5/t5-base", ((6, 4, 2), (8, 4, 2), (4, 4, 4), (8, 4, 4))),
     # GemmaRMSNorm applies (1 + weight) in fp32: the normalised tensor is fp32 whatever the model dtype
-    ("google/gemma-7b", ((4, 4), (8, 4), (4, 4), (8, 4))),
+    ("google/gemma-7b", ((4, 4, 0), (8, 4, 0), (4, 4, 4), (8, 4, 4))),
     # nn.LayerNorm (aten native_layer_norm): its input plus fp32 mean and rstd per row; the weight saves nothing more
-    ("openai-community/gpt2", ((2, 8), (2, 8), (4, 8), (4, 8))),
+    ("openai-community/gpt2", ((2, 8, 2), (2, 8, 2), (4, 8, 4), (4, 8, 4))),
     # CohereLayerNorm centres twice in fp32 (modeling_cohere.py): two fp32 centred copies, + the normalised tensor
-    (str(SHAPES / "cohere2" / "config.json"), ((8, 4), (12, 4), (8, 4), (12, 4))),
+    (str(SHAPES / "cohere2" / "config.json"), ((8, 4, 0), (12, 4, 0), (8, 4, 0), (12, 4, 0))),
     # OlmoLayerNorm: F.layer_norm on an fp32 copy, no parameters
-    (str(SHAPES / "olmo" / "config.json"), ((4, 8), (4, 8), (4, 8), (4, 8))),
+    (str(SHAPES / "olmo" / "config.json"), ((4, 8, 0), (4, 8, 0), (4, 8, 4), (4, 8, 4))),
 ])
 def test_norm_saves_per_family(model, expected):
     assert load_spec(model).arch.norm_saves == expected

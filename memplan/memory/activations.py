@@ -14,12 +14,13 @@ from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, atten
                                       bias_bucket_bytes, kernel_casts_kv, mask_block_bytes, padded_masks,
                                       fused_qkv_pin_bytes, position_bias_bytes, sdpa_integration_before,
                                       self_bias_mask_bytes, windowed)
+from memplan.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
-from memplan.memory.moe import expert_lora_copy_bytes, expert_params, moe_bytes
+from memplan.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.memory.recording import block_training, gradless_linears, input_grads
-from memplan.memory.saves import (SAVES_OUTPUT, act_saved_bytes, input_saves, lora_saves, norm_bytes,
-                                  shared_input_saves, weight_trains)
+from memplan.memory.saves import (act_saved_bytes, input_saves, lora_saves, norm_bytes, shared_input_saves,
+                                  weight_trains)
 from memplan.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes
 
 
@@ -34,45 +35,31 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     c, r, h = ctx.act_bytes, ctx.residual_bytes, a.hidden_size
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     kernel = attention_kernel(ctx, relative_bias=True)
-    eager = kernel != "fused"  # the attention's output is not saved by the kernel: o-proj saves its own input
     by_slot: dict[str, list] = {}
     for sl, m in blk.linears:
         by_slot.setdefault(sl, []).append(m)
     cross = blk.stack == "decoder" and a.kind == "seq2seq"
     # parallel blocks normalise one input x: two LayerNorms (GPT-NeoX) save the same x, so count it once
-    per_tok = (1 if a.parallel_block else blk.norms) * norm_bytes(ctx, h, block_trains)
+    norms = (1 if a.parallel_block else blk.norms) - norms_after_attention(ctx, blk)  # the rest: post_attention_bytes
+    per_tok = norms * norm_bytes(ctx, h, block_trains)
     # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
     # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
     per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim) for w in blk.qk_norm_widths)
     # norms over another width (found by the tracer: a BitNet-shaped config counted its ffn_sub_norm over the
     # intermediate size as a hidden-size norm, -3.6% full bf16)
     per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.other_norm_widths)
-    # a gate beside the MLP reads its input (layout "mlp_gate"): one group with mlp_in, so that a LoRA on it keeps its
-    # own fp32 copy and a trained one shares the 16-bit input (found by the tracer: a Qwen2-MoE-shaped config, LoRA
-    # all-linear bf16 sdpa -1.6%, the shared_expert_gate's lora_A input [tokens, hidden] fp32 per block uncounted)
-    mlp_readers = by_slot.get("mlp_in", []) + by_slot.get("mlp_gate", [])
     if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
-        per_tok += input_saves(ctx, by_slot.get("attn_in", []) + mlp_readers, h, r, lora_names)
+        per_tok += input_saves(ctx, by_slot.get("attn_in", []) + mlp_readers(by_slot), h, r, lora_names)
     else:
         per_tok += input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
-        per_tok += input_saves(ctx, mlp_readers, h, r, lora_names)
     tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
     per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim)
     if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
             and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
         per_tok += 2 * kv_dim * c
     scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
-    for m in by_slot.get("attn_out", []):
-        saved_input = eager and weight_trains(ctx, m.name)
-        per_tok += m.in_features * c if saved_input else 0  # the attention's output (MLA: heads x v_head_dim)
-        if m.name in lora_names:
-            branch, shares = lora_saves(ctx, m.in_features, c)
-            # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
-            per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
+    per_tok += post_attention_bytes(ctx, blk, lora_names, block_trains, kernel)
     experts = expert_params(ctx, blk)
-    per_tok += moe_bytes(ctx, experts, lora_names) if experts else _mlp_bytes(ctx, by_slot, lora_names)
-    if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE), gated by a sigmoid
-        per_tok += _mlp_bytes(ctx, by_slot, lora_names, shared=True) + a.hidden_size * c
     for m in by_slot.get("other", []):  # a Linear no slot names: its input if it trains, its LoRA branch
         per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
         per_tok += lora_saves(ctx, m.in_features, c)[0] if m.name in lora_names else 0
@@ -81,8 +68,6 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
             # are copied out): the fused kernel saves that view, which keeps the keys' part of the storage alive.
             # Found by the tracer: a DeepSeek-V3-shaped config, full bf16 sdpa -1.0% without it
             per_tok += (m.out_features - a.num_heads * a.v_head_dim) * c
-    if a.hidden_dropout > 0:
-        per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
         self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel, blk.stack) + \
         bias_bucket_bytes(ctx, blk.stack, blk.index, seqs[0])
@@ -94,47 +79,6 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     if kernel == "fused" and (windowed_here or padded_here):
         total += mask_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
     return total
-
-
-def _mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> float:
-    """MLP: gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
-    activation's inputs (saves.act_saved_bytes) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
-    experts) and adds the gathered expert inputs/outputs. shared: a MoE block's shared expert (every token, its own
-    width: Qwen2-MoE's shared_expert_intermediate_size; the sigmoid gate's product is the caller's). Found by the
-    tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 -3.9% (its shared expert was not counted)."""
-    a = ctx.spec.arch
-    c, I = ctx.act_bytes, a.intermediate_size
-    outs = by_slot.get("mlp_out", [])
-    # experts as Linears (transformers 4), not a dense MLP in an MoE model (DeepSeek's and dots1's first blocks,
-    # first_k_dense_replace): found by the tracer, a dots1-shaped config full bf16 +1.7%, its dense block counted x k
-    routed = bool(a.num_experts) and not shared and len(outs) > 1
-    k = a.experts_per_token if routed else 1
-    if shared:
-        I = by_slot["mlp_in"][0].out_features
-    down_trains = any(weight_trains(ctx, m.name) for m in outs)
-    down_lora = 0.0
-    for m in outs:
-        if m.name in lora_names:
-            branch, shares = lora_saves(ctx, m.in_features, c)
-            down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
-    if routed:
-        down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
-    if a.mlp_gated:
-        # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
-        # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh: found by the tracer on flan-t5-xl
-        # LoRA, -6.5% before)
-        core = I * (act_saved_bytes(ctx, down_trains) + 2 * c) + (I * c if down_trains else 0)
-    else:
-        shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0
-        core = I * act_saved_bytes(ctx, down_trains) + (I * c if down_trains and not shared else 0)
-    if a.act_dropout > 0:
-        # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
-        # when fc2 trains. Measured: bart-large LoRA bf16 b16 s256 kept 24 x [4096, 4096] bool masks at
-        # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml); T5's dropout before wo is the
-        # same (found by the tracer: t5-base full bf16-mixed b16 s128, 6 MiB per block).
-        core += I
-    moe = 2 * a.hidden_size * c if routed else 0
-    return k * (core + moe) + down_lora
 
 
 def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
@@ -212,7 +156,7 @@ def _gradless_mlp_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> flo
         by_slot.setdefault(sl, []).append(m)
     if not by_slot.get("mlp_in") or any(m.name not in gradless for m in by_slot["mlp_in"]):
         return 0.0
-    return _mlp_bytes(ctx, by_slot, lora_names)
+    return mlp_bytes(ctx, by_slot, lora_names)
 
 
 @per_model()
@@ -260,18 +204,43 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     their output - else no gradient flows below frozen ones), non-output Linears such as BERT's MLM transform
     (input if it trains, plus its activation), the lm_head input when lm_head trains (its own compute-dtype copy
     under autocast), embedding dropout masks."""
+    before, after = _outside_saves(ctx)
+    return before + after + position_bias_bytes(ctx) + dropout_mask_bytes(ctx, _embeds_record(ctx)) + \
+        checkpoint_inputs_bytes(ctx)
+
+
+def after_blocks_bytes(ctx: Ctx) -> float:
+    """Of outside_blocks_bytes, what the modules after the last block save (the final norm, a head's transform, the
+    lm_head's input): backward frees it before it reaches the last block. Found by the tracer: a Mistral-7B-shaped
+    config with a 1k vocabulary, LoRA bf16 b8 s4096 checkpointed, the final norm's 512 MiB fp32 input counted in
+    the last block's recompute."""
+    return _outside_saves(ctx)[1]
+
+
+def _embeds_record(ctx: Ctx) -> bool:
+    """The embeddings' output requires grad: their norm and dropout record."""
+    return _embeddings_train(ctx) or input_grads(ctx)
+
+
+def _outside_saves(ctx: Ctx) -> tuple[float, float]:
+    """(before the blocks, after the last block) bytes the norms and Linears outside the blocks save. A
+    seq2seq encoder's final norm runs before the decoder's blocks."""
     a = ctx.spec.arch
     if not ctx.trainable and not ctx.lora:
-        return 0.0
+        return 0.0, 0.0
     h, c = a.hidden_size, ctx.act_bytes
-    embeds_record = _embeddings_train(ctx) or input_grads(ctx)  # their output requires grad: the norm and dropout record
-    total = 0.0
+    embeds_record = _embeds_record(ctx)
+    before = after = 0.0
     for p in ctx.spec.params:
         if p.block is not None or p.role != "norm" or p.name.endswith(".bias"):
             continue
         if "embed" in p.name and not embeds_record:
             continue
-        total += norm_bytes(ctx, p.shape[0], p.name in ctx.trainable) * _outside_tokens(ctx, p.name)
+        n = norm_bytes(ctx, p.shape[0], p.name in ctx.trainable) * _outside_tokens(ctx, p.name)
+        if "embed" in p.name or (p.stack == "encoder" and a.kind == "seq2seq"):
+            before += n
+        else:
+            after += n
     tied = dict(ctx.spec.tied)
     lora_names = {m.name for m in ctx.lora}
     for m in ctx.spec.linears:
@@ -280,17 +249,21 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
         weight = m.name + ".weight"
         trains = weight in ctx.trainable or tied.get(weight) in ctx.trainable
         tokens = _outside_tokens(ctx, m.name)
+        # a Linear from another width into the hidden size projects the embeddings into the blocks (ALBERT's
+        # embedding_hidden_mapping_in, ELECTRA's embeddings_project): no activation follows it, unlike a head's
+        # transform (found by the tracer: an ALBERT-shaped config full bf16 +1.1%, a gelu_new counted 512 wide)
+        into_blocks = not m.is_output and m.in_features != h and m.out_features == h
+        n = 0.0
         if m.name in lora_names:
             branch, shares = lora_saves(ctx, m.in_features, ctx.residual_bytes)
-            total += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
+            n += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
         if m.is_output:
-            total += (m.in_features * c if trains and a.has_lm_head else 0) * tokens
+            n += (m.in_features * c if trains and a.has_lm_head else 0) * tokens
         else:
-            # a Linear from another width into the hidden size projects the embeddings into the blocks (ALBERT's
-            # embedding_hidden_mapping_in, ELECTRA's embeddings_project): no activation follows it, unlike a head's
-            # transform (found by the tracer: an ALBERT-shaped config full bf16 +1.1%, a gelu_new counted 512 wide)
-            into_blocks = m.in_features != h and m.out_features == h
             act = 0 if into_blocks else m.out_features * act_saved_bytes(ctx, trains)
-            total += ((m.in_features * c if trains else 0) + act) * tokens
-    return total + position_bias_bytes(ctx) + dropout_mask_bytes(ctx, embeds_record) + checkpoint_inputs_bytes(ctx)
-
+            n += ((m.in_features * c if trains else 0) + act) * tokens
+        if into_blocks:
+            before += n
+        else:
+            after += n
+    return before, after

@@ -192,18 +192,18 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
 
 
 def score_grad_bytes(ctx: Ctx) -> int:
-    """Inside an eager or math attention's backward, beside the saved probabilities: the gradient of the
-    probabilities (PV's backward) and the softmax backward's output, both [b, heads, s_q, s_k] in the softmax dtype
-    (aten bmm / _softmax_backward_data allocate full-size results). Fused kernels recompute the scores tile by tile.
-    Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing, -11% before."""
-    a = ctx.spec.arch
+    """Inside an eager or math attention's backward: the probabilities' gradient (PV's backward) and the softmax
+    backward's output, [b, heads, s_q, s_k] each in the softmax dtype (aten bmm / _softmax_backward_data; fused kernels
+    work tile by tile). Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing, -11% before."""
     kernel = attention_kernel(ctx, relative_bias=True)
-    if kernel == "fused":
-        return 0
-    c = _kernel_bytes(ctx)
-    fp32 = kernel == "math" or _softmax_fp32(ctx, c)
     s = max(ctx.src_len, ctx.tgt_len)
-    return 2 * ctx.setup.batch_size * a.num_heads * s * s * (4 if fp32 else c)
+    return 2 * ctx.setup.batch_size * ctx.spec.arch.num_heads * s * s * softmax_out_bytes(ctx, kernel)
+
+
+def softmax_out_bytes(ctx: Ctx, kernel: str) -> int:
+    """Bytes per score element of an eager or math softmax's output (and of the gradients through it); 0 fused."""
+    c = _kernel_bytes(ctx)
+    return 0 if kernel == "fused" else 4 if kernel == "math" or _softmax_fp32(ctx, c) else c
 
 
 def _bias_mask_dtype_bytes(ctx: Ctx) -> int:

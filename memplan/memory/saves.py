@@ -85,5 +85,17 @@ def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1) -> float:
         if ctx.spec.arch.norm == "rmsnorm":
             return 4 * h + (r * h if trains else 0) + 4 * rows
         return r * h + 8 * rows
-    per_element, per_row = table[norm_case(r, trains)]
+    per_element, per_row = table[norm_case(r, trains)][:2]
     return per_element * h + per_row * rows
+
+
+def norm_keeps_input(ctx: Ctx, trains: bool) -> bool:
+    """The normalisation layer saves its input tensor itself (no copy): LayerNorm always, an RMSNorm whose fp32 cast
+    is a no-op (an fp32 stream), T5's norm, which multiplies the input itself (Arch.norm_saves' third value, measured;
+    without it, those rules). Under checkpointing the block's input norm then saves the checkpoint input, already
+    alive, not a tensor of its own."""
+    r = ctx.residual_bytes
+    table = ctx.spec.arch.norm_saves
+    if table and len(table[0]) > 2:
+        return table[norm_case(r, trains)][2] > 0
+    return ctx.spec.arch.norm != "rmsnorm" or r == 4

@@ -1,0 +1,103 @@
+"""What the backward holds at the blocks it starts and ends with. It reaches the last block first (recomputed
+under checkpointing) and the first recording block last, with nearly every gradient written; the largest moments
+inside a block are its MLP product's backward (phases._backward_temp_bytes) and, with eager or math attention,
+its softmax's backward. By then the block's backward has freed what was saved after that point (the autograd
+engine runs nodes in reverse creation order: memplan.memory.block_tail) and not yet written the gradients of the
+weights before it. Found by the tracer on a Mistral-7B-shaped config with a 1k vocabulary, b8 s4096 checkpointed:
+QLoRA -6.0% with two MLP gradients in the compute dtype, full bf16 +1.3% with the first block's gradients all
+written and its product still saved."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memplan.memory import activations as act
+from memplan.memory.attention import attention_kernel, attn_core, softmax_out_bytes
+from memplan.memory.block_tail import mlp_out_bytes, post_attention_bytes
+from memplan.memory.context import Ctx
+from memplan.memory.layout import BlockLayout, blocks
+from memplan.memory.saves import norm_keeps_input
+
+
+class EndBlock(NamedTuple):
+    blk: BlockLayout
+    trained: bool  # its base parameters train
+    full: float  # what it saves without checkpointing (activations.per_block_bytes)
+    checkpointed: float  # its checkpoint input
+    tokens: int
+    recompute: float  # what its recompute adds beside its checkpoint input (_recompute_bytes)
+
+
+def _recording(ctx: Ctx) -> list[EndBlock]:
+    rows = []
+    for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), act.per_block_bytes(ctx)):
+        if shape is not None:
+            tokens = act.stack_tokens(ctx, blk.stack)[0]
+            rows.append(EndBlock(blk, trained, full, ck, tokens, _recompute_bytes(ctx, blk, trained, starts, full, tokens)))
+    return rows
+
+
+def _recompute_bytes(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, full: float, tokens: int) -> float:
+    """A checkpointed block's recompute: what it saves, less its input norm's saved input where that is the
+    checkpoint input itself (saves.norm_keeps_input: LayerNorm, RMSNorm on an fp32 stream), alive anyway. Found by the
+    tracer: a Mistral-7B-shaped config, QLoRA b8 s4096 checkpointed (fp32 stream), 512 MiB counted twice."""
+    a = ctx.spec.arch
+    if a.post_norm or not blk.norms or (starts and not trained) or not norm_keeps_input(ctx, trained):
+        return full  # a post-LN block's first ops are its projections; the first recording block's norm saves nothing
+    return full - tokens * a.hidden_size * ctx.residual_bytes
+
+
+def largest_recompute_bytes(ctx: Ctx, at_mlp: bool = False) -> float:
+    """The largest recompute of a checkpointed block (0 without checkpointing); at_mlp: at its MLP product's
+    backward, less what its MLP output projection saved (the largest block is not the last where an encoder's blocks
+    see more tokens than the decoder's: t5-base LoRA b2 s256 target 64)."""
+    if not ctx.setup.grad_ckpt:
+        return 0.0
+    return max((e.recompute - (mlp_out_freed_bytes(ctx, e) if at_mlp else 0) for e in _recording(ctx)), default=0.0)
+
+
+def end_blocks(ctx: Ctx) -> tuple[EndBlock, EndBlock] | None:
+    """(the first recording block, the last block) in execution order; None when no block records."""
+    rows = _recording(ctx)
+    return (rows[0], rows[-1]) if rows else None
+
+
+def mlp_out_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
+    """What the block's MLP output projection saved, freed by its backward before the product's (block_tail)."""
+    return mlp_out_bytes(ctx, end.blk, act._lora_names(ctx)) * end.tokens
+
+
+def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
+    """The block's base weight gradients the backward has not written at its MLP product's backward: every trainable
+    parameter of the block but the MLP output projection's (LoRA's small ones left in)."""
+    from memplan.memory.weights import numel
+
+    outs = {m.name for sl, m in end.blk.linears if sl == "mlp_out"}
+    pending = sum(numel(ctx, p) for p in ctx.spec.params
+                  if p.block == end.blk.index and p.stack == end.blk.stack and p.name in ctx.trainable
+                  and p.name.rsplit(".", 1)[0] not in outs)
+    return pending * ctx.weight_bytes
+
+
+def attention_backward_freed_bytes(ctx: Ctx) -> float:
+    """What the last block (the first backward reaches, recomputed under checkpointing) has freed by its
+    attention's softmax backward: its post-attention saves (post_attention_bytes) and, of the probabilities, all but
+    the softmax's output and Gemma-2's tanh (PV's backward freed the compute-dtype or dropped copy and dropout's
+    mask). A decoder's cross-attention runs its backward first: only the MLP side counts there. Found by the
+    tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held."""
+    ends = end_blocks(ctx)
+    if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
+        return 0.0
+    blk, trained, _, _, tokens, recompute = ends[1]
+    if recompute < largest_recompute_bytes(ctx):  # the largest recompute is another block's (an encoder's)
+        return 0.0
+    a = ctx.spec.arch
+    s_q = act.stack_tokens(ctx, blk.stack)[1][0]
+    kernel = attention_kernel(ctx, relative_bias=True)
+    freed = post_attention_bytes(ctx, blk, act._lora_names(ctx), trained, kernel) * tokens
+    if kernel == "fused" or (blk.stack == "decoder" and a.kind == "seq2seq"):
+        return freed
+    per_score = attn_core(ctx, 1, 1, 1, 1, kernel)[1]
+    kept = softmax_out_bytes(ctx, kernel) + (ctx.act_bytes if a.attn_logit_softcap and kernel == "eager" else 0)
+    return freed + a.num_heads * s_q * s_q * max(per_score - kept, 0) * (tokens // max(s_q, 1))
+
+
