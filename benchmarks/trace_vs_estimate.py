@@ -190,6 +190,11 @@ _add("mistralai/Mistral-7B-v0.1", layers=2, technique="qlora", precision="bf16",
 for _kw in (dict(technique="qlora", precision="bf16"), dict(technique="lora", precision="bf16"),
             dict(technique="lora", precision="bf16-mixed"), dict(technique="full", precision="bf16", optimizer="adamw-fused")):
     _add(str(SHAPES / "mistral_1k" / "config.json"), layers=2, batch_size=8, seq_len=4096, grad_ckpt=True, **_kw)
+# Checkpointing with frozen embeddings keeps each lookup's output (a leaf that requires grad) beside the first block's
+# input where dropout, positions or a norm follow
+_add("openai-community/gpt2", technique="lora", precision="bf16", batch_size=32, seq_len=1024, grad_ckpt=True)
+_add("google-t5/t5-base", layers=2, technique="lora", precision="bf16-mixed", batch_size=32, seq_len=512, attn_impl="eager", grad_ckpt=True)
+_add("microsoft/phi-2", layers=2, technique="lora", precision="bf16", batch_size=16, seq_len=1024, grad_ckpt=True)
 
 QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49, 51, 56, 57, 59, 61, 62, 64]  # the CI subset (tests/test_trace.py)
 

@@ -101,6 +101,8 @@ class Arch:
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
     act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
+    #: the dropout after the input embeddings (GPT-2 / Phi `embd_pdrop`; elsewhere the hidden dropout); None: as hidden
+    embed_dropout: float | None = None
     sliding_window: int | None = None
     #: decoder layers whose attention uses the window (config.layer_types' sliding_attention; every layer of a
     #: model with a window and no layer_types: Mistral, Phi-3)

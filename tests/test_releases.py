@@ -115,6 +115,33 @@ def test_attention_integration_before_4_56(model, fields, traced):
     assert abs(est - traced) / traced < 0.005
 
 
+@pytest.mark.parametrize("release, fields, traced, merged", [
+    ("4.48.1", dict(technique="lora", precision="bf16-mixed"), 8973924864, 3),
+    ("4.48.1", dict(technique="full", precision="bf16"), 6029613568, 3),
+    # transformers 5 builds no encoder mask for an unpadded batch: the decoder's bias alone is merged (+9.6% with 3)
+    ("5.8.1", dict(technique="lora", precision="bf16-mixed"), 8181062144, 1),
+])
+def test_t5_passes_its_bias_plus_mask_before_5_15(release, fields, traced, merged):
+    """Before 5.15 T5's first layer returns position_bias + mask, [b, heads, q, k], which every later layer's checkpoint
+    keeps (4.x: the encoder's and the cross-attention's zero bias + encoder mask too): t5-base eager b32 s512
+    checkpointed, traced with that release (4.48.1 with peft 0.13.2; `memplan trace --layers 2`; -13.3% and -9.9%
+    before on 4.48.1). From 5.15 the bias is passed alone: [1, heads, q, k] per stack."""
+    from memplan.memory.context import resolve
+    from memplan.memory.stacks import checkpoint_inputs_bytes
+    from memplan.trace import comparable_estimate_bytes
+    setup = Setup(**fields, batch_size=32, seq_len=512, attn_impl="eager", grad_ckpt=True)
+    with libs.assume(transformers=release):
+        est = comparable_estimate_bytes(estimate("google-t5/t5-base", setup))
+        held = checkpoint_inputs_bytes(resolve(load_spec("google-t5/t5-base"), setup))
+    assert abs(est - traced) / traced < 0.005
+    with libs.assume(transformers="5.15.0"):
+        alone = checkpoint_inputs_bytes(resolve(load_spec("google-t5/t5-base"), setup))
+    r = 4 if fields["precision"] == "bf16-mixed" else 2
+    encoder_output, bias = 32 * 512 * 768 * r, 512 * 512 * 12 * r
+    assert alone - encoder_output == 2 * bias
+    assert held - encoder_output == merged * 32 * bias + (2 - min(merged, 2)) * bias
+
+
 def test_sdpa_integration_rules_leave_own_attention_code_alone():
     """Falcon had its own sdpa code in 4.48.1 (no ALL_ATTENTION_FUNCTIONS): no repeat, copy or shared-mask rule."""
     from memplan.memory.attention import GQA_IN_SDPA_SINCE, sdpa_integration_before

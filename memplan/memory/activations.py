@@ -21,7 +21,7 @@ from memplan.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.memory.recording import block_training, gradless_linears, input_grads
 from memplan.memory.saves import (act_saved_bytes, input_saves, lora_saves, norm_bytes, shared_input_saves,
                                   weight_trains)
-from memplan.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes
+from memplan.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes, embedding_leaf_bytes
 
 
 def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], lora_names: set[str],
@@ -206,7 +206,7 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     under autocast), embedding dropout masks."""
     before, after = _outside_saves(ctx)
     return before + after + position_bias_bytes(ctx) + dropout_mask_bytes(ctx, _embeds_record(ctx)) + \
-        checkpoint_inputs_bytes(ctx)
+        checkpoint_inputs_bytes(ctx) + embedding_leaf_bytes(ctx)
 
 
 def after_blocks_bytes(ctx: Ctx) -> float:
