@@ -12,15 +12,20 @@ import math
 from memplan.emulate_masks import is_fake
 
 
-def cuda_picks_math(query, key, value, attn_mask, enable_gqa: bool) -> bool:
+def cuda_picks_math(query, key, value, attn_mask, enable_gqa: bool, dtype=None) -> bool:
     """torch's CUDA kernel choice falls back to the math kernel: every fused kernel needs the last dimension of q, k,
     v and the mask at stride 1 (aten sdp_utils_cpp.h check_last_dim_stride_equals_1_dense), and K/V with q's heads
-    unless enable_gqa (check_batch_size_and_num_heads_dense). transformers before 5.20 handed T5's position bias as a
-    permuted view: its self-attentions ran the math kernel on an H100 (memory.attention.MATH_SDPA_UNTIL)."""
+    unless enable_gqa (check_batch_size_and_num_heads_dense), which only the flash kernel takes, in fp16/bf16 alone
+    (cuda/sdp_utils.cpp; memory.attention.gqa_in_fp32). dtype: what the kernel computes in (autocast's), default
+    q's. transformers before 5.20 handed T5's position bias as a permuted view: its self-attentions ran the math
+    kernel on an H100 (memory.attention.MATH_SDPA_UNTIL)."""
+    import torch
+
     strided = any(t.stride(-1) != 1 and t.size(-1) > 1 for t in (query, key, value))
     if attn_mask is not None and attn_mask.dim() and attn_mask.size(-1) > 1 and attn_mask.stride(-1) != 1:
         strided = True
-    return strided or (not enable_gqa and key.shape[-3] != query.shape[-3])
+    grouped = key.shape[-3] != query.shape[-3]
+    return strided or (grouped and (not enable_gqa or (dtype or query.dtype) == torch.float32))
 
 
 def math_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -146,7 +151,8 @@ def cuda_sdpa(original_sdpa):
                 and query.shape[-1] % align == 0 and value.shape[-1] % align == 0)
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if cuda_picks_math(query, key, value, attn_mask, enable_gqa):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        if cuda_picks_math(query, key, value, attn_mask, enable_gqa, dtype):
             query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
             return math_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if _other_value_size(query, key, value):
@@ -156,10 +162,12 @@ def cuda_sdpa(original_sdpa):
         if dropout_p == 0.0:  # the CPU runs its flash kernel (masks included) like CUDA's flash/efficient ones
             return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                  scale=scale, enable_gqa=enable_gqa)
+        # with dropout the CPU's sdpa would run its math kernel: its flash kernel is called directly. Grouped K/V
+        # (enable_gqa) stay as they are: CUDA's flash kernel takes them, like the CPU's (santacoder's one K/V head)
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-        key, value = _repeat_kv(query, key, value)
         attn_mask = _additive(attn_mask, query.dtype)
         if attn_mask is not None and attn_mask.requires_grad:
+            key, value = _repeat_kv(query, key, value)  # CUDA's efficient kernel takes no grouped K/V
             # a trainable bias as mask (T5's relative positions: full fine-tuning trains relative_attention_bias;
             # gradient checkpointing sets position_bias.requires_grad): the CPU flash kernel refuses its gradient
             # (autograd's check runs above the fake mode, so fake tensors refuse it too). Real CPU tensors: the

@@ -258,6 +258,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         keep_in_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         block_runs=_block_runs(linears, max(layers, dec_layers if enc else 0)),
         kv_cache_per_token=cachefacts.kv_cache_elems(model, kind),
+        labels_disable_cache=cachefacts.labels_disable_cache(model),
         frozen_params=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
         **codefacts.read(model, model.config.model_type, hidden, configfacts.activation(config), body), **composite,
     )

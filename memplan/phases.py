@@ -38,8 +38,9 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     grads = opt.gradient_bytes(ctx)
     held_grads = grads if s.grad_accum > 1 else 0  # zero_grad(set_to_none=True) frees them between steps
     blocks = act.per_block_bytes(ctx)
+    rows = block_ends.recording(ctx, blocks)
     saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + act.outside_blocks_bytes(ctx)
-    recompute = block_ends.largest_recompute_bytes(ctx)
+    recompute = block_ends.largest_recompute_bytes(ctx, rows)
     casts = quant.autocast_copy_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
     common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
@@ -55,11 +56,11 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     head_casts = {"autocast_weight_copies": quant.outside_cast_bytes(ctx)} if s.grad_ckpt else {}
     loss_side = {**back, **head_casts, "logits": lg.logits_backward_bytes(ctx)}
     in_blocks = int(saved - act.after_blocks_bytes(ctx))  # the head's side is done once backward reaches a block
-    ends = block_ends.end_blocks(ctx)
+    ends = block_ends.end_blocks(rows)
     # the head's backward is done too: its autocast copy is freed (the attention's backward likewise)
     block_casts = {"autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
     recompute_side = {**back, **block_casts, **_mlp_moment(ctx, ends[1] if ends else None, in_blocks,
-                                                           block_ends.largest_recompute_bytes(ctx, at_mlp=True), temps)}
+                                                           block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps)}
     return {
         # a block's dequantized weight is freed before the head computes the logits (the tracer's forward peak on
         # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
@@ -71,7 +72,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **_attention_backward_phase(ctx, res, held_grads,
-                                    int(in_blocks + recompute - block_ends.attention_backward_freed_bytes(ctx)), back),
+                                    int(in_blocks + recompute - block_ends.attention_backward_freed_bytes(ctx, rows)), back),
         **_frozen_backward_phase(ctx, res, grads, blocks),
         # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,

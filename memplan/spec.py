@@ -101,6 +101,7 @@ class Arch:
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
     act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
+    labels_disable_cache: bool = False  # the head turns use_cache off when given labels (cachefacts)
     #: the dropout after the input embeddings (GPT-2 / Phi `embd_pdrop`; elsewhere the hidden dropout); None: as hidden
     embed_dropout: float | None = None
     sliding_window: int | None = None

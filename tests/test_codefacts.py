@@ -152,3 +152,15 @@ def test_albert_runs_its_shared_layer_for_every_block():
     # transformers refuses gradient checkpointing on ALBERT (supports_gradient_checkpointing = False)
     with pytest.raises(BadInput, match="gradient checkpointing"):
         estimate(spec, technique="full", precision="bf16", grad_ckpt=True)
+
+
+@pytest.mark.parametrize("model, expected", [
+    # modeling_bart.py BartForConditionalGeneration.forward: `if labels is not None: ... use_cache = False`
+    ("facebook/bart-large", True),
+    (str(SHAPES / "mbart" / "config.json"), True),
+    # T5 and causal LMs keep the config's use_cache in training (their DynamicCache is built: the tracer holds it)
+    ("google-t5/t5-base", False),
+    ("meta-llama/Llama-3.2-1B", False),
+])
+def test_heads_that_turn_the_cache_off_given_labels(model, expected):
+    assert load_spec(model).arch.labels_disable_cache is expected

@@ -41,9 +41,32 @@ def test_cuda_falls_back_to_math_for_strided_masks_and_ungrouped_heads():
     assert not cuda_picks_math(q, k, v, _permuted_bias().contiguous(), False)
     assert not cuda_picks_math(q, k, v, None, False)
     assert not cuda_picks_math(q, k, v, torch.zeros(1, 1, 32, 1), False)  # a singleton last dimension
-    q, k, v = _qkv(kv_heads=2)
+    q, k, v = _qkv(kv_heads=2, dtype=torch.bfloat16)
     assert cuda_picks_math(q, k, v, None, False)
     assert not cuda_picks_math(q, k, v, None, True)
+
+
+def test_cuda_takes_grouped_kv_in_its_flash_kernel_only():
+    """cuda/sdp_utils.cpp: enable_gqa reaches only the flash kernel (check_batch_size_and_num_heads_dense<true>), which
+    runs fp16/bf16: fp32 grouped K/V fall back to the math kernel, unless autocast casts them (dtype)."""
+    q, k, v = _qkv(kv_heads=2)
+    assert cuda_picks_math(q, k, v, None, True)
+    assert not cuda_picks_math(q, k, v, None, True, torch.bfloat16)
+    sdpa = cuda_sdpa(torch.nn.functional.scaled_dot_product_attention)
+    _, saved = _saved(lambda: sdpa(q, k, v, enable_gqa=True))
+    assert ((2, 4, 32, 32), torch.float32) in saved  # the math kernel's fp32 probabilities
+    assert ((8, 16, 32), torch.float32) in saved  # K repeated to every head (b x heads = 8, as the bmm sees it)
+
+
+def test_dropout_keeps_grouped_kv_as_they_are():
+    """With dropout the stand-in calls the CPU flash kernel itself; CUDA's flash kernel takes grouped K/V (enable_gqa),
+    so they are saved at their own heads (santacoder's one K/V head: the trace held them at every head, -1.8%)."""
+    sdpa = cuda_sdpa(torch.nn.functional.scaled_dot_product_attention)
+    q, k, v = _qkv(kv_heads=1, dtype=torch.bfloat16)
+    _, saved = _saved(lambda: sdpa(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True))
+    assert ((2, 1, 32, 16), torch.bfloat16) in saved
+    assert ((2, 4, 32, 16), torch.bfloat16) in saved  # q (and the output) at every head
+    assert sum(shape == (2, 4, 32, 16) for shape, _ in saved) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, attention_kernel, attn_core,
                                       bias_bucket_bytes, kernel_casts_kv, mask_block_bytes, padded_masks,
-                                      fused_qkv_pin_bytes, position_bias_bytes, sdpa_integration_before,
+                                      position_bias_bytes, sdpa_integration_before,
                                       self_bias_mask_bytes, windowed)
 from memplan.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
 from memplan.memory.context import Ctx, per_model
+from memplan.memory.qkv import fused_qkv_pin_bytes
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.memory.recording import block_training, gradless_linears, input_grads

@@ -3,7 +3,7 @@ dtype, and what one attention saves for backward (memplan.memory.activations add
 from __future__ import annotations
 
 from memplan import libs
-from memplan.memory.context import Ctx, per_model
+from memplan.memory.context import Ctx
 from memplan.memory.recording import graph_blocks
 
 # Whether a family's eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy) is read
@@ -74,25 +74,6 @@ def sdpa_integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
     return ctx.attn_impl == "sdpa" and integration_before(ctx, release)
 
 
-@per_model()
-def rotary_positions(ctx: Ctx) -> bool:
-    """Rotary positions (q and k come out as new tensors), not a learned position embedding (GPT-2's wpe)."""
-    return not any(p.role == "pos_embedding" for p in ctx.spec.params)
-
-
-def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim: int) -> float:
-    """Per token: one Linear makes q, k and v (ModernBERT's Wqkv, Phi-3's qkv_proj) and rotary makes q and k new
-    tensors, while V stays a view of that output, which the fused kernel saves: the whole output stays alive, its q
-    and k parts beyond attn_core's count. Not where a training cache copies V first (causal models without
-    checkpointing; before 4.56 the cache pins it: inference.training_cache_bytes), nor without rotary (GPT-2: q is
-    a view too, FUSED_QKV_CACHE). Found by the tracer: a ModernBERT-shaped config full bf16 b2 s512 -2.2%."""
-    a = ctx.spec.arch
-    if kernel != "fused" or len(attn_in) != 1 or not ctx.training or (
-            a.kind == "causal" and not ctx.setup.grad_ckpt) or not rotary_positions(ctx):
-        return 0.0
-    return (attn_in[0].out_features - kv_dim) * ctx.act_bytes if attn_in[0].out_features >= q_dim + 2 * kv_dim else 0
-
-
 def kernel_casts_kv(ctx: Ctx) -> bool:
     """Autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype): the
     attention computes on compute-dtype casts of q, k and v, which it saves instead of the tensors themselves."""
@@ -130,11 +111,25 @@ def heads_broadcast(ctx: Ctx) -> bool:
     return a.model_type in SDPA_HEADS_BROADCAST and a.num_kv_heads != a.num_heads
 
 
+def gqa_in_fp32(ctx: Ctx) -> bool:
+    """transformers hands grouped K/V to sdpa with enable_gqa (integrations/sdpa_attention.py use_gqa_in_sdpa: no
+    mask, from 4.54) and the kernel computes in fp32: CUDA's flash kernel, the one fused kernel taking grouped K/V
+    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_batch_size_and_num_heads_dense<true> for flash,
+    <false> for mem-efficient), takes fp16/bf16 only, so the math kernel runs: K/V repeated to every head, fp32
+    scores. Measured on an H100 (torch 2.11, transformers 5.17): Llama-3.2-1B full fp32 b2 s512 sdpa, forward 1.25
+    GiB above the fused count (16 layers of [2, 32, 512, 512] fp32 probabilities and repeated K/V); Qwen2.5-1.5B
+    -2.0% at its peak."""
+    a = ctx.spec.arch
+    return (ctx.attn_impl == "sdpa" and a.num_kv_heads != a.num_heads and not heads_broadcast(ctx)
+            and not sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE) and _kernel_bytes(ctx) == 4
+            and not padded_masks(ctx) and not windowed(ctx))
+
+
 def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
     """eager | math | fused: what one attention's scores cost (relative_bias: it gets a learned position bias)."""
     if ctx.attn_impl == "eager":
         return "eager"
-    if ctx.attn_impl == "sdpa" and heads_broadcast(ctx):
+    if ctx.attn_impl == "sdpa" and (heads_broadcast(ctx) or gqa_in_fp32(ctx)):
         return "math"
     if (relative_bias and ctx.attn_impl == "sdpa" and has_position_bias(ctx.spec.arch)
             and libs.older_than("transformers", MATH_SDPA_UNTIL)):
@@ -170,7 +165,7 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     # broadcast K/V (heads_broadcast): torch.matmul expands them to every head and reshapes to 3-D - a copy, except
     # at batch 1 where the reshape is a stride-0 view and they stay at kv_dim
     if (heads_broadcast(ctx) and ctx.setup.batch_size > 1) or (
-            kernel == "fused" and sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE)):
+            kernel == "fused" and sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE)) or (kernel == "math" and gqa_in_fp32(ctx)):
         kv_dim = q_dim
     if kernel == "math":
         return (q_dim + (1 + vr) * kv_dim * ratio) * 4, 4 + (1 + 4 if a.attn_dropout > 0 else 0)

@@ -27,9 +27,10 @@ class EndBlock(NamedTuple):
     recompute: float  # what its recompute adds beside its checkpoint input (_recompute_bytes)
 
 
-def _recording(ctx: Ctx) -> list[EndBlock]:
+def recording(ctx: Ctx, sizes: list[tuple[float, float]]) -> list[EndBlock]:
+    """The blocks that record, in execution order; sizes: activations.per_block_bytes(ctx)."""
     rows = []
-    for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), act.per_block_bytes(ctx)):
+    for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), sizes):
         if shape is not None:
             tokens = act.stack_tokens(ctx, blk.stack)[0]
             rows.append(EndBlock(blk, trained, full, ck, tokens, _recompute_bytes(ctx, blk, trained, starts, full, tokens)))
@@ -46,18 +47,17 @@ def _recompute_bytes(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, fu
     return full - tokens * a.hidden_size * ctx.residual_bytes
 
 
-def largest_recompute_bytes(ctx: Ctx, at_mlp: bool = False) -> float:
+def largest_recompute_bytes(ctx: Ctx, rows: list[EndBlock], at_mlp: bool = False) -> float:
     """The largest recompute of a checkpointed block (0 without checkpointing); at_mlp: at its MLP product's
     backward, less what its MLP output projection saved (the largest block is not the last where an encoder's blocks
     see more tokens than the decoder's: t5-base LoRA b2 s256 target 64)."""
     if not ctx.setup.grad_ckpt:
         return 0.0
-    return max((e.recompute - (mlp_out_freed_bytes(ctx, e) if at_mlp else 0) for e in _recording(ctx)), default=0.0)
+    return max((e.recompute - (mlp_out_freed_bytes(ctx, e) if at_mlp else 0) for e in rows), default=0.0)
 
 
-def end_blocks(ctx: Ctx) -> tuple[EndBlock, EndBlock] | None:
+def end_blocks(rows: list[EndBlock]) -> tuple[EndBlock, EndBlock] | None:
     """(the first recording block, the last block) in execution order; None when no block records."""
-    rows = _recording(ctx)
     return (rows[0], rows[-1]) if rows else None
 
 
@@ -78,17 +78,17 @@ def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
     return pending * ctx.weight_bytes
 
 
-def attention_backward_freed_bytes(ctx: Ctx) -> float:
+def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock]) -> float:
     """What the last block (the first backward reaches, recomputed under checkpointing) has freed by its
     attention's softmax backward: its post-attention saves (post_attention_bytes) and, of the probabilities, all but
     the softmax's output and Gemma-2's tanh (PV's backward freed the compute-dtype or dropped copy and dropout's
     mask). A decoder's cross-attention runs its backward first: only the MLP side counts there. Found by the
     tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held."""
-    ends = end_blocks(ctx)
+    ends = end_blocks(rows)
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
     blk, trained, _, _, tokens, recompute = ends[1]
-    if recompute < largest_recompute_bytes(ctx):  # the largest recompute is another block's (an encoder's)
+    if recompute < largest_recompute_bytes(ctx, rows):  # the largest recompute is another block's (an encoder's)
         return 0.0
     a = ctx.spec.arch
     s_q = act.stack_tokens(ctx, blk.stack)[1][0]

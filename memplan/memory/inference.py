@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
 from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, has_position_bias, kernel_casts_kv,
-                                     integration_before, mask_block_bytes, padded_masks, rotary_positions,
+                                     integration_before, mask_block_bytes, padded_masks,
                                      windowed)
 from memplan.memory.layout import blocks
+from memplan.memory.qkv import rotary_positions
 from memplan.memory.context import Ctx
 
 
@@ -36,8 +37,8 @@ def training_cache_bytes(ctx: Ctx) -> int:
     Found by the tracer; measured on an H100: Llama-2-7b QLoRA b2 s512 peaked in forward 0.95 GiB above backward,
     32 layers x [1024 tokens, 2 x 4096] fp32."""
     a, s = ctx.spec.arch, ctx.setup
-    if not ctx.training or s.grad_ckpt or a.kind == "encoder":
-        return 0
+    if not ctx.training or s.grad_ckpt or a.kind == "encoder" or a.labels_disable_cache:
+        return 0  # a head given labels may turn the cache off (BART: cachefacts.labels_disable_cache)
     eager_copies = ctx.attn_impl == "eager" and a.model_type not in OWN_EAGER_4X
     if (ctx.attn_impl == "sdpa" or eager_copies) and integration_before(ctx, CACHE_COPIES_SINCE):
         return int(_pinned_kv_bytes(ctx) * s.batch_size * ctx.tgt_len * a.num_decoder_layers)

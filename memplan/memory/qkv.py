@@ -1,0 +1,24 @@
+"""Where q, k and v come from, for what a block keeps beside the attention's own saves: rotary positions (q and k
+come out of the rotation as new tensors) and one fused q/k/v projection whose output a view keeps alive."""
+from __future__ import annotations
+
+from memplan.memory.context import Ctx, per_model
+
+
+@per_model()
+def rotary_positions(ctx: Ctx) -> bool:
+    """Rotary positions (q and k come out as new tensors), not a learned position embedding (GPT-2's wpe)."""
+    return not any(p.role == "pos_embedding" for p in ctx.spec.params)
+
+
+def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim: int) -> float:
+    """Per token: one Linear makes q, k and v (ModernBERT's Wqkv, Phi-3's qkv_proj) and rotary makes q and k new
+    tensors, while V stays a view of that output, which the fused kernel saves: the whole output stays alive, its q
+    and k parts beyond attn_core's count. Not where a training cache copies V first (causal models without
+    checkpointing; before 4.56 the cache pins it: inference.training_cache_bytes), nor without rotary (GPT-2: q is
+    a view too, FUSED_QKV_CACHE). Found by the tracer: a ModernBERT-shaped config full bf16 b2 s512 -2.2%."""
+    a = ctx.spec.arch
+    if kernel != "fused" or len(attn_in) != 1 or not ctx.training or (
+            a.kind == "causal" and not ctx.setup.grad_ckpt) or not rotary_positions(ctx):
+        return 0.0
+    return (attn_in[0].out_features - kv_dim) * ctx.act_bytes if attn_in[0].out_features >= q_dim + 2 * kv_dim else 0
