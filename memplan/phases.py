@@ -39,7 +39,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     held_grads = grads if s.grad_accum > 1 else 0  # zero_grad(set_to_none=True) frees them between steps
     blocks = act.per_block_bytes(ctx)
     rows = block_ends.recording(ctx, blocks)
-    saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + act.outside_blocks_bytes(ctx)
+    outside, after = act.outside_blocks_bytes(ctx), act.after_blocks_bytes(ctx)
+    saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + outside
     recompute = block_ends.largest_recompute_bytes(ctx, rows)
     casts = quant.autocast_copy_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
@@ -55,7 +56,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     # Llama-3.2-1B freeze bf16-mixed b2 s512 checkpointed, one block's copies too many.
     head_casts = {"autocast_weight_copies": quant.outside_cast_bytes(ctx)} if s.grad_ckpt else {}
     loss_side = {**back, **head_casts, "logits": lg.logits_backward_bytes(ctx)}
-    in_blocks = int(saved - act.after_blocks_bytes(ctx))  # the head's side is done once backward reaches a block
+    in_blocks = int(saved - after)  # the head's side is done once backward reaches a block
     ends = block_ends.end_blocks(rows)
     # the head's backward is done too: its autocast copy is freed (the attention's backward likewise)
     block_casts = {"autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
@@ -69,7 +70,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "backward_start": max(loss_side, recompute_side, key=lambda parts: sum(parts.values())),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
-        "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq),
+        "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq, int(outside - after)),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **_attention_backward_phase(ctx, res, held_grads,
                                     int(in_blocks + recompute - block_ends.attention_backward_freed_bytes(ctx, rows)), back),
@@ -84,16 +85,17 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
 def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dict[str, int]:
     """An end block's MLP product backward: `before` (the activations of the blocks before it and of the embeddings),
     the block's own saves less what its MLP output projection saved and its backward freed
-    (block_ends.mlp_out_freed_bytes) - under checkpointing `recompute`, that already -, and the working gradients."""
+    (block_ends.EndBlock.mlp_out) - under checkpointing `recompute`, that already -, and the working gradients."""
     if ctx.setup.grad_ckpt:
         return {"activations": before, "backward_temporaries": int(recompute) + temps}
-    freed = block_ends.mlp_out_freed_bytes(ctx, end) if end else 0
+    freed = end.mlp_out if end else 0
     return {"activations": int(before - freed), "backward_temporaries": temps}
 
 
-def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: int, deq: int) -> dict[str, int]:
+def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: int, deq: int,
+                  embeds: int) -> dict[str, int]:
     """The first recording block's MLP backward: every gradient but the input embeddings' (_late_grad_bytes) and the
-    block's own before its MLP output (block_ends.pending_grad_bytes), what the embeddings saved, the block's
+    block's own before its MLP output (block_ends.pending_grad_bytes), what the embeddings saved (`embeds`), the block's
     checkpoint input or saved activations (with the masks checkpointing keeps), its recompute and the working
     gradients. Found by the tracer: a Mistral-7B-shaped config with a 1k vocabulary, full bf16 b8 s4096
     checkpointed, +6.5% at 2 blocks with the block's gradients all counted and its input and product not."""
@@ -102,11 +104,10 @@ def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: i
         return {**res, "gradients": grads - late, "backward_temporaries": bwd_work, "dequant_temporaries": deq}
     first = ends[0]
     ckpt = ctx.setup.grad_ckpt
-    embeds = act.outside_blocks_bytes(ctx) - act.after_blocks_bytes(ctx)  # saved below the blocks, still alive
     before = int(embeds + (first.checkpointed if ckpt else first.full))
     return {**res, "gradients": grads - late - block_ends.pending_grad_bytes(ctx, first),
             "attention_mask": _checkpointed_mask_bytes(ctx), "dequant_temporaries": deq,
-            **_mlp_moment(ctx, first, before, first.recompute - block_ends.mlp_out_freed_bytes(ctx, first), temps)}
+            **_mlp_moment(ctx, first, before, first.recompute - first.mlp_out, temps)}
 
 
 def _late_grad_bytes(ctx: Ctx) -> int:

@@ -25,16 +25,30 @@ class EndBlock(NamedTuple):
     checkpointed: float  # its checkpoint input
     tokens: int
     recompute: float  # what its recompute adds beside its checkpoint input (_recompute_bytes)
+    mlp_out: float  # what its MLP output projection saves, freed before the product's backward (block_tail)
 
 
 def recording(ctx: Ctx, sizes: list[tuple[float, float]]) -> list[EndBlock]:
-    """The blocks that record, in execution order; sizes: activations.per_block_bytes(ctx)."""
-    rows = []
+    """The blocks that record, in execution order, one per structure (blocks of one structure save alike; speed:
+    80-layer models) but the first and the last themselves; sizes: activations.per_block_bytes(ctx)."""
+    rows, seen, lora, last = [], set(), act._lora_names(ctx), None
     for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), sizes):
-        if shape is not None:
-            tokens = act.stack_tokens(ctx, blk.stack)[0]
-            rows.append(EndBlock(blk, trained, full, ck, tokens, _recompute_bytes(ctx, blk, trained, starts, full, tokens)))
+        if shape is None:
+            continue
+        last = (blk, shape, trained, starts, full, ck)
+        if (shape, starts, full) not in seen:
+            seen.add((shape, starts, full))
+            rows.append(_end(ctx, blk, trained, starts, full, ck, lora))
+    if last and rows[-1].blk is not last[0]:
+        blk, _, trained, starts, full, ck = last
+        rows.append(_end(ctx, blk, trained, starts, full, ck, lora))
     return rows
+
+
+def _end(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, full: float, ck: float, lora) -> EndBlock:
+    tokens = act.stack_tokens(ctx, blk.stack)[0]
+    return EndBlock(blk, trained, full, ck, tokens, _recompute_bytes(ctx, blk, trained, starts, full, tokens),
+                    mlp_out_bytes(ctx, blk, lora) * tokens)
 
 
 def _recompute_bytes(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, full: float, tokens: int) -> float:
@@ -53,17 +67,12 @@ def largest_recompute_bytes(ctx: Ctx, rows: list[EndBlock], at_mlp: bool = False
     see more tokens than the decoder's: t5-base LoRA b2 s256 target 64)."""
     if not ctx.setup.grad_ckpt:
         return 0.0
-    return max((e.recompute - (mlp_out_freed_bytes(ctx, e) if at_mlp else 0) for e in rows), default=0.0)
+    return max((e.recompute - (e.mlp_out if at_mlp else 0) for e in rows), default=0.0)
 
 
 def end_blocks(rows: list[EndBlock]) -> tuple[EndBlock, EndBlock] | None:
     """(the first recording block, the last block) in execution order; None when no block records."""
     return (rows[0], rows[-1]) if rows else None
-
-
-def mlp_out_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
-    """What the block's MLP output projection saved, freed by its backward before the product's (block_tail)."""
-    return mlp_out_bytes(ctx, end.blk, act._lora_names(ctx)) * end.tokens
 
 
 def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
@@ -87,7 +96,7 @@ def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock]) -> float:
     ends = end_blocks(rows)
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
-    blk, trained, _, _, tokens, recompute = ends[1]
+    blk, trained, _, _, tokens, recompute, _ = ends[1]
     if recompute < largest_recompute_bytes(ctx, rows):  # the largest recompute is another block's (an encoder's)
         return 0.0
     a = ctx.spec.arch
