@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from memplan.actfacts import act_out_bytes, act_saves
+
 
 def read(model, model_type: str, hidden: int, activation: str, body=None) -> dict:
     """Every fact this module reads, as memplan.spec.Arch fields, for the inventory of a model built on meta. `body`:
@@ -13,7 +15,7 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
     is the head's, peft's conversion the whole model's type."""
     body = model if body is None else body
     return dict(eager_softmax_fp32=eager_softmax_fp32(body), norm_saves=norm_saves(body, hidden),
-                act_saves=act_saves(activation), weightless_norms=weightless_norms(body),
+                act_saves=act_saves(activation), act_out=act_out_bytes(activation), weightless_norms=weightless_norms(body),
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
                 expert_gate_saves=expert_gate_saves(body), relative_bias_layers=relative_bias_layers(body),
                 experts_dense=experts_dense(body))
@@ -72,63 +74,9 @@ def norm_saves(model, hidden: int) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
-#: (the activation's own parameters train, input dtype, under autocast) in the order Arch.act_saves lists them
-ACT_CASES = tuple((trains, dtype, mixed) for trains in (False, True) for mixed in (False, True)
-                  for dtype in ("bfloat16", "float32"))
-
-
-def act_case(trains: bool, mixed: bool, input_bytes: int) -> int:
-    """Index into Arch.act_saves (ACT_CASES order), computed: the estimator asks per block."""
-    return 4 * trains + 2 * mixed + (input_bytes >= 4)
-
-
 def norm_case(residual_bytes: int, trains: bool) -> int:
     """Index into Arch.norm_saves (NORM_CASES order)."""
     return 2 * (residual_bytes >= 4) + trains
-
-
-def act_saves(name: str) -> tuple[float, ...]:
-    """Bytes per element of its input that the activation function `name` (transformers ACT2FN) saves for backward,
-    its input included, measured by running it on fake CPU tensors under saved_tensors_hooks, per ACT_CASES: 16-bit and
-    fp32 input, without and with autocast (CUDA autocast's fp32 ops, memplan.emulations; an fp32 input under autocast
-    is QLoRA's, whose bitsandbytes layers return fp32), its own parameters frozen or trained (xIELU's alphas train
-    with a fully trained MLP). One ATen op (silu, gelu, relu) saves its input only; Python compositions keep their
-    intermediates: gelu_new 4 tensors (8/16/14/16 bytes: pow runs in fp32 under CUDA autocast), gelu_fast 7,
-    quick_gelu 2, Apertus' xIELU 7/13/11/13 frozen, 9/17/15/17 trained (an Apertus-shaped config full bf16 -5.7% when
-    taken for one op). () for a name ACT2FN does not know or a function that does not run on fake tensors."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers.activations import ACT2FN
-
-    from memplan.emulations import cuda_autocast_fp32
-
-    if name not in ACT2FN:
-        return ()
-    rows, width = 8, 64
-    out = []
-    for trains, dtype, mixed in ACT_CASES:
-        fn = ACT2FN[name]  # a fresh module: its own small parameters (xIELU's alphas) in the model's dtype
-        if isinstance(fn, torch.nn.Module):
-            fn = fn.to(getattr(torch, dtype)) if not mixed else fn
-            for p in fn.parameters():
-                p.requires_grad_(trains)
-        saved: dict[int, int] = {}
-
-        def pack(t, saved=saved):
-            if t.dim() and t.shape[0] == rows:
-                saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-            return t
-
-        try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                x = torch.empty(rows, width, dtype=getattr(torch, dtype), requires_grad=True)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed), cuda_autocast_fp32(), \
-                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    fn(x)
-        except Exception:  # e.g. PReLU's weight promotion: the one-op rule (memplan.memory.saves)
-            return ()
-        out.append(sum(saved.values()) / (rows * width))
-    return tuple(out)
 
 
 def expert_gate_saves(model) -> tuple[float, ...]:

@@ -127,8 +127,10 @@ class Arch:
     needs_remote_code: bool = False
     #: eager attention computes its softmax in fp32 and casts back (codefacts.eager_softmax_fp32)
     eager_softmax_fp32: bool = False
-    #: what the MLP activation saves per input element, per codefacts.ACT_CASES (codefacts.act_saves)
+    #: what the MLP activation saves per input element, per actfacts.ACT_CASES (actfacts.act_saves)
     act_saves: tuple[float, ...] = ()
+    #: bytes per element the MLP activation returns, per actfacts.ACT_CASES (actfacts.act_out_bytes)
+    act_out: tuple[float, ...] = ()
     #: parameter-free norm layers per block (codefacts.weightless_norms: OLMo)
     weightless_norms: int = 0
     #: the head's loss is torch CrossEntropyLoss on the logits as they are, no fp32 upcast
@@ -212,6 +214,7 @@ class ModelSpec:
         arch["lora_expert_targets"] = tuple(arch.get("lora_expert_targets", ()))
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
+        arch["act_out"] = tuple(arch.get("act_out", ()))
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
@@ -237,6 +240,7 @@ class ModelSpec:
         arch["lora_expert_targets"] = list(self.arch.lora_expert_targets)
         arch["norm_saves"] = [list(pair) for pair in self.arch.norm_saves]
         arch["act_saves"] = list(self.arch.act_saves)
+        arch["act_out"] = list(self.arch.act_out)
         arch["unmodelled_layers"] = list(self.arch.unmodelled_layers)
         arch["expert_gate_saves"] = list(self.arch.expert_gate_saves)
         arch["media_parts"] = list(self.arch.media_parts)

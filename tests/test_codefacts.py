@@ -118,7 +118,8 @@ def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path):
 
 
 def test_case_indices_follow_the_measured_tables_order():
-    from memplan.codefacts import ACT_CASES, NORM_CASES, act_case, norm_case
+    from memplan.actfacts import ACT_CASES, act_case
+    from memplan.codefacts import NORM_CASES, norm_case
 
     for trains in (False, True):
         for mixed in (False, True):
@@ -164,3 +165,13 @@ def test_albert_runs_its_shared_layer_for_every_block():
 ])
 def test_heads_that_turn_the_cache_off_given_labels(model, expected):
     assert load_spec(model).arch.labels_disable_cache is expected
+
+
+@pytest.mark.parametrize("act, expected", [
+    # gelu_new under CUDA autocast: pow runs in fp32 and promotes the product, so a 16-bit input returns fp32
+    ("gelu_new", (2, 4, 4, 4) * 2),
+    ("silu", (2, 4, 2, 4) * 2),  # one ATen op: the input's dtype
+])
+def test_activation_output_bytes(act, expected):
+    from memplan.actfacts import act_out_bytes
+    assert act_out_bytes(act) == expected

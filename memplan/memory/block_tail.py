@@ -8,7 +8,8 @@ from __future__ import annotations
 from memplan.memory.context import Ctx
 from memplan.memory.layout import BlockLayout
 from memplan.memory.moe import expert_params, moe_bytes
-from memplan.memory.saves import SAVES_OUTPUT, act_saved_bytes, input_saves, lora_saves, norm_bytes, weight_trains
+from memplan.memory.saves import (SAVES_OUTPUT, act_out_bytes, act_saved_bytes, input_saves, lora_saves, norm_bytes,
+                                  weight_trains)
 
 
 def norms_after_attention(ctx: Ctx, blk: BlockLayout) -> int:
@@ -103,7 +104,9 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
         # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
         # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh: found by the tracer on flan-t5-xl
         # LoRA, -6.5% before)
-        core, out = I * (act_saved_bytes(ctx, down_trains) + 2 * c), (I * c if down_trains else 0)
+        # act(gate) in the dtype the activation returns (gelu_new under autocast: fp32, saves.act_out_bytes)
+        core = I * (act_saved_bytes(ctx, down_trains) + act_out_bytes(ctx, down_trains) + c)
+        out = I * c if down_trains else 0
     else:  # fc2's input is a tensor of its own unless the activation saves its output (ReLU)
         shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0
         core, out = I * act_saved_bytes(ctx, down_trains), (I * c if down_trains and not shared else 0)

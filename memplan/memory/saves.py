@@ -3,7 +3,8 @@ function, a normalisation layer. memplan.memory.activations adds them up per blo
 rule, from torch's tools/autograd/derivatives.yaml)."""
 from __future__ import annotations
 
-from memplan.codefacts import act_case, norm_case
+from memplan.actfacts import act_case
+from memplan.codefacts import norm_case
 from memplan.memory.context import Ctx
 
 
@@ -20,6 +21,13 @@ def act_saved_bytes(ctx: Ctx, trains: bool = False) -> float:
     if not table:
         return c
     return table[act_case(trains, ctx.mixed, c)]
+
+
+def act_out_bytes(ctx: Ctx, trains: bool = False) -> float:
+    """Bytes per element the MLP activation returns (Arch.act_out, measured: gelu_new under autocast returns fp32),
+    else the activations' dtype."""
+    table, c = ctx.spec.arch.act_out, ctx.act_bytes
+    return table[act_case(trains, ctx.mixed, c)] if table else c
 
 
 def weight_trains(ctx: Ctx, name: str) -> bool:
