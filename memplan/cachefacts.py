@@ -83,4 +83,3 @@ def labels_disable_cache(model) -> bool:
     except (OSError, TypeError):
         return False
     return bool(re.search(r"if labels is not None:(?:\n[ \t]+[^\n]*){0,6}?\n[ \t]+use_cache = False", source))
-

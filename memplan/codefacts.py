@@ -25,13 +25,13 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
 NORM_CASES = ((2, False), (2, True), (4, False), (4, True))
 
 
-def norm_saves(model, hidden: int) -> tuple[tuple[float, float], ...]:
+def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
     """What the model's normalisation layer saves for backward, measured by running it once per NORM_CASES (16-bit
     or fp32 input and weights; weight frozen or trained) on meta tensors under torch.autograd.graph.saved_tensors_hooks:
-    (bytes per hidden element, bytes per row, bytes per element of the input itself among them) for each case. Saved tensors are told apart by storage and parameters
-    left out; a tensor with the row dimension and `hidden` last counts per element, one with the row dimension and
-    last dim 1 (LayerNorm's mean and rstd, RMSNorm's rsqrt) per row, a weight-sized one ([hidden]: Gemma's
-    `1.0 + weight.float()`) not per token at all.
+    (bytes per hidden element, bytes per row, bytes per element of the input itself among them) for each case. Saved
+    tensors are told apart by storage and parameters left out; a tensor with the row dimension and `hidden` last
+    counts per element, one with the row dimension and last dim 1 (LayerNorm's mean and rstd, RMSNorm's rsqrt) per
+    row, a weight-sized one ([hidden]: Gemma's `1.0 + weight.float()`) not per token at all.
 
     It follows the installed code of any family: Llama's RMSNorm keeps an fp32 copy (4 bytes/element) plus the cast
     normalised tensor when the weight trains; T5's also its 16-bit input; Gemma's and OLMo2's apply the weight in fp32;

@@ -241,8 +241,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         hidden_dropout=float(configfacts.first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                                     "dropout_rate", default=0.0) or 0.0),
         act_dropout=configfacts.act_dropout(config),
-        embed_dropout=float(configfacts.first(config, "embd_pdrop", "resid_pdrop", "hidden_dropout_prob", "hidden_dropout",
-                                              "dropout", "dropout_rate", default=0.0) or 0.0),
+        embed_dropout=configfacts.first(config, "embd_pdrop"),  # None: the hidden dropout (stacks.embed_dropout)
         sliding_window=configfacts.first(config, "sliding_window"),
         final_logit_softcap=configfacts.first(config, "final_logit_softcapping"),
         attn_logit_softcap=configfacts.first(config, "attn_logit_softcapping"),

@@ -39,7 +39,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     held_grads = grads if s.grad_accum > 1 else 0  # zero_grad(set_to_none=True) frees them between steps
     blocks = act.per_block_bytes(ctx)
     rows = block_ends.recording(ctx, blocks)
-    outside, after = act.outside_blocks_bytes(ctx), act.after_blocks_bytes(ctx)
+    outside, after = act.outside_split(ctx)
     saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + outside
     recompute = block_ends.largest_recompute_bytes(ctx, rows)
     casts = quant.autocast_copy_bytes(ctx)
@@ -60,6 +60,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     ends = block_ends.end_blocks(rows)
     # the head's backward is done too: its autocast copy is freed (the attention's backward likewise)
     block_casts = {"autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
+    freed = block_ends.attention_backward_freed_bytes(ctx, rows, recompute)
     recompute_side = {**back, **block_casts, **_mlp_moment(ctx, ends[1] if ends else None, in_blocks,
                                                            block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps)}
     return {
@@ -72,8 +73,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq, int(outside - after)),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
-        **_attention_backward_phase(ctx, res, held_grads,
-                                    int(in_blocks + recompute - block_ends.attention_backward_freed_bytes(ctx, rows)), back),
+        **_attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
         **_frozen_backward_phase(ctx, res, grads, blocks),
         # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,
@@ -142,8 +142,8 @@ def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dic
 def _attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
     """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
     the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed)
-    less what that block's backward freed before (activations.attention_backward_freed_bytes), the in-block autocast
-    copies, the hidden-state gradients and two score-sized gradients
+    less what that block's backward freed before (block_ends.attention_backward_freed_bytes), the in-block autocast
+    copies (`back`'s, the head's copy already gone), the hidden-state gradients and two score-sized gradients
     (attention.score_grad_bytes). Fused kernels add nothing here."""
     scores = score_grad_bytes(ctx)
     if not scores:
@@ -152,7 +152,7 @@ def _attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, 
     tokens = s.batch_size * max(ctx.src_len, ctx.tgt_len)
     return {"attention_backward": {
         **res, "gradients": held or lg.head_grad_bytes(ctx), "activations": activations,
-        "autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx),
+        "autocast_weight_copies": back["autocast_weight_copies"],
         "attention_mask": back["attention_mask"],
         "backward_temporaries": 2 * tokens * a.hidden_size * ctx.residual_bytes + scores}}
 

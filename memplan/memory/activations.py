@@ -205,17 +205,17 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
     their output - else no gradient flows below frozen ones), non-output Linears such as BERT's MLM transform
     (input if it trains, plus its activation), the lm_head input when lm_head trains (its own compute-dtype copy
     under autocast), embedding dropout masks."""
+    return outside_split(ctx)[0]
+
+
+def outside_split(ctx: Ctx) -> tuple[float, float]:
+    """(outside_blocks_bytes, of it what the modules after the last block save: the final norm, a head's transform,
+    the lm_head's input), which backward frees before it reaches the last block. Found by the tracer: a
+    Mistral-7B-shaped config with a 1k vocabulary, LoRA bf16 b8 s4096 checkpointed, the final norm's 512 MiB fp32
+    input counted in the last block's recompute."""
     before, after = _outside_saves(ctx)
     return before + after + position_bias_bytes(ctx) + dropout_mask_bytes(ctx, _embeds_record(ctx)) + \
-        checkpoint_inputs_bytes(ctx) + embedding_leaf_bytes(ctx)
-
-
-def after_blocks_bytes(ctx: Ctx) -> float:
-    """Of outside_blocks_bytes, what the modules after the last block save (the final norm, a head's transform, the
-    lm_head's input): backward frees it before it reaches the last block. Found by the tracer: a Mistral-7B-shaped
-    config with a 1k vocabulary, LoRA bf16 b8 s4096 checkpointed, the final norm's 512 MiB fp32 input counted in
-    the last block's recompute."""
-    return _outside_saves(ctx)[1]
+        checkpoint_inputs_bytes(ctx) + embedding_leaf_bytes(ctx), after
 
 
 def _embeds_record(ctx: Ctx) -> bool:

@@ -87,17 +87,18 @@ def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
     return pending * ctx.weight_bytes
 
 
-def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock]) -> float:
+def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: float) -> float:
     """What the last block (the first backward reaches, recomputed under checkpointing) has freed by its
     attention's softmax backward: its post-attention saves (post_attention_bytes) and, of the probabilities, all but
     the softmax's output and Gemma-2's tanh (PV's backward freed the compute-dtype or dropped copy and dropout's
     mask). A decoder's cross-attention runs its backward first: only the MLP side counts there. Found by the
-    tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held."""
+    tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held. largest:
+    largest_recompute_bytes(ctx, rows)."""
     ends = end_blocks(rows)
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
     blk, trained, _, _, tokens, recompute, _ = ends[1]
-    if recompute < largest_recompute_bytes(ctx, rows):  # the largest recompute is another block's (an encoder's)
+    if recompute < largest:  # the largest recompute is another block's (an encoder's)
         return 0.0
     a = ctx.spec.arch
     s_q = act.stack_tokens(ctx, blk.stack)[1][0]

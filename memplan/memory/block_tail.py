@@ -2,7 +2,7 @@
 attention, the MLP (dense, gated or MoE) and the residual dropouts' masks (memplan.memory.activations adds the
 attention side). Backward frees this part of a block before it reaches the block's attention core (the autograd
 engine runs nodes in reverse creation order), which the attention's backward peak relies on (phases
-attention_backward, activations.attention_backward_freed_bytes)."""
+attention_backward, block_ends.attention_backward_freed_bytes)."""
 from __future__ import annotations
 
 from memplan.memory.context import Ctx
