@@ -63,14 +63,17 @@ PHASES = ("forward", "backward", "optimizer")
 
 def phase_errors(row: dict, est) -> dict:
     """Relative error of each training phase's peak allocated (the validator's max_memory_allocated per phase, column
-    phase_allocated) against the estimate's: forward; backward, the largest of the estimate's backward phases; the
-    optimizer step. A phase that is not the step's peak still checks the terms alive in it (the per-phase rows found
+    phase_allocated) against the estimate's: forward, the larger of its end and its in-block moment; backward, the
+    largest of the estimate's backward phases; the optimizer step. A phase that is not the step's peak still checks
+    the terms alive in it (the per-phase rows found
     CUDA's math kernel for fp32 grouped K/V and BART's cache-less training forward, both hidden at the peak)."""
     import json
 
     measured = json.loads(row.get("phase_allocated") or "{}")
-    back = max((v for k, v in est.phases.items() if k not in ("forward", "optimizer_step")), default=None)
-    predicted = {"forward": est.phases.get("forward"), "backward": back, "optimizer": est.phases.get("optimizer_step")}
+    back = max((v for k, v in est.phases.items() if not k.startswith("forward") and k != "optimizer_step"),
+               default=None)
+    fwd = max((v for k, v in est.phases.items() if k.startswith("forward")), default=None)
+    predicted = {"forward": fwd, "backward": back, "optimizer": est.phases.get("optimizer_step")}
     return {f"phase_{name}": (predicted[name] - measured[name]) / measured[name]
             if measured.get(name) and predicted[name] else None for name in PHASES}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from memplan.actfacts import act_out_bytes, act_saves
+from memplan.attnfacts import eager_facts
 
 
 def read(model, model_type: str, hidden: int, activation: str, body=None) -> dict:
@@ -14,7 +15,7 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
     the language model whose layers the facts are about (a composite model's; default the model itself); the loss
     is the head's, peft's conversion the whole model's type."""
     body = model if body is None else body
-    return dict(eager_softmax_fp32=eager_softmax_fp32(body), norm_saves=norm_saves(body, hidden),
+    return dict(**eager_facts(body), norm_saves=norm_saves(body, hidden),
                 act_saves=act_saves(activation), act_out=act_out_bytes(activation), weightless_norms=weightless_norms(body),
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
                 expert_gate_saves=expert_gate_saves(body), relative_bias_layers=relative_bias_layers(body),
@@ -192,34 +193,6 @@ def _block_norm(model, hidden: int):
         if any(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False)):
             return m
     return norms[0] if norms else None
-
-
-#: a softmax call that runs in fp32: `softmax(x, dim=-1, dtype=torch.float32)` (Llama's eager_attention_forward and
-#: every family generated from it), or on an fp32 copy, `softmax(scores.float(), ...)` (T5 before 5.15)
-_FP32_SOFTMAX = re.compile(r"softmax\([^\n]*(dtype=torch\.float32|\.float\(\))")
-
-
-def eager_softmax_fp32(model) -> bool:
-    """Whether the model's eager attention takes its softmax in fp32 (fp32 probabilities plus a compute-dtype copy),
-    read from its modeling module as installed: the module's `eager_attention_forward`, or where a family has none
-    (Falcon, BLOOM, GPT-J) the source of its attention classes. Llama and the families generated from it do; GPT-2,
-    BERT, BART, T5 (5.15 on) and Falcon do not. A list of families missed every new one: Gemma-3, Qwen2-MoE, Qwen3
-    and the other shapes in benchmarks/shapes (pure bf16 eager: a Gemma-3-shaped config LoRA b2 s512 -11.1%)."""
-    import inspect
-    import sys
-
-    module = sys.modules.get(type(model).__module__)
-    fn = getattr(module, "eager_attention_forward", None)
-    try:
-        if fn is not None:
-            source = inspect.getsource(fn)
-        else:
-            source = "\n".join(inspect.getsource(c) for name, c in vars(module).items()
-                               if isinstance(c, type) and "Attention" in name and c.__module__ == module.__name__)
-    except (OSError, TypeError):  # no source (a frozen or compiled module): Llama's fp32 softmax, the common case
-        return True
-    return bool(_FP32_SOFTMAX.search(source))
-
 
 
 def peft_expert_targets(model_type: str) -> tuple[str, ...]:

@@ -2,15 +2,15 @@
 view under data parallelism. memplan.estimate takes the largest phase as the peak."""
 from __future__ import annotations
 
+from memplan.attention_phases import attention_backward_phase, first_attention_backward_phase, forward_attention_phase
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
-from memplan.memory import block_ends, layout, moe, overhead, quant, recording, weights
-from memplan.memory.attention import (BOOL_MASKS_SINCE, padded_masks, score_grad_bytes, sdpa_integration_before,
-                                     windowed)
+from memplan.memory import block_ends, forward_block, layout, moe, overhead, quant, recording, weights
 from memplan.memory.context import Ctx
+from memplan.memory.masks import checkpointed_mask_bytes, mask_bytes
 
 
 def _resident(ctx: Ctx) -> dict[str, int]:
@@ -46,7 +46,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     deq = quant.dequant_temp_bytes(ctx)
     common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
     back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True),
-            "attention_mask": _checkpointed_mask_bytes(ctx)}
+            "attention_mask": checkpointed_mask_bytes(ctx)}
     temps = _backward_temp_bytes(ctx)
     bwd_work = recompute + temps
     tied = lg.tied_accumulation_bytes(ctx)
@@ -66,20 +66,35 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     return {
         # a block's dequantized weight is freed before the head computes the logits (the tracer's forward peak on
         # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
-        "forward": {**common, "attention_mask": _mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
+        "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
-        "backward_start": max(loss_side, recompute_side, key=lambda parts: sum(parts.values())),
+        **forward_attention_phase(ctx, common, int(saved - after)),
+        "backward_start": max(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
+                              key=lambda parts: sum(parts.values())),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq, int(outside - after)),
+        **first_attention_backward_phase(ctx, res, grads - _late_grad_bytes(ctx), ends[0] if ends else None,
+                                         int(outside - after), deq),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
-        **_attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
+        **attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
         **_frozen_backward_phase(ctx, res, grads, blocks),
         # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,
                                    tied if ctx.spec.arch.tie_word_embeddings else 0),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
+
+
+def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict[str, int]:
+    """The last block's recompute as it returns: all it saves, the probabilities it keeps named to its end
+    (forward_block.held_probs_bytes) and the residual stream's gradient from above. Checkpointing only."""
+    held = forward_block.held_probs_bytes(ctx) if ctx.setup.grad_ckpt else 0
+    if not held:
+        return {}
+    stream = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len) * ctx.spec.arch.hidden_size * ctx.residual_bytes
+    return {**back, **casts, "activations": before,
+            "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + stream}
 
 
 def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dict[str, int]:
@@ -106,7 +121,7 @@ def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: i
     ckpt = ctx.setup.grad_ckpt
     before = int(embeds + (first.checkpointed if ckpt else first.full))
     return {**res, "gradients": grads - late - block_ends.pending_grad_bytes(ctx, first),
-            "attention_mask": _checkpointed_mask_bytes(ctx), "dequant_temporaries": deq,
+            "attention_mask": checkpointed_mask_bytes(ctx), "dequant_temporaries": deq,
             **_mlp_moment(ctx, first, before, first.recompute - first.mlp_out, temps)}
 
 
@@ -135,26 +150,8 @@ def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dic
         return {}
     return {"frozen_backward": {**res, "gradients": grads, "activations": int(inputs),
                                 "autocast_weight_copies": quant.largest_block_cast_bytes(ctx, keys),
-                                "attention_mask": _checkpointed_mask_bytes(ctx),
+                                "attention_mask": checkpointed_mask_bytes(ctx),
                                 "backward_temporaries": int(full) + _backward_temp_bytes(ctx)}}
-
-
-def _attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
-    """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
-    the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed)
-    less what that block's backward freed before (block_ends.attention_backward_freed_bytes), the in-block autocast
-    copies (`back`'s, the head's copy already gone), the hidden-state gradients and two score-sized gradients
-    (attention.score_grad_bytes). Fused kernels add nothing here."""
-    scores = score_grad_bytes(ctx)
-    if not scores:
-        return {}
-    s, a = ctx.setup, ctx.spec.arch
-    tokens = s.batch_size * max(ctx.src_len, ctx.tgt_len)
-    return {"attention_backward": {
-        **res, "gradients": held or lg.head_grad_bytes(ctx), "activations": activations,
-        "autocast_weight_copies": back["autocast_weight_copies"],
-        "attention_mask": back["attention_mask"],
-        "backward_temporaries": 2 * tokens * a.hidden_size * ctx.residual_bytes + scores}}
 
 
 def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
@@ -183,11 +180,14 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     accum = ctx.setup.grad_accum > 1
     state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
              "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
-    grads = {"forward": rs.gradients if accum else 0, "backward_start": rs.gradients if accum else 0}
-    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
+    grads = {"forward": rs.gradients if accum else 0, "forward_attention": rs.gradients if accum else 0,
+             "backward_start": rs.gradients if accum else 0}
+    gathered = {"forward": rs.gathered_forward, "forward_attention": rs.gathered_forward,
+                "backward_start": rs.gathered_backward,
                 "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
                 "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
+                "first_attention_backward": rs.gathered_backward_end,
                 "optimizer_step": 0}
     out = {}
     for name, parts in phases.items():
@@ -200,7 +200,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
             parts["gradients"] = rs.gradients
         if name == "optimizer_step":
             parts["optimizer_temporaries"] = rs.step_temporaries
-        elif name != "forward":
+        elif not name.startswith("forward"):
             parts["comm_buffers"] = rs.comm_buffers + rs.comm_backward
         out[name] = parts
     return out, rs
@@ -210,42 +210,6 @@ def _larger(*items: tuple[str, int]) -> dict[str, int]:
     """The one (component, bytes) of several non-overlapping transients that is largest."""
     name, value = max(items, key=lambda kv: kv[1])
     return {name: value}
-
-
-def _mask_bytes(ctx: Ctx) -> int:
-    """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
-    (transformers masking_utils eager_mask), one per mask kind (Gemma2 builds its full and its sliding mask even
-    below the window); sdpa without padding passes is_causal instead, except past a sliding window: a boolean
-    [b, 1, s, s] mask (masking_utils sdpa_mask; attention.windowed). With padding (Setup.padded) sdpa gets a boolean
-    mask of every kind, and an encoder-decoder's cross-attention one [b, 1, t, s] (its decoder's is skipped)."""
-    a = ctx.spec.arch
-    square = ctx.setup.batch_size * ctx.src_len * ctx.src_len
-    if shared_float_mask(ctx):
-        return square * ctx.residual_bytes
-    if ctx.attn_impl == "sdpa":
-        if padded_masks(ctx):
-            cross = ctx.setup.batch_size * ctx.tgt_len * ctx.src_len if a.kind == "seq2seq" else 0
-            return square * a.mask_kinds + cross
-        return square if windowed(ctx) else 0
-    if ctx.attn_impl != "eager":
-        return 0
-    return square * ctx.residual_bytes * a.mask_kinds
-
-
-def _checkpointed_mask_bytes(ctx: Ctx) -> int:
-    """With checkpointing the masks are inputs of every checkpointed block, kept for its recompute until the
-    backward is done (torch.utils.checkpoint saves the inputs); without it they die with the model's forward,
-    before the loss. Found by the tracer: gemma-2-2b QLoRA b1 s2048 eager checkpointed held 2 x 16 MiB."""
-    return _mask_bytes(ctx) if ctx.setup.grad_ckpt or shared_float_mask(ctx) else 0
-
-
-def shared_float_mask(ctx: Ctx) -> bool:
-    """Before transformers 4.53 a padded or windowed sdpa model got one float [b, 1, s, s] mask in the hidden states'
-    dtype per forward (attention.BOOL_MASKS_SINCE), which every layer's kernel keeps for backward: alive until the
-    first layer's backward, with or without checkpointing (traced on 4.48.1: Phi-3-mini LoRA b1 s2048, window 2047,
-    one 8 MiB mask)."""
-    return (sdpa_integration_before(ctx, BOOL_MASKS_SINCE)
-            and (ctx.setup.padded or windowed(ctx)))
 
 
 def _backward_temp_bytes(ctx: Ctx) -> int:
@@ -271,6 +235,6 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     deq = quant.dequant_temp_bytes(ctx)
     return {
         "prefill": {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
-                    "dequant_temporaries": deq, "attention_mask": _mask_bytes(ctx)},
+                    "dequant_temporaries": deq, "attention_mask": mask_bytes(ctx)},
         "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx)},
     }

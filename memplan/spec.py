@@ -125,8 +125,12 @@ class Arch:
     #: PreTrainedModel._keep_in_fp32_modules, e.g. T5's "wo"
     keep_in_fp32: tuple[str, ...] = ()
     needs_remote_code: bool = False
-    #: eager attention computes its softmax in fp32 and casts back (codefacts.eager_softmax_fp32)
+    #: eager attention computes its softmax in fp32 and casts back (attnfacts.eager_facts)
     eager_softmax_fp32: bool = False
+    #: eager attention keeps (its raw scores, its masked sum) named while / after its softmax runs (attnfacts.eager_held)
+    eager_held: tuple[bool, ...] = (False, False)
+    #: each decoder layer returns its attention probabilities to the model's loop (attnfacts.returns_attn_probs)
+    returns_attn_probs: bool = False
     #: what the MLP activation saves per input element, per actfacts.ACT_CASES (actfacts.act_saves)
     act_saves: tuple[float, ...] = ()
     #: bytes per element the MLP activation returns, per actfacts.ACT_CASES (actfacts.act_out_bytes)
@@ -215,6 +219,7 @@ class ModelSpec:
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
         arch["act_out"] = tuple(arch.get("act_out", ()))
+        arch["eager_held"] = tuple(arch.get("eager_held", (False, False)))
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))

@@ -226,7 +226,8 @@ ESTIMATE_CATEGORY = {
     "weights": "weights", "quant_state": "weights", "lora_adapters": "weights", "gradients": "gradients",
     "optimizer_state": "optimizer_state", "activations": "activations", "logits": "activations",
     "autocast_weight_copies": "activations", "attention_mask": "activations",
-    "backward_temporaries": "temporaries", "optimizer_temporaries": "temporaries",
+    "backward_temporaries": "temporaries", "forward_temporaries": "temporaries",
+    "optimizer_temporaries": "temporaries",
     "dequant_temporaries": "temporaries", "kv_cache": "activations", "forward_kv_cache": "temporaries",
 }
 

@@ -175,3 +175,31 @@ def test_heads_that_turn_the_cache_off_given_labels(model, expected):
 def test_activation_output_bytes(act, expected):
     from memplan.actfacts import act_out_bytes
     assert act_out_bytes(act) == expected
+
+
+@pytest.mark.parametrize("model, held, returns", [
+    ("tiiuae/falcon-7b", (True, False, False), True),  # softmax(attention_scores + attention_mask, dtype=hidden)
+    ("bigscience/bloom-560m", (True, True, True), True),  # scores viewed, summed under a new name, probs a third
+    ("meta-llama/Llama-3.2-1B", (False, False, True), False),  # one name reassigned; .to(query.dtype)
+    ("openai-community/gpt2", (False, False, True), False),  # .type(value.dtype) on the next line
+    ("google-bert/bert-large-uncased", (False, False, False), False),
+])
+def test_eager_attention_flow_is_read_from_the_family_code(model, held, returns):
+    """attnfacts reads which score-sized tensors the eager attention keeps named through its softmax and whether the
+    decoder layer returns its probabilities (transformers 5: Falcon's and BLOOM's layers do), as installed."""
+    arch = load_spec(model).arch
+    assert tuple(arch.eager_held) == held
+    assert arch.returns_attn_probs is returns
+
+
+def test_eager_flow_parser_on_written_sources():
+    from memplan.attnfacts import eager_held
+    llama = ("    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling\n"
+             "    attn_weights = attn_weights + causal_mask\n"
+             "    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)\n")
+    falcon = ("        attention_scores = query_layer @ key_layer.transpose(-1, -2)\n"
+              "        attention_scores = F.softmax(attention_scores + attention_mask, dim=-1, dtype=hidden_states.dtype)\n"
+              "        attn_output = attention_scores @ value_layer\n")
+    assert eager_held(llama) == (False, False, True)
+    assert eager_held(falcon) == (True, False, False)
+    assert eager_held(None) == (False, False, True)  # no source: Llama's flow, the common case

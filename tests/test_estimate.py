@@ -508,3 +508,34 @@ def test_phases_measured_on_an_h100(model, fields, phase, measured):
     with libs.assume(transformers="5.17.0"):
         est = estimate(model, Setup(**fields))
     assert abs(est.phases[phase] - measured) / measured < 0.01, est.phases
+
+
+@pytest.mark.parametrize("model, fields, per_score", [
+    # Llama, pure bf16: masked sum 2 + the softmax's fp32 copy of it 4 (aten softmax converts a bf16 input first) +
+    # the fp32 output 4 = 10 (the cast back, 2 + 4 + 2, is smaller)
+    ("meta-llama/Llama-3.2-1B", dict(technique="lora", precision="bf16"), 10),
+    # Falcon QLoRA: its bf16 raw scores 2 stay named beside the fp32 masked sum 4 and fp32 probabilities 4, and the
+    # previous layer's probabilities 4, which its layer returns = 14
+    ("tiiuae/falcon-7b", dict(technique="qlora", precision="bf16"), 14),
+    # BLOOM QLoRA: PV's bmm under autocast makes a bf16 copy 2 of the fp32 probabilities 4 while its raw scores 2
+    # and masked sum 4 stay named, beside the previous layer's probabilities 4 = 16 (traced: bloomz-7b1 b4 s2048)
+    ("bigscience/bloomz-7b1", dict(technique="qlora", precision="bf16"), 16),
+    # the math kernel (falcon's broadcast K/V under sdpa): fp32 scores and softmax output
+    ("tiiuae/falcon-7b", dict(technique="full", precision="bf16-mixed", attn_impl="sdpa"), 8),
+])
+def test_checkpointed_attention_forward_moment(model, fields, per_score):
+    from memplan.memory.attention import attention_kernel
+    from memplan.memory.forward_block import score_moment_bytes
+    ctx = _ctx(model, batch_size=2, seq_len=256, grad_ckpt=True, **{"attn_impl": "eager", **fields})
+    assert score_moment_bytes(ctx, attention_kernel(ctx, relative_bias=True)) == per_score
+
+
+def test_forward_attention_phase_only_where_the_forward_can_peak():
+    """The in-block forward moment is a phase of checkpointed eager/math attention only: fused kernels and
+    uncheckpointed blocks (their saves bound it) add none."""
+    from memplan.phases import training_phases
+    base = dict(technique="lora", precision="bf16", batch_size=2, seq_len=256)
+    assert "forward_attention" in training_phases(_ctx("tiiuae/falcon-7b", grad_ckpt=True, attn_impl="eager", **base))
+    assert "forward_attention" not in training_phases(_ctx("tiiuae/falcon-7b", attn_impl="eager", **base))
+    assert "forward_attention" not in training_phases(_ctx("meta-llama/Llama-3.2-1B", grad_ckpt=True,
+                                                           attn_impl="sdpa", **base))

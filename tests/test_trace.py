@@ -319,6 +319,15 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     ("microsoft/phi-2", dict(technique="lora", precision="bf16", batch_size=16, seq_len=1024, grad_ckpt=True), 0.002),
     # a gated gelu_new returns fp32 under autocast, which the product saves (actfacts.act_out_bytes; -4.1% before)
     ("google/flan-t5-xl", dict(technique="lora", precision="bf16-mixed", batch_size=8, seq_len=512), 0.005),
+    # a checkpointed eager block's forward at its softmax (phases forward_attention): Falcon keeps its raw scores
+    # beside the masked sum and the probabilities, and the previous layer's probabilities, which its layer returns
+    # (attnfacts; -5.7% before, the peak in the forward)
+    ("tiiuae/falcon-7b", dict(technique="qlora", precision="bf16", batch_size=8, seq_len=1024, grad_ckpt=True,
+                              attn_impl="eager"), 0.005),
+    # the first block's softmax backward with nearly every gradient written (attention_phases
+    # first_attention_backward; falcon's sdpa runs CUDA's math kernel: -3.5% before)
+    ("tiiuae/falcon-7b", dict(technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=8,
+                              seq_len=1024, grad_ckpt=True), 0.005),
 ])
 def test_attention_paths_found_by_the_tracer(tmp_path, model, fields, tolerance):
     from memplan.estimate import estimate
@@ -374,7 +383,7 @@ def test_mask_checks_answer_for_fake_masks_from_the_batch(padded, seq2seq):
 
 
 def test_eager_softmax_dtype_is_read_from_the_modeling_code():
-    """codefacts.eager_softmax_fp32 reads the family's eager attention: Llama-generated families (and every
+    """attnfacts.eager_facts reads the family's eager attention: Llama-generated families (and every
     catalog family the old hand-kept list named) take softmax in fp32; GPT-2 and Falcon in the input dtype."""
     shapes = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
     assert load_spec(str(shapes / "gemma3_text" / "config.json")).arch.eager_softmax_fp32

@@ -7,7 +7,7 @@ from memplan.memory.context import Ctx
 from memplan.memory.recording import graph_blocks
 
 # Whether a family's eager attention computes softmax in fp32 explicitly and casts back (fp32 probs + a copy) is read
-# from its modeling code when its inventory is built (Arch.eager_softmax_fp32, codefacts.eager_softmax_fp32):
+# from its modeling code when its inventory is built (Arch.eager_softmax_fp32, attnfacts.eager_facts):
 # `softmax(..., dtype=torch.float32).to(query.dtype)` in Llama's eager_attention_forward and every family generated
 # from it, BLOOM; gpt2, bert, bart, t5 (5.15 on) and falcon call softmax in the input dtype.
 
@@ -80,7 +80,7 @@ def kernel_casts_kv(ctx: Ctx) -> bool:
     return ctx.mixed and ctx.act_bytes != ctx.compute_bytes
 
 
-def _kernel_bytes(ctx: Ctx) -> int:
+def kernel_bytes(ctx: Ctx) -> int:
     """Bytes per element of what the attention computes on: autocast runs sdpa and the eager matmuls in the compute
     dtype (both on its lower-precision list), whatever dtype the projections return - QLoRA's fp32 q/k/v are saved
     as bf16 casts (found by the tracer, Llama-3.2-1B QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024
@@ -121,7 +121,7 @@ def gqa_in_fp32(ctx: Ctx) -> bool:
     -2.0% at its peak."""
     a = ctx.spec.arch
     return (ctx.attn_impl == "sdpa" and a.num_kv_heads != a.num_heads and not heads_broadcast(ctx)
-            and not sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE) and _kernel_bytes(ctx) == 4
+            and not sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE) and kernel_bytes(ctx) == 4
             and not padded_masks(ctx) and not windowed(ctx))
 
 
@@ -159,7 +159,7 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     output, and with dropout a bool mask and the dropped fp32 probabilities.
     """
     a = ctx.spec.arch
-    c = _kernel_bytes(ctx)
+    c = kernel_bytes(ctx)
     ratio = k_tok / q_tok
     vr = a.v_ratio  # v and the output at their own head size (MLA: CUDA's efficient kernel, emulations "sdpa")
     # broadcast K/V (heads_broadcast): torch.matmul expands them to every head and reshapes to 3-D - a copy, except
@@ -197,7 +197,7 @@ def score_grad_bytes(ctx: Ctx) -> int:
 
 def softmax_out_bytes(ctx: Ctx, kernel: str) -> int:
     """Bytes per score element of an eager or math softmax's output (and of the gradients through it); 0 fused."""
-    c = _kernel_bytes(ctx)
+    c = kernel_bytes(ctx)
     return 0 if kernel == "fused" else 4 if kernel == "math" or _softmax_fp32(ctx, c) else c
 
 
@@ -238,7 +238,7 @@ def mask_block_bytes(ctx: Ctx, batch: int, q_len: int, k_len: int | None = None)
     (window 2047) LoRA b1 s2048 -1.4% (32 x 8 MiB), a Mistral-shaped GQA config with a 128-token window b2 s512
     -1.7%; padded batches: a BART-shaped config full bf16 b2 s1024 -5.6%."""
     a = ctx.spec.arch
-    c = _kernel_bytes(ctx)
+    c = kernel_bytes(ctx)
     k_len = k_len or q_len
     if sdpa_integration_before(ctx, BOOL_MASKS_SINCE):
         return 0.0  # one shared float mask (phases._mask_bytes) and K/V repeated anyway (attn_core)

@@ -89,17 +89,22 @@ def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
 
 def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: float) -> float:
     """What the last block (the first backward reaches, recomputed under checkpointing) has freed by its
-    attention's softmax backward: its post-attention saves (post_attention_bytes) and, of the probabilities, all but
-    the softmax's output and Gemma-2's tanh (PV's backward freed the compute-dtype or dropped copy and dropout's
-    mask). A decoder's cross-attention runs its backward first: only the MLP side counts there. Found by the
-    tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held. largest:
-    largest_recompute_bytes(ctx, rows)."""
+    attention's softmax backward (attention_freed_bytes). Found by the tracer: Llama-2-7b QLoRA eager b4 s2048
+    checkpointed, +16% with the whole block held. largest: largest_recompute_bytes(ctx, rows)."""
     ends = end_blocks(rows)
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
-    blk, trained, _, _, tokens, recompute, _ = ends[1]
-    if recompute < largest:  # the largest recompute is another block's (an encoder's)
+    if ends[1].recompute < largest:  # the largest recompute is another block's (an encoder's)
         return 0.0
+    return attention_freed_bytes(ctx, ends[1])
+
+
+def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
+    """What a block's backward has freed by its attention's softmax backward: its post-attention saves
+    (post_attention_bytes) and, of the probabilities, all but the softmax's output and Gemma-2's tanh (PV's backward
+    freed the compute-dtype or dropped copy and dropout's mask). A decoder's cross-attention runs its backward first:
+    only the MLP side counts there."""
+    blk, trained, tokens = end.blk, end.trained, end.tokens
     a = ctx.spec.arch
     s_q = act.stack_tokens(ctx, blk.stack)[1][0]
     kernel = attention_kernel(ctx, relative_bias=True)
@@ -111,3 +116,13 @@ def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: floa
     return freed + a.num_heads * s_q * s_q * max(per_score - kept, 0) * (tokens // max(s_q, 1))
 
 
+def attention_pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
+    """The block's base weight gradients the backward has not written at its attention's softmax backward: its
+    q/k/v projections' (layout slot attn_in), which read the normed input the softmax's backward has not reached."""
+    from memplan.memory.weights import numel
+
+    ins = {m.name for sl, m in end.blk.linears if sl == "attn_in"}
+    pending = sum(numel(ctx, p) for p in ctx.spec.params
+                  if p.block == end.blk.index and p.stack == end.blk.stack and p.name in ctx.trainable
+                  and p.name.rsplit(".", 1)[0] in ins)
+    return pending * ctx.weight_bytes

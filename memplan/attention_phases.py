@@ -1,0 +1,67 @@
+"""The phases of a training step inside an attention (bytes per component): a checkpointed block's forward at its
+softmax, and the softmax's backward in the last block (the first the backward reaches) and in the first recording
+block (the last, with nearly every gradient written). Eager and math kernels only: fused kernels work tile by tile
+and add nothing here. memplan.phases assembles them with the step's other phases."""
+from __future__ import annotations
+
+from memplan.memory import block_ends, forward_block, quant
+from memplan.memory import logits as lg
+from memplan.memory.attention import score_grad_bytes
+from memplan.memory.context import Ctx
+from memplan.memory.masks import checkpointed_mask_bytes, mask_bytes
+
+
+def forward_attention_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
+    """Checkpointing with an eager or math attention: the last block's forward at its softmax (forward_block), with
+    every block's checkpoint input and the embeddings' saves (`before_head`), the masks, and the blocks' autocast
+    copies (the head's is made after the blocks). Found by the tracer: falcon-7b QLoRA eager b8 s1024 checkpointed
+    peaked there, -5.7% without it."""
+    work = forward_block.working_bytes(ctx) if ctx.setup.grad_ckpt else 0
+    if not work:
+        return {}
+    casts = common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)
+    return {"forward_attention": {**common, "activations": before_head, "autocast_weight_copies": casts,
+                                  "attention_mask": mask_bytes(ctx), "forward_temporaries": work}}
+
+
+def attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
+    """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
+    the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed)
+    less what that block's backward freed before (block_ends.attention_backward_freed_bytes), the in-block autocast
+    copies (`back`'s, the head's copy already gone), the hidden-state gradients and two score-sized gradients
+    (attention.score_grad_bytes). Fused kernels add nothing here."""
+    scores = score_grad_bytes(ctx)
+    if not scores:
+        return {}
+    s, a = ctx.setup, ctx.spec.arch
+    tokens = s.batch_size * max(ctx.src_len, ctx.tgt_len)
+    return {"attention_backward": {
+        **res, "gradients": held or lg.head_grad_bytes(ctx), "activations": activations,
+        "autocast_weight_copies": back["autocast_weight_copies"],
+        "attention_mask": back["attention_mask"],
+        "backward_temporaries": 2 * tokens * a.hidden_size * ctx.residual_bytes + scores}}
+
+
+def first_attention_backward_phase(ctx: Ctx, res: dict, grads: int, first, embeds: int, deq: int) -> dict:
+    """Eager and math attention: the first recording block's softmax backward (`first`: block_ends.end_blocks'
+    first), the backward's last attention, with every gradient written but the input embeddings' (`grads`, less
+    phases._late_grad_bytes) and the block's q/k/v projections' (block_ends.attention_pending_grad_bytes), what the
+    embeddings saved (`embeds`), the block's checkpoint input and recompute (or its saved activations) less what its
+    backward freed before the softmax's (block_ends.attention_freed_bytes), the hidden-state gradients and two
+    score-sized gradients. Found by the tracer: falcon-7b full bf16-mixed b8 s1024 checkpointed (sdpa on CUDA's math
+    kernel: its K/V broadcast), -3.5% with only the first block's MLP moment counted."""
+    scores = score_grad_bytes(ctx)
+    if not scores or first is None:
+        return {}
+    a = ctx.spec.arch
+    tokens = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
+    freed = block_ends.attention_freed_bytes(ctx, first)
+    work = 2 * tokens * a.hidden_size * ctx.residual_bytes + scores
+    if ctx.setup.grad_ckpt:
+        saved, work = embeds + first.checkpointed, work + first.recompute - freed
+    else:
+        saved = embeds + first.full - freed
+    return {"first_attention_backward": {
+        **res, "gradients": grads - block_ends.attention_pending_grad_bytes(ctx, first),
+        "activations": int(saved), "attention_mask": checkpointed_mask_bytes(ctx), "dequant_temporaries": deq,
+        "backward_temporaries": int(work)}}
