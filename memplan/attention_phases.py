@@ -11,8 +11,9 @@ from memplan.memory.context import Ctx
 from memplan.memory.masks import checkpointed_mask_bytes, mask_bytes
 
 
-def forward_attention_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
-    """Checkpointing with an eager or math attention: the last block's forward at its softmax (forward_block), with
+def forward_block_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
+    """Checkpointing with an eager or math attention: the last block's forward at its softmax or its MLP
+    (forward_block.working_bytes), with
     every block's checkpoint input and the embeddings' saves (`before_head`), the masks, and the blocks' autocast
     copies (the head's is made after the blocks). Found by the tracer: falcon-7b QLoRA eager b8 s1024 checkpointed
     peaked there, -5.7% without it."""
@@ -20,7 +21,7 @@ def forward_attention_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
     if not work:
         return {}
     casts = common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)
-    return {"forward_attention": {**common, "activations": before_head, "autocast_weight_copies": casts,
+    return {"forward_block": {**common, "activations": before_head, "autocast_weight_copies": casts,
                                   "attention_mask": mask_bytes(ctx), "forward_temporaries": work}}
 
 

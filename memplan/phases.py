@@ -2,7 +2,7 @@
 view under data parallelism. memplan.estimate takes the largest phase as the peak."""
 from __future__ import annotations
 
-from memplan.attention_phases import attention_backward_phase, first_attention_backward_phase, forward_attention_phase
+from memplan.attention_phases import attention_backward_phase, first_attention_backward_phase, forward_block_phase
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
@@ -68,7 +68,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
-        **forward_attention_phase(ctx, common, int(saved - after)),
+        **forward_block_phase(ctx, common, int(saved - after)),
         "backward_start": max(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
                               key=lambda parts: sum(parts.values())),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
@@ -87,14 +87,19 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
 
 
 def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict[str, int]:
-    """The last block's recompute as it returns: all it saves, the probabilities it keeps named to its end
-    (forward_block.held_probs_bytes) and the residual stream's gradient from above. Checkpointing only."""
+    """The last block's recompute at its MLP output projection: all it saves, the probabilities it keeps named to its
+    end (forward_block.held_probs_bytes), the projection's input where the projection saves nothing (a frozen or
+    quantized `wo` reads T5's MLP dropout output), its output and the residual stream's gradient from above.
+    Checkpointing only, where something is held: elsewhere the MLP product's backward holds more."""
     held = forward_block.held_probs_bytes(ctx) if ctx.setup.grad_ckpt else 0
-    if not held:
+    if not held or not rows:
         return {}
-    stream = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len) * ctx.spec.arch.hidden_size * ctx.residual_bytes
+    a, last = ctx.spec.arch, rows[-1]
+    k = a.experts_per_token if a.num_experts else 1
+    stream = last.tokens * a.hidden_size * ctx.residual_bytes
+    read = 0 if last.mlp_out else last.tokens * a.intermediate_size * k * ctx.act_bytes
     return {**back, **casts, "activations": before,
-            "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + stream}
+            "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + read + 2 * stream}
 
 
 def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dict[str, int]:
@@ -180,9 +185,9 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     accum = ctx.setup.grad_accum > 1
     state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
              "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
-    grads = {"forward": rs.gradients if accum else 0, "forward_attention": rs.gradients if accum else 0,
+    grads = {"forward": rs.gradients if accum else 0, "forward_block": rs.gradients if accum else 0,
              "backward_start": rs.gradients if accum else 0}
-    gathered = {"forward": rs.gathered_forward, "forward_attention": rs.gathered_forward,
+    gathered = {"forward": rs.gathered_forward, "forward_block": rs.gathered_forward,
                 "backward_start": rs.gathered_backward,
                 "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,

@@ -319,7 +319,7 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     ("microsoft/phi-2", dict(technique="lora", precision="bf16", batch_size=16, seq_len=1024, grad_ckpt=True), 0.002),
     # a gated gelu_new returns fp32 under autocast, which the product saves (actfacts.act_out_bytes; -4.1% before)
     ("google/flan-t5-xl", dict(technique="lora", precision="bf16-mixed", batch_size=8, seq_len=512), 0.005),
-    # a checkpointed eager block's forward at its softmax (phases forward_attention): Falcon keeps its raw scores
+    # a checkpointed eager block's forward at its softmax (phases forward_block): Falcon keeps its raw scores
     # beside the masked sum and the probabilities, and the previous layer's probabilities, which its layer returns
     # (attnfacts; -5.7% before, the peak in the forward)
     ("tiiuae/falcon-7b", dict(technique="qlora", precision="bf16", batch_size=8, seq_len=1024, grad_ckpt=True,

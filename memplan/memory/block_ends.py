@@ -8,12 +8,13 @@ QLoRA -6.0% with two MLP gradients in the compute dtype, full bf16 +1.3% with th
 written and its product still saved."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple
 
 from memplan.memory import activations as act
 from memplan.memory.attention import attention_kernel, attn_core, softmax_out_bytes
 from memplan.memory.block_tail import mlp_out_bytes, post_attention_bytes
-from memplan.memory.context import Ctx
+from memplan.memory.context import Ctx, per_model
 from memplan.memory.layout import BlockLayout, blocks
 from memplan.memory.saves import norm_keeps_input
 
@@ -78,13 +79,29 @@ def end_blocks(rows: list[EndBlock]) -> tuple[EndBlock, EndBlock] | None:
 def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
     """The block's base weight gradients the backward has not written at its MLP product's backward: every trainable
     parameter of the block but the MLP output projection's (LoRA's small ones left in)."""
+    return _block_grads(ctx).get((end.blk.stack, end.blk.index), (0, 0))[0] * ctx.weight_bytes
+
+
+@per_model()
+def _block_grads(ctx: Ctx) -> MappingProxyType:
+    """(stack, index) -> (trainable elements but the MLP output projection's, the q/k/v projections' elements), once
+    per model and selection (speed: a walk over every parameter per estimate otherwise)."""
     from memplan.memory.weights import numel
 
-    outs = {m.name for sl, m in end.blk.linears if sl == "mlp_out"}
-    pending = sum(numel(ctx, p) for p in ctx.spec.params
-                  if p.block == end.blk.index and p.stack == end.blk.stack and p.name in ctx.trainable
-                  and p.name.rsplit(".", 1)[0] not in outs)
-    return pending * ctx.weight_bytes
+    slots = {}
+    for blk in blocks(ctx.spec):
+        for sl, m in blk.linears:
+            slots[m.name] = sl
+    out: dict[tuple, list[int]] = {}
+    for p in ctx.spec.params:
+        if p.block is None or p.name not in ctx.trainable:
+            continue
+        sl = slots.get(p.name.rsplit(".", 1)[0])
+        row = out.setdefault((p.stack, p.block), [0, 0])
+        n = numel(ctx, p)
+        row[0] += 0 if sl == "mlp_out" else n
+        row[1] += n if sl == "attn_in" else 0
+    return MappingProxyType({k: tuple(v) for k, v in out.items()})
 
 
 def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: float) -> float:
@@ -119,10 +136,4 @@ def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
 def attention_pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
     """The block's base weight gradients the backward has not written at its attention's softmax backward: its
     q/k/v projections' (layout slot attn_in), which read the normed input the softmax's backward has not reached."""
-    from memplan.memory.weights import numel
-
-    ins = {m.name for sl, m in end.blk.linears if sl == "attn_in"}
-    pending = sum(numel(ctx, p) for p in ctx.spec.params
-                  if p.block == end.blk.index and p.stack == end.blk.stack and p.name in ctx.trainable
-                  and p.name.rsplit(".", 1)[0] in ins)
-    return pending * ctx.weight_bytes
+    return _block_grads(ctx).get((end.blk.stack, end.blk.index), (0, 0))[1] * ctx.weight_bytes

@@ -14,32 +14,43 @@ from memplan.memory.context import Ctx
 
 def score_moment_bytes(ctx: Ctx, kernel: str) -> int:
     """Bytes per [b, heads, q, k] element alive at once inside one checkpointed attention's forward (the largest of
-    its moments), for the eager code as the family writes it (Arch.eager_held, attnfacts.eager_held) and aten's math
-    kernel (_scaled_dot_product_attention_math: fp32 scores, the mask added in place, the softmax a new tensor).
+    its moments: score_bytes)."""
+    return score_bytes(ctx, kernel)[0]
+
+
+def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
+    """(bytes per [b, heads, q, k] element alive at once inside one checkpointed attention's forward, bytes per element
+    of the probabilities it returns to its layer - 0 for sdpa's kernels, which return none), for the eager code as
+    the family writes it (Arch.eager_held, attnfacts.eager_held) and aten's math kernel
+    (_scaled_dot_product_attention_math: fp32 scores, the mask added in place, the softmax a new tensor). masked: the
+    attention adds a float mask (causal self-attention; an unpadded encoder's and cross-attention get none).
 
     Eager, per element: the scores (kb: the matmul's dtype, fp32 for QK_FP32 families outside autocast) scaled into a
     new tensor (2 kb); the masked sum (pb: promoted to the additive mask's dtype, the residual stream's,
     masking_utils); the softmax output (sb, attention.softmax_out_bytes) beside the sum and, where softmax converts a
     16-bit input to fp32 first (aten SoftMax.cpp softmax: only CUDA Half to Float skips the copy), that copy; the
     cast back to q's dtype beside both; with attention dropout the probabilities, the dropped copy and native_dropout's
-    bool mask; PV's matmul, under autocast with a compute-dtype copy of fp32 probabilities. Falcon's raw scores stay named through the softmax, BLOOM's scores and sum to the end; a layer that
-    returns its probabilities (Arch.returns_attn_probs) keeps the previous layer's alive through the whole moment."""
+    bool mask; PV's matmul, under autocast with a compute-dtype copy of fp32 probabilities. Falcon's raw scores stay
+    named through the softmax, BLOOM's scores and sum to the end; a layer that returns its probabilities
+    (Arch.returns_attn_probs) keeps the previous layer's alive through the whole moment."""
     a = ctx.spec.arch
     drop = a.attn_dropout > 0
     if kernel == "math":
-        return 4 + 4 + (1 if drop else 0)
+        return 4 + 4 + (1 if drop else 0), 0
     if kernel != "eager":
-        return 0
+        return 0, 0
     held_scores, held_sum, cast_back = (tuple(a.eager_held) + (False, False, True))[:3]
     c = kernel_bytes(ctx)
     kb = 4 if a.model_type in QK_FP32 and not ctx.mixed else c
-    pb = max(kb, ctx.residual_bytes)
+    pb = max(kb, ctx.residual_bytes) if masked else kb
     sb = softmax_out_bytes(ctx, kernel)
     converts = sb == 4 and pb < 4 and "fp16" not in ctx.setup.precision
-    cast = ctx.act_bytes if cast_back and ctx.act_bytes != sb else 0
+    qb = query_bytes(ctx)
+    cast = qb if cast_back and qb != sb else 0
     probs = cast or sb
     scores = kb if held_scores else 0
-    moments = [2 * kb, kb + pb, pb + (4 if converts else 0) + sb + scores]
+    # unmasked, the scores are the softmax's input: named (Llama's attn_weights) until its output replaces them
+    moments = [2 * kb, kb + pb, pb + (4 if converts else 0) + sb + (scores if masked else 0)]
     if cast:
         moments.append(pb + sb + cast + scores)
     kept = (pb + scores) if held_sum else 0
@@ -47,40 +58,89 @@ def score_moment_bytes(ctx: Ctx, kernel: str) -> int:
         moments.append(2 * probs + 1 + kept)
     # PV's matmul: under autocast a compute-dtype copy of fp32 probabilities (BLOOM's bmm beside its scores and sum)
     moments.append(probs + (c if ctx.mixed and probs != c else 0) + kept)
-    return max(moments) + (probs if a.returns_attn_probs else 0)
+    return max(moments) + (probs if a.returns_attn_probs else 0), probs
+
+
+def query_bytes(ctx: Ctx) -> int:
+    """Bytes per element of the queries an eager attention casts its probabilities back to: the projections' dtype,
+    but fp32 under autocast where a query norm with an fp32 weight follows them (Qwen3's RMSNorm returns
+    `weight * x.to(input_dtype)`, fp32 x bf16). Found by the tracer: a Qwen3-shaped config LoRA bf16-mixed eager
+    checkpointed held no cast copy at its softmax."""
+    from memplan.memory.layout import blocks
+
+    first = blocks(ctx.spec)[0] if blocks(ctx.spec) else None
+    return 4 if ctx.mixed and first is not None and first.qk_norm_widths else ctx.act_bytes
 
 
 def working_bytes(ctx: Ctx) -> int:
     """What one checkpointed block holds at its attention's softmax in the forward, besides its checkpoint input
     (counted with the activations): the normed input (residual dtype), q, k and v as the projections return them
-    (act_bytes; a fused projection's whole output, which its views keep, plus rotated q and k), K and V repeated to
-    every head for an eager attention over grouped K/V (transformers repeat_kv), the math kernel's fp32 copies
-    (inference.MATH_QSIZED_FP32), and the score-sized tensors (score_moment_bytes). 0 for fused kernels, whose
-    forward holds less than the backward's recompute of the same block."""
+    (act_bytes, q and k as query_bytes; a fused projection's whole output, which its views keep, plus rotated q and
+    k), K and V repeated to every head for an eager attention over grouped K/V (transformers repeat_kv), the math
+    kernel's fp32 copies
+    (inference.MATH_QSIZED_FP32), and the score-sized tensors (score_bytes); or at its MLP, where the layer still holds
+    the probabilities its attention returned (found by the tracer: gemma-7b QLoRA eager b4 s1024 checkpointed, the
+    fp32 probabilities beside three fp32 intermediates). 0 for fused kernels, whose forward holds less than the
+    backward's recompute of the same block."""
     from memplan.memory.inference import MATH_QSIZED_FP32
     from memplan.memory.layout import blocks
     from memplan.memory.qkv import rotary_positions
 
     kernel = attention_kernel(ctx, relative_bias=True)
-    per_score = score_moment_bytes(ctx, kernel)
+    per_score, returned = score_bytes(ctx, kernel)
     if not per_score:
         return 0
     a = ctx.spec.arch
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
     attn_in = [m for slot, m in first.linears if slot == "attn_in"] if first else []
+    qb, vb = query_bytes(ctx), ctx.act_bytes
     if len(attn_in) == 1:
-        qkv = attn_in[0].out_features + ((q_dim + kv_dim) if rotary_positions(ctx) else 0)
+        per_token = attn_in[0].out_features * vb + ((q_dim + kv_dim) * qb if rotary_positions(ctx) else 0)
     else:
-        qkv = q_dim + kv_dim * (1 + a.v_ratio)
-    per_token = a.hidden_size * ctx.residual_bytes + qkv * ctx.act_bytes
+        per_token = (q_dim + kv_dim) * qb + kv_dim * a.v_ratio * vb
+    per_token += a.hidden_size * ctx.residual_bytes
     if kernel == "eager" and kv_dim < q_dim and not heads_broadcast(ctx):
-        per_token += q_dim * (1 + a.v_ratio) * ctx.act_bytes
+        per_token += q_dim * (qb + a.v_ratio * vb)
     elif kernel == "math":
         per_token += MATH_QSIZED_FP32 * q_dim * 4
     s = max(ctx.src_len, ctx.tgt_len)
     b = ctx.setup.batch_size
-    return int(b * s * per_token + b * a.num_heads * s * s * per_score)
+    if a.kind == "seq2seq":  # the encoder's last block (no mask unless padded), then the decoder's
+        src = b * a.num_heads * ctx.src_len ** 2
+        enc_moment, enc_probs = score_bytes(ctx, kernel, masked=ctx.setup.padded)
+        return int(max(b * ctx.src_len * per_token + src * enc_moment,
+                       _mlp_bytes(ctx, b * ctx.src_len, src * enc_probs),
+                       _decoder_bytes(ctx, kernel, b * ctx.tgt_len * per_token)))
+    scores = b * a.num_heads * s * s
+    # the layer keeps the probabilities its attention returned (`hidden_states, _ = self.self_attn(...)`)
+    mlp = _mlp_bytes(ctx, b * s, scores * returned * (2 if a.returns_attn_probs else 1))
+    return int(max(b * s * per_token + scores * per_score, mlp))
+
+
+def _mlp_bytes(ctx: Ctx, tokens: int, held: int) -> int:
+    """A block's forward at its MLP: the residual sum and its norm, the intermediates (inference.mlp_live) in the
+    activations' dtype, and `held`, the probabilities the layer keeps from its attentions' returns."""
+    from memplan.memory.inference import mlp_live
+
+    a = ctx.spec.arch
+    k = a.experts_per_token if a.num_experts else 1
+    return tokens * (2 * a.hidden_size * ctx.residual_bytes + mlp_live(a) * a.intermediate_size * k * ctx.act_bytes) \
+        + held
+
+
+def _decoder_bytes(ctx: Ctx, kernel: str, qkv: int) -> int:
+    """An encoder-decoder's last decoder block: its causal self-attention over [t, t], then its cross-attention over
+    [t, s] (no mask unless padded) while the layer keeps the self-attention's probabilities (BART's
+    `hidden_states, self_attn_weights = self.self_attn(...)`), then its MLP with both. Found by the tracer: an
+    mBART-shaped config LoRA bf16-mixed eager checkpointed, -23% with one masked [s, s] moment."""
+    a = ctx.spec.arch
+    b, t, s = ctx.setup.batch_size, ctx.tgt_len, ctx.src_len
+    self_moment, self_probs = score_bytes(ctx, kernel)
+    cross_moment, cross_probs = score_bytes(ctx, kernel, masked=ctx.setup.padded)
+    tt, ts = b * a.num_heads * t * t, b * a.num_heads * t * s
+    return max(qkv + tt * self_moment, qkv + ts * cross_moment + tt * self_probs,
+               _mlp_bytes(ctx, b * t, tt * self_probs + ts * cross_probs))
 
 
 def held_probs_bytes(ctx: Ctx) -> int:

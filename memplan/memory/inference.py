@@ -139,7 +139,7 @@ MATH_QSIZED_FP32 = 6
 MLP_LIVE_PLAIN = {"gelu_new": 4}
 
 
-def _mlp_live(a) -> int:
+def mlp_live(a) -> int:
     if a.mlp_gated:
         return 3
     return MLP_LIVE_PLAIN.get(a.hidden_act, 2)
@@ -148,7 +148,7 @@ def _mlp_live(a) -> int:
 def prefill_working_bytes(ctx: Ctx) -> int:
     """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad):
     the hidden states and q/k/v/out, then the hidden states and the MLP intermediates (PREFILL_HIDDEN,
-    _mlp_live); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast, the math kernel fp32 copies."""
+    mlp_live); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast, the math kernel fp32 copies."""
     a = ctx.spec.arch
     c = ctx.compute_bytes
     t = ctx.setup.batch_size * ctx.src_len
@@ -166,7 +166,7 @@ def prefill_working_bytes(ctx: Ctx) -> int:
         masks = ctx.setup.batch_size * ctx.src_len * ctx.src_len
         attn += mask_block_bytes(ctx, ctx.setup.batch_size, ctx.src_len)
     hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
-    mlp = (hidden * a.hidden_size * c + _mlp_live(a) * a.intermediate_size * c * k) * t
+    mlp = (hidden * a.hidden_size * c + mlp_live(a) * a.intermediate_size * c * k) * t
     return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
 
 
