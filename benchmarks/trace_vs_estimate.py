@@ -130,7 +130,8 @@ SHAPES = ROOT / "benchmarks" / "shapes"
 for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "gemma3_text", "qwen2_moe", "mistral_sw",
                "granite", "phimoe", "gpt_neox", "qwen3_moe", "olmoe", "dots1", "cohere2", "olmo",
                "apertus", "roberta", "xlm-roberta", "mbart", "gpt_oss", "distilbert",
-               "modernbert", "umt5", "gemma3", "mllama", "qwen2_5_vl", "bitnet", "deepseek_v2", "deepseek_v3"):
+               "modernbert", "umt5", "gemma3", "mllama", "qwen2_5_vl", "bitnet", "deepseek_v2", "deepseek_v3",
+               "qwen3_next"):
     _cfg = str(SHAPES / _shape / "config.json")
     # peft's all-linear wraps PhiMoE's router, whose forward returns a tuple peft cannot handle (a peft failure)
     _wide = "q_proj,k_proj,v_proj,o_proj" if _shape == "phimoe" else "all-linear"
@@ -190,6 +191,10 @@ _add("mistralai/Mistral-7B-v0.1", layers=2, technique="qlora", precision="bf16",
 for _kw in (dict(technique="qlora", precision="bf16"), dict(technique="lora", precision="bf16"),
             dict(technique="lora", precision="bf16-mixed"), dict(technique="full", precision="bf16", optimizer="adamw-fused")):
     _add(str(SHAPES / "mistral_1k" / "config.json"), layers=2, batch_size=8, seq_len=4096, grad_ckpt=True, **_kw)
+# Qwen3-Next's gated DeltaNet layers (linfacts: saves and backward working memory measured on fake tensors)
+for _kw in (dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=1024),
+            dict(technique="lora", precision="bf16-mixed", lora_targets="all-linear", batch_size=4, seq_len=1024)):
+    _add(str(SHAPES / "qwen3_next" / "config.json"), grad_ckpt=True, **_kw)
 # Checkpointing with frozen embeddings keeps each lookup's output (a leaf that requires grad) beside the first block's
 # input where dropout, positions or a norm follow
 _add("openai-community/gpt2", technique="lora", precision="bf16", batch_size=32, seq_len=1024, grad_ckpt=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from memplan import cachefacts, codefacts, configfacts
+from memplan import cachefacts, codefacts, configfacts, linfacts
 from memplan.modelclass import (auto_class, check_flat, check_remote_code, check_uniform, is_composite, skipped_layers,
                                 split_media, text_body)
 from memplan.errors import BadInput
@@ -215,6 +215,8 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
     body = text_body(model) if composite else model
     norms = {type(m).__name__ for m in body.modules() if "Norm" in type(m).__name__}
     mla = configfacts.mla_dims(config)
+    linear = linfacts.linear_layers(config)
+    linear_saves, linear_work = linfacts.measure(body, linear)
     return Arch(
         kind=kind, model_type=config.model_type, auto_class=auto_class, hidden_size=hidden, num_heads=heads,
         num_kv_heads=heads if mla else configfacts.kv_heads(config, heads),
@@ -247,7 +249,10 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         attn_logit_softcap=configfacts.first(config, "attn_logit_softcapping"),
         mask_kinds=len(set(getattr(config, "layer_types", None) or ())) or 1,
         sliding_layers=configfacts.sliding_layers(config, dec_layers),
-        unmodelled_layers=tuple(sorted(set(getattr(config, "layer_types", None) or ()) - configfacts.ATTENTION_LAYERS)),
+        unmodelled_layers=tuple(sorted(set(getattr(config, "layer_types", None) or ()) - configfacts.ATTENTION_LAYERS
+                                       - ({"linear_attention"} if linear_saves else set()))),
+        linear_layers=linear if linear_saves else (), linear_saves=linear_saves,
+        linear_work=linear_work,
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
         supports_flash=bool(getattr(model, "_supports_flash_attn", False)),

@@ -230,7 +230,18 @@ def _backward_temp_bytes(ctx: Ctx) -> int:
     k = a.experts_per_token if a.num_experts else 1
     stream = a.hidden_size * ctx.residual_bytes
     mlp = (3 if a.mlp_gated else 2) * a.intermediate_size * k * ctx.act_bytes
-    return t * (stream + max(stream, mlp)) + moe.largest_expert_lora_copy_bytes(ctx)
+    return t * (stream + max(stream, mlp, _linear_work(ctx))) + moe.largest_expert_lora_copy_bytes(ctx)
+
+
+def _linear_work(ctx: Ctx) -> float:
+    """Per token, what a linear-attention block's mixer holds in its backward beyond its saves (Arch.linear_work,
+    linfacts.measure: the trained case where the blocks' base weights train)."""
+    from memplan.linfacts import linear_case
+
+    a = ctx.spec.arch
+    if not a.linear_work:
+        return 0.0
+    return a.linear_work[linear_case(ctx.act_bytes, ctx.setup.technique in ("full", "freeze"), ctx.mixed)]
 
 
 def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:

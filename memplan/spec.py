@@ -144,6 +144,13 @@ class Arch:
     expert_gate_saves: tuple[float, ...] = ()
     #: config.layer_types whose token mixer is not attention and is not modelled (configfacts.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
+    #: decoder layers whose token mixer is a linear attention (config.layer_types: Qwen3-Next's gated DeltaNet)
+    linear_layers: tuple[int, ...] = ()
+    #: bytes per token such a layer's mixer saves beyond its Linears' inputs, per linfacts.LINEAR_CASES
+    #: (linfacts.measure, on fake tensors)
+    linear_saves: tuple[float, ...] = ()
+    #: bytes per token its backward holds beyond its saves, per linfacts.LINEAR_CASES (linfacts.measure)
+    linear_work: tuple[float, ...] = ()
     #: attention modules owning a learned relative position bias (codefacts.relative_bias_layers: T5 2, UMT5 each)
     relative_bias_layers: int = 0
     #: what the norm layer saves, (bytes per element, bytes per row, bytes per element of its input itself) per
@@ -221,6 +228,9 @@ class ModelSpec:
         arch["act_out"] = tuple(arch.get("act_out", ()))
         arch["eager_held"] = tuple(arch.get("eager_held", (False, False)))
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
+        arch["linear_layers"] = tuple(arch.get("linear_layers", ()))
+        arch["linear_saves"] = tuple(arch.get("linear_saves", ()))
+        arch["linear_work"] = tuple(arch.get("linear_work", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
         arch["sliding_layers"] = tuple(arch.get("sliding_layers", ()))
         arch["media_parts"] = tuple(arch.get("media_parts", ()))

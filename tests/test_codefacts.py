@@ -102,8 +102,10 @@ def test_expert_gating_is_measured_on_the_family_function():
     assert load_spec("mistralai/Mixtral-8x7B-v0.1").arch.expert_gate_saves == (6, 12)
 
 
-def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path):
-    # Qwen3-Next's linear_attention layers (gated DeltaNet) are not modelled: a shaped config traced 55% above
+def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path, monkeypatch):
+    # Qwen3-Next's linear_attention layers (gated DeltaNet) are measured (linfacts); a mixer that does not run on
+    # fake tensors stays unmodelled and is named in the notes (a shaped config traced 55% above before)
+    from memplan import linfacts
     from memplan.estimate import estimate
 
     (tmp_path / "config.json").write_text(json.dumps({
@@ -111,7 +113,17 @@ def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path):
         "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 1000, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256}))
     spec = load_spec(str(tmp_path / "config.json"))
-    assert spec.arch.unmodelled_layers == ("linear_attention",)
+    assert spec.arch.unmodelled_layers == () and spec.arch.linear_saves
+    notes = estimate(spec, technique="lora", lora_targets="all-linear", precision="bf16").notes
+    assert not any("linear_attention" in n for n in notes)
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no fake kernel")
+    monkeypatch.setattr(linfacts, "_run", refuse)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text((tmp_path / "config.json").read_text())
+    spec = load_spec(str(tmp_path / "other" / "config.json"))
+    assert spec.arch.unmodelled_layers == ("linear_attention",) and spec.arch.linear_saves == ()
     notes = estimate(spec, technique="lora", lora_targets="all-linear", precision="bf16").notes
     assert any("linear_attention" in n and "lower bound" in n for n in notes)
     assert load_spec("meta-llama/Llama-2-7b-hf").arch.unmodelled_layers == ()
@@ -203,3 +215,17 @@ def test_eager_flow_parser_on_written_sources():
     assert eager_held(llama) == (False, False, True)
     assert eager_held(falcon) == (True, False, False)
     assert eager_held(None) == (False, False, True)  # no source: Llama's flow, the common case
+
+
+def test_linear_attention_layers_are_measured():
+    """Qwen3-Next's gated DeltaNet layers (config layer_types "linear_attention") run on fake tensors when the
+    inventory is built: per token, what they save (over 300 KB for this 512-wide shape: fp32 copies of q, k, v and
+    their chunked products) and their backward's working memory; no longer named as not modelled. Families without such layers measure nothing."""
+    from memplan.linfacts import LINEAR_CASES
+    arch = load_spec(str(SHAPES / "qwen3_next" / "config.json")).arch
+    assert arch.linear_layers == (0, 1, 2) and arch.unmodelled_layers == ()
+    assert len(arch.linear_saves) == len(arch.linear_work) == len(LINEAR_CASES)
+    bf16, fp32 = arch.linear_saves[0], arch.linear_saves[2]
+    assert 300_000 < bf16 < fp32  # the recurrence computes in fp32 either way; its inputs and outputs follow the dtype
+    llama = load_spec("meta-llama/Llama-3.2-1B").arch
+    assert llama.linear_layers == () and llama.linear_saves == ()

@@ -328,6 +328,10 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     # first_attention_backward; falcon's sdpa runs CUDA's math kernel: -3.5% before)
     ("tiiuae/falcon-7b", dict(technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=8,
                               seq_len=1024, grad_ckpt=True), 0.005),
+    # Qwen3-Next's gated DeltaNet layers: their saves and backward working memory measured on fake tensors
+    # (linfacts; -54% and -8.3% unmodelled)
+    (_shape("qwen3_next"), dict(technique="full", precision="bf16", batch_size=2, seq_len=512), 0.02),
+    (_shape("qwen3_next"), dict(technique="full", precision="bf16", batch_size=2, seq_len=1024, grad_ckpt=True), 0.015),
 ])
 def test_attention_paths_found_by_the_tracer(tmp_path, model, fields, tolerance):
     from memplan.estimate import estimate
@@ -337,7 +341,9 @@ def test_attention_paths_found_by_the_tracer(tmp_path, model, fields, tolerance)
                                            "n_head": 8, "n_layer": 6, "rotary_dim": 32, "vocab_size": 32000,
                                            "n_positions": 2048}))
     setup = Setup(**fields)
-    c = T.compare(T.trace(model, setup, layers=2), estimate(model, setup))
+    # the Qwen3-Next shape's one attention layer is its fourth: cut to 2 blocks it has none, which its cache refuses
+    layers = None if "qwen3_next" in model else 2
+    c = T.compare(T.trace(model, setup, layers=layers), estimate(model, setup))
     assert abs(c["rel_error"]) < tolerance, c
 
 

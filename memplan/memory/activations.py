@@ -15,6 +15,7 @@ from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, atten
                                       position_bias_bytes, sdpa_integration_before,
                                       self_bias_mask_bytes, windowed)
 from memplan.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
+from memplan.linfacts import linear_case
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.qkv import fused_qkv_pin_bytes
 from memplan.memory.layout import BlockLayout, blocks
@@ -53,12 +54,16 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += input_saves(ctx, by_slot.get("attn_in", []) + mlp_readers(by_slot), h, r, lora_names)
     else:
         per_tok += input_saves(ctx, by_slot.get("attn_in", []), h, r, lora_names)
-    tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
-    per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim)
-    if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
-            and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
-        per_tok += 2 * kv_dim * c
-    scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
+    if _linear_mixer(ctx, blk):  # a linear attention's measured saves (linfacts) in place of the attention's
+        per_tok += a.linear_saves[linear_case(c, block_trains, ctx.mixed)]
+        scores = 0
+    else:
+        tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
+        per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim)
+        if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
+                and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
+            per_tok += 2 * kv_dim * c
+        scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     per_tok += post_attention_bytes(ctx, blk, lora_names, block_trains, kernel)
     experts = expert_params(ctx, blk)
     for m in by_slot.get("other", []):  # a Linear no slot names: its input if it trains, its LoRA branch
@@ -80,6 +85,12 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     if kernel == "fused" and (windowed_here or padded_here):
         total += mask_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
     return total
+
+
+def _linear_mixer(ctx: Ctx, blk: BlockLayout) -> bool:
+    """The block's token mixer is a measured linear attention (Arch.linear_layers, linfacts.linear_saves)."""
+    a = ctx.spec.arch
+    return bool(a.linear_saves) and blk.stack != "encoder" and blk.index in a.linear_layers
 
 
 def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
