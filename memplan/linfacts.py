@@ -72,15 +72,18 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
         for p in mod.parameters():
             p.requires_grad_(trains)
         skip = {p.untyped_storage()._cdata for p in mod.parameters()}
+        kept: list = []  # every tensor keyed by its storage stays alive: no address is reused while measuring
 
         def note_input(module, args):
             if args and isinstance(args[0], torch.Tensor):
+                kept.append(args[0])
                 skip.add(args[0].untyped_storage()._cdata)
 
         hooks = [m.register_forward_pre_hook(note_input) for m in mod.modules() if isinstance(m, nn.Linear)]
         saved: dict[int, int] = {}
 
         def pack(t):
+            kept.append(t)
             saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
             return t
 
@@ -96,6 +99,8 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
                         y = mod(x, **_required_none(mod))
                 if isinstance(y, tuple):  # (output, weights): MiniMax's lightning attention
                     y = y[0]
+                total = sum(n for k, n in saved.items() if k not in skip)
+                kept.clear()  # the backward frees what the graph saved as it goes
                 grad = torch.empty_like(y)
                 end = tracker.current
                 tracker.phase = "backward"
@@ -103,7 +108,7 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
         finally:
             for h in hooks:
                 h.remove()
-    return sum(n for k, n in saved.items() if k not in skip), tracker.phase_peaks.get("backward", end) - end
+    return total, tracker.phase_peaks.get("backward", end) - end
 
 
 def _required_none(mod) -> dict:
