@@ -25,6 +25,17 @@ def forward_block_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
                                   "attention_mask": mask_bytes(ctx), "forward_temporaries": work}}
 
 
+def indexer_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
+    """DeepSeek-V3.2: the last layer's indexer in the forward (forward_block.indexer_bytes), with what the layers
+    before it saved (`before_head`, the head's side not yet), the blocks' autocast copies and the masks."""
+    work = forward_block.indexer_bytes(ctx)
+    if not work:
+        return {}
+    casts = common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)
+    return {"forward_indexer": {**common, "activations": before_head, "autocast_weight_copies": casts,
+                                "attention_mask": mask_bytes(ctx), "forward_temporaries": work}}
+
+
 def attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
     """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
     the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed)

@@ -252,6 +252,8 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         unmodelled_layers=tuple(sorted(set(getattr(config, "layer_types", None) or ()) - configfacts.ATTENTION_LAYERS
                                        - ({"linear_attention"} if linear_saves else set()))),
         linear_layers=linear if linear_saves else (), linear_saves=linear_saves,
+        indexer=(int(configfacts.first(config, "index_n_heads", default=0) or 0),
+                 int(configfacts.first(config, "index_head_dim", default=0) or 0)),
         linear_work=linear_work,
         has_lm_head=model.get_output_embeddings() is not None,
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),

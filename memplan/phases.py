@@ -2,7 +2,8 @@
 view under data parallelism. memplan.estimate takes the largest phase as the peak."""
 from __future__ import annotations
 
-from memplan.attention_phases import attention_backward_phase, first_attention_backward_phase, forward_block_phase
+from memplan.attention_phases import (attention_backward_phase, first_attention_backward_phase, forward_block_phase,
+                                      indexer_phase)
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
@@ -69,6 +70,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
         **forward_block_phase(ctx, common, int(saved - after)),
+        **indexer_phase(ctx, common, int(saved - after)),
         "backward_start": max(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
                               key=lambda parts: sum(parts.values())),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
@@ -186,8 +188,10 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
              "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
     grads = {"forward": rs.gradients if accum else 0, "forward_block": rs.gradients if accum else 0,
+             "forward_indexer": rs.gradients if accum else 0,
              "backward_start": rs.gradients if accum else 0}
     gathered = {"forward": rs.gathered_forward, "forward_block": rs.gathered_forward,
+                "forward_indexer": rs.gathered_forward,
                 "backward_start": rs.gathered_backward,
                 "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,

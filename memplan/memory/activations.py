@@ -16,6 +16,7 @@ from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, atten
                                       self_bias_mask_bytes, windowed)
 from memplan.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
 from memplan.linfacts import linear_case
+from memplan.select import gets_no_grad
 from memplan.memory.context import Ctx, per_model
 from memplan.memory.qkv import fused_qkv_pin_bytes
 from memplan.memory.layout import BlockLayout, blocks
@@ -67,6 +68,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     per_tok += post_attention_bytes(ctx, blk, lora_names, block_trains, kernel)
     experts = expert_params(ctx, blk)
     for m in by_slot.get("other", []):  # a Linear no slot names: its input if it trains, its LoRA branch
+        if gets_no_grad(ctx.spec, m.name):  # its graph is freed when the module returns (select.gets_no_grad)
+            continue
         per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
         per_tok += lora_saves(ctx, m.in_features, c)[0] if m.name in lora_names else 0
         if m.short_name == "kv_b_proj" and kernel == "fused":
@@ -82,7 +85,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     # a seq2seq decoder's self-attention gets no padding mask (collators pass no decoder_attention_mask): is_causal
     windowed_here = blk.index in a.sliding_layers and blk.stack != "encoder" and windowed(ctx)
     padded_here = padded_masks(ctx) and not (a.kind == "seq2seq" and blk.stack == "decoder")
-    if kernel == "fused" and (windowed_here or padded_here):
+    # DeepSeek-V3.2 masks every attention to its indexer's top-k keys (a [b, 1, s, s] mask per layer)
+    if kernel == "fused" and (windowed_here or padded_here or a.indexer[0]):
         total += mask_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
     return total
 

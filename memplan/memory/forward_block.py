@@ -156,3 +156,24 @@ def held_probs_bytes(ctx: Ctx) -> int:
     if kernel != "eager" or not ctx.mixed or cast_back or a.attn_dropout <= 0 or softmax_out_bytes(ctx, kernel) != 4:
         return 0
     return ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * 4
+
+
+def indexer_bytes(ctx: Ctx) -> int:
+    """DeepSeek-V3.2's lightning indexer in one attention's forward (modeling_deepseek_v32 DeepseekV32Indexer): a
+    transient of every layer, checkpointed or not, since its top-k indices carry no gradient and nothing it computes
+    is saved. torch.matmul broadcasts q.float() [b, s, h, d] against k.float() [b, 1, d, t], copying k to
+    [b, s, d, t] (from batch 2: at batch 1 it folds into one mm) beside its [b, s, h, t] fp32 scores and q itself; the
+    scaling and relu each make a second score tensor. Under autocast the matmul casts its fp32 inputs back to the compute
+    dtype, so the copy and the scores are 16-bit.
+    Arch.indexer: (h, d).
+    Found by the tracer: a DeepSeek-V3.2-shaped config (64 indexer heads of 128) full bf16 b2 s512, -4.6% with the
+    forward's peak at the first layer's indexer."""
+    h, d = (tuple(ctx.spec.arch.indexer) + (0, 0))[:2]
+    if not h:
+        return 0
+    b, s = ctx.setup.batch_size, max(ctx.src_len, ctx.tgt_len)
+    copied = d if b > 1 else 0  # at batch 1 the broadcast folds into one mm: no copy of k
+    e = ctx.compute_bytes if ctx.mixed else 4  # autocast runs the matmul on compute-dtype casts of the fp32 copies
+    # q as projected and its fp32 copy (under autocast the rotated q is fp32 already), and autocast's cast of it
+    q = ctx.act_bytes + 4 + (ctx.compute_bytes if ctx.mixed else 0)
+    return b * s * (s * max(copied + h, 2 * h) * e + h * d * q)
