@@ -127,8 +127,9 @@ class Arch:
     needs_remote_code: bool = False
     #: eager attention computes its softmax in fp32 and casts back (attnfacts.eager_facts)
     eager_softmax_fp32: bool = False
-    #: eager attention keeps (its raw scores, its masked sum) named while / after its softmax runs (attnfacts.eager_held)
-    eager_held: tuple[bool, ...] = (False, False)
+    #: eager attention: (raw scores named through the softmax, masked sum named past it, probabilities cast back to
+    #: q's dtype) (attnfacts.eager_held; inventories with two values cast back)
+    eager_held: tuple[bool, ...] = (False, False, True)
     #: each decoder layer returns its attention probabilities to the model's loop (attnfacts.returns_attn_probs)
     returns_attn_probs: bool = False
     #: what the MLP activation saves per input element, per actfacts.ACT_CASES (actfacts.act_saves)
@@ -229,7 +230,7 @@ class ModelSpec:
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
         arch["act_out"] = tuple(arch.get("act_out", ()))
-        arch["eager_held"] = tuple(arch.get("eager_held", (False, False)))
+        arch["eager_held"] = tuple(arch.get("eager_held", (False, False, True)))
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["linear_layers"] = tuple(arch.get("linear_layers", ()))
         arch["indexer"] = tuple(arch.get("indexer", (0, 0)))

@@ -5,7 +5,11 @@ several [b, heads, s, s] tensors at once while its softmax runs. With every bloc
 last block, that moment can top the backward's phases where the attention's code keeps more score-sized tensors
 named than the backward holds: Falcon (its raw scores beside the masked sum and the probabilities, and the previous
 layer's probabilities, which its layer returns to the model's loop), BLOOM. Found by the tracer: falcon-7b QLoRA
-eager b8 s1024 checkpointed, -5.7% with no in-forward moment (its peak was at the second block's softmax)."""
+eager b8 s1024 checkpointed, -5.7% with no in-forward moment (its peak was at the second block's softmax).
+
+Also here: the block's MLP moment with the probabilities its layer keeps (working_bytes), what a checkpointed block's
+recompute holds to its end (held_probs_bytes) and DeepSeek-V3.2's indexer, a forward transient of every layer
+(indexer_bytes)."""
 from __future__ import annotations
 
 from memplan.memory.attention import QK_FP32, attention_kernel, heads_broadcast, kernel_bytes, softmax_out_bytes
