@@ -1,5 +1,5 @@
-"""The phases of a training step inside an attention (bytes per component): a checkpointed block's forward at its
-softmax, and the softmax's backward in the last block (the first the backward reaches) and in the first recording
+"""The phases of a training step inside an attention (bytes per component): moments inside the blocks' forward (a
+checkpointed block at its softmax or MLP, DeepSeek-V3.2's indexer), and the softmax's backward in the last block (the first the backward reaches) and in the first recording
 block (the last, with nearly every gradient written). Eager and math kernels only: fused kernels work tile by tile
 and add nothing here. memplan.phases assembles them with the step's other phases."""
 from __future__ import annotations
@@ -11,29 +11,19 @@ from memplan.memory.context import Ctx
 from memplan.memory.masks import checkpointed_mask_bytes, mask_bytes
 
 
-def forward_block_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
-    """Checkpointing with an eager or math attention: the last block's forward at its softmax or its MLP
-    (forward_block.working_bytes), with
-    every block's checkpoint input and the embeddings' saves (`before_head`), the masks, and the blocks' autocast
-    copies (the head's is made after the blocks). Found by the tracer: falcon-7b QLoRA eager b8 s1024 checkpointed
-    peaked there, -5.7% without it."""
-    work = forward_block.working_bytes(ctx) if ctx.setup.grad_ckpt else 0
-    if not work:
+def in_forward_phases(ctx: Ctx, common: dict, before_head: int) -> dict:
+    """Moments inside the blocks' forward, each with what the blocks before it saved and the embeddings' saves
+    (`before_head`: the head's side comes later), the blocks' autocast copies (not yet the head's) and the masks:
+    forward_block, checkpointing with an eager or math attention: the last block at its softmax or its MLP
+    (forward_block.working_bytes; found by the tracer: falcon-7b QLoRA eager b8 s1024 checkpointed peaked there,
+    -5.7% without it); forward_indexer, DeepSeek-V3.2: the last layer's indexer (forward_block.indexer_bytes)."""
+    works = {"forward_block": forward_block.working_bytes(ctx) if ctx.setup.grad_ckpt else 0,
+             "forward_indexer": forward_block.indexer_bytes(ctx)}
+    if not any(works.values()):
         return {}
-    casts = common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)
-    return {"forward_block": {**common, "activations": before_head, "autocast_weight_copies": casts,
-                                  "attention_mask": mask_bytes(ctx), "forward_temporaries": work}}
-
-
-def indexer_phase(ctx: Ctx, common: dict, before_head: int) -> dict:
-    """DeepSeek-V3.2: the last layer's indexer in the forward (forward_block.indexer_bytes), with what the layers
-    before it saved (`before_head`, the head's side not yet), the blocks' autocast copies and the masks."""
-    work = forward_block.indexer_bytes(ctx)
-    if not work:
-        return {}
-    casts = common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)
-    return {"forward_indexer": {**common, "activations": before_head, "autocast_weight_copies": casts,
-                                "attention_mask": mask_bytes(ctx), "forward_temporaries": work}}
+    at = {**common, "activations": before_head, "attention_mask": mask_bytes(ctx),
+          "autocast_weight_copies": common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
+    return {name: {**at, "forward_temporaries": work} for name, work in works.items() if work}
 
 
 def attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:

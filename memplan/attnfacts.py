@@ -62,7 +62,8 @@ def eager_held(source: str | None) -> tuple[bool, bool, bool]:
     if not scores or not call:
         return False, False, True
     arg = call.group(2)
-    base = re.match(r"\w+", arg).group(0) if re.match(r"\w+", arg) else ""
+    word = re.match(r"\w+", arg)
+    base = word.group(0) if word else ""
     held_scores = "+" in arg or base != scores.group(1)
     held_sum = "+" not in arg and base != call.group(1) and base != scores.group(1)
     after = source[call.end():].split("\n", 4)[:4]  # the softmax's own line and the three after it
@@ -77,10 +78,12 @@ def returns_attn_probs(model) -> bool:
     layer's attention. Read from the forward of the model's first block."""
     import inspect
 
-    for name, module in model.named_modules():
-        if re.search(r"(^|\.)(layers|layer|h|block|blocks)\.0$", name):
-            try:
-                return bool(_RETURNS_PROBS.search(inspect.getsource(type(module).forward)))
-            except (OSError, TypeError):
-                return False
-    return False
+    from memplan.codefacts import block_module  # codefacts reads this module's facts: imported when called
+
+    block = block_module(model)
+    if block is None:
+        return False
+    try:
+        return bool(_RETURNS_PROBS.search(inspect.getsource(type(block).forward)))
+    except (OSError, TypeError):
+        return False

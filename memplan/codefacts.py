@@ -155,16 +155,22 @@ def relative_bias_layers(model) -> int:
     return sum(1 for m in model.modules() if getattr(m, "relative_attention_bias", None) is not None)
 
 
+def block_module(model, index: int = 0):
+    """The model's block `index` (the first module named like `layers.0`, `h.0`, `block.0`), None without one."""
+    pattern = re.compile(rf"(^|\.)(layers|layer|h|block|blocks)\.{index}$")
+    return next((module for name, module in model.named_modules() if pattern.search(name)), None)
+
+
 def weightless_norms(model) -> int:
     """Normalisation layers without parameters in the model's first block (OLMo's OlmoLayerNorm): the inventory
     counts norms by their weights (memplan.memory.layout), so these add to every block."""
     from torch import nn
 
-    for name, module in model.named_modules():
-        if re.search(r"(^|\.)(layers|layer|h|block|blocks)\.0$", name):
-            return sum(1 for m in module.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
-                       and not any(True for _ in m.parameters(recurse=False)))
-    return 0
+    block = block_module(model)
+    if block is None:
+        return 0
+    return sum(1 for m in block.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
+               and not any(True for _ in m.parameters(recurse=False)))
 
 
 def plain_cross_entropy(model) -> bool:

@@ -123,11 +123,9 @@ def _required_none(mod) -> dict:
 
 def _mixer(model, layers: tuple[int, ...]):
     """The token mixer of the first linear-attention layer: its child named in _MIXERS."""
-    import re
+    from memplan.codefacts import block_module
 
-    if not layers:
+    block = block_module(model, layers[0]) if layers else None
+    if block is None:
         return None
-    for name, module in model.named_modules():
-        if re.search(rf"(^|\.)(layers|layer|h|block|blocks)\.{layers[0]}$", name):
-            return next((getattr(module, n) for n in _MIXERS if getattr(module, n, None) is not None), None)
-    return None
+    return next((getattr(block, n) for n in _MIXERS if getattr(block, n, None) is not None), None)

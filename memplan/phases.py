@@ -2,8 +2,7 @@
 view under data parallelism. memplan.estimate takes the largest phase as the peak."""
 from __future__ import annotations
 
-from memplan.attention_phases import (attention_backward_phase, first_attention_backward_phase, forward_block_phase,
-                                      indexer_phase)
+from memplan.attention_phases import attention_backward_phase, first_attention_backward_phase, in_forward_phases
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
@@ -69,8 +68,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
-        **forward_block_phase(ctx, common, int(saved - after)),
-        **indexer_phase(ctx, common, int(saved - after)),
+        **in_forward_phases(ctx, common, int(saved - after)),
         "backward_start": max(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
                               key=lambda parts: sum(parts.values())),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
@@ -187,12 +185,8 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     accum = ctx.setup.grad_accum > 1
     state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
              "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
-    grads = {"forward": rs.gradients if accum else 0, "forward_block": rs.gradients if accum else 0,
-             "forward_indexer": rs.gradients if accum else 0,
-             "backward_start": rs.gradients if accum else 0}
-    gathered = {"forward": rs.gathered_forward, "forward_block": rs.gathered_forward,
-                "forward_indexer": rs.gathered_forward,
-                "backward_start": rs.gathered_backward,
+    grads = {"forward": rs.gradients if accum else 0, "backward_start": rs.gradients if accum else 0}
+    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
                 "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
                 "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
@@ -200,16 +194,17 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
                 "optimizer_step": 0}
     out = {}
     for name, parts in phases.items():
-        parts = {**parts, **state, "gathered_params": gathered[name]}
-        if name in grads:
-            parts["gradients"] = grads[name]
+        kind = "forward" if name.startswith("forward") else name  # forward_block, forward_indexer: in the forward
+        parts = {**parts, **state, "gathered_params": gathered[kind]}
+        if kind in grads:
+            parts["gradients"] = grads[kind]
         elif name == "lm_head_backward":  # the head's unsharded gradient, before it is reduced
             parts["gradients"] = rs.gradients + parts.get("gradients", 0) if accum else parts.get("gradients", 0)
         else:
             parts["gradients"] = rs.gradients
         if name == "optimizer_step":
             parts["optimizer_temporaries"] = rs.step_temporaries
-        elif not name.startswith("forward"):
+        elif kind != "forward":
             parts["comm_buffers"] = rs.comm_buffers + rs.comm_backward
         out[name] = parts
     return out, rs

@@ -230,7 +230,7 @@ class ModelSpec:
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
         arch["act_out"] = tuple(arch.get("act_out", ()))
-        arch["eager_held"] = tuple(arch.get("eager_held", (False, False, True)))
+        arch["eager_held"] = (tuple(arch.get("eager_held", ())) + (False, False, True)[len(arch.get("eager_held", ())):])
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["linear_layers"] = tuple(arch.get("linear_layers", ()))
         arch["indexer"] = tuple(arch.get("indexer", (0, 0)))

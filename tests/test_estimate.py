@@ -526,9 +526,9 @@ def test_phases_measured_on_an_h100(model, fields, phase, measured):
 ])
 def test_checkpointed_attention_forward_moment(model, fields, per_score):
     from memplan.memory.attention import attention_kernel
-    from memplan.memory.forward_block import score_moment_bytes
+    from memplan.memory.forward_block import score_bytes
     ctx = _ctx(model, batch_size=2, seq_len=256, grad_ckpt=True, **{"attn_impl": "eager", **fields})
-    assert score_moment_bytes(ctx, attention_kernel(ctx, relative_bias=True)) == per_score
+    assert score_bytes(ctx, attention_kernel(ctx, relative_bias=True))[0] == per_score
 
 
 def test_forward_block_phase_only_where_the_forward_can_peak():

@@ -16,12 +16,6 @@ from memplan.memory.attention import QK_FP32, attention_kernel, heads_broadcast,
 from memplan.memory.context import Ctx
 
 
-def score_moment_bytes(ctx: Ctx, kernel: str) -> int:
-    """Bytes per [b, heads, q, k] element alive at once inside one checkpointed attention's forward (the largest of
-    its moments: score_bytes)."""
-    return score_bytes(ctx, kernel)[0]
-
-
 def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
     """(bytes per [b, heads, q, k] element alive at once inside one checkpointed attention's forward, bytes per element
     of the probabilities it returns to its layer - 0 for sdpa's kernels, which return none), for the eager code as
@@ -43,7 +37,7 @@ def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
         return 4 + 4 + (1 if drop else 0), 0
     if kernel != "eager":
         return 0, 0
-    held_scores, held_sum, cast_back = (tuple(a.eager_held) + (False, False, True))[:3]
+    held_scores, held_sum, cast_back = a.eager_held
     c = kernel_bytes(ctx)
     kb = 4 if a.model_type in QK_FP32 and not ctx.mixed else c
     pb = max(kb, ctx.residual_bytes) if masked else kb
@@ -87,8 +81,7 @@ def working_bytes(ctx: Ctx) -> int:
     fp32 probabilities beside three fp32 intermediates). 0 for fused kernels, whose forward holds less than the
     backward's recompute of the same block."""
     from memplan.memory.inference import MATH_QSIZED_FP32
-    from memplan.memory.layout import blocks
-    from memplan.memory.qkv import rotary_positions
+    from memplan.memory.qkv import attn_in_linears, rotary_positions
 
     kernel = attention_kernel(ctx, relative_bias=True)
     per_score, returned = score_bytes(ctx, kernel)
@@ -96,8 +89,7 @@ def working_bytes(ctx: Ctx) -> int:
         return 0
     a = ctx.spec.arch
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
-    attn_in = [m for slot, m in first.linears if slot == "attn_in"] if first else []
+    attn_in = attn_in_linears(ctx)
     qb, vb = query_bytes(ctx), ctx.act_bytes
     if len(attn_in) == 1:
         per_token = attn_in[0].out_features * vb + ((q_dim + kv_dim) * qb if rotary_positions(ctx) else 0)
@@ -156,7 +148,7 @@ def held_probs_bytes(ctx: Ctx) -> int:
     (its cross-attention's [b, heads, t, s] fp32 copy)."""
     a = ctx.spec.arch
     kernel = attention_kernel(ctx, relative_bias=True)
-    cast_back = (tuple(a.eager_held) + (False, False, True))[2]
+    cast_back = a.eager_held[2]
     if kernel != "eager" or not ctx.mixed or cast_back or a.attn_dropout <= 0 or softmax_out_bytes(ctx, kernel) != 4:
         return 0
     return ctx.setup.batch_size * a.num_heads * ctx.tgt_len * ctx.src_len * 4
@@ -172,7 +164,7 @@ def indexer_bytes(ctx: Ctx) -> int:
     Arch.indexer: (h, d).
     Found by the tracer: a DeepSeek-V3.2-shaped config (64 indexer heads of 128) full bf16 b2 s512, -4.6% with the
     forward's peak at the first layer's indexer."""
-    h, d = (tuple(ctx.spec.arch.indexer) + (0, 0))[:2]
+    h, d = ctx.spec.arch.indexer
     if not h:
         return 0
     b, s = ctx.setup.batch_size, max(ctx.src_len, ctx.tgt_len)

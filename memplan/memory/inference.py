@@ -6,8 +6,7 @@ from memplan.memory.recording import graph_blocks
 from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, has_position_bias, kernel_casts_kv,
                                      integration_before, mask_block_bytes, padded_masks,
                                      windowed)
-from memplan.memory.layout import blocks
-from memplan.memory.qkv import rotary_positions
+from memplan.memory.qkv import attn_in_linears, rotary_positions
 from memplan.memory.context import Ctx
 
 
@@ -80,8 +79,7 @@ def _pinned_kv_bytes(ctx: Ctx) -> float:
     # kernel's dtype
     copied = rotary and (a.model_type not in PARTIAL_ROTARY_CAT or rotary_promotes_kv(ctx) or kernel_casts_kv(ctx))
     k_bytes = ctx.residual_bytes if rotary_promotes_kv(ctx) else ctx.act_bytes
-    first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
-    attn_in = [m for slot, m in first.linears if slot == "attn_in"] if first else []
+    attn_in = attn_in_linears(ctx)
     k_extra = kv_dim * k_bytes if copied else 0
     if len(attn_in) == 1:
         return attn_in[0].out_features * ctx.act_bytes + k_extra

@@ -11,6 +11,15 @@ def rotary_positions(ctx: Ctx) -> bool:
     return not any(p.role == "pos_embedding" for p in ctx.spec.params)
 
 
+def attn_in_linears(ctx: Ctx) -> list:
+    """The q/k/v projections (layout slot attn_in) of the first block outside an encoder: one fused Linear or
+    several."""
+    from memplan.memory.layout import blocks
+
+    first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
+    return [m for slot, m in first.linears if slot == "attn_in"] if first else []
+
+
 def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim: int) -> float:
     """Per token: one Linear makes q, k and v (ModernBERT's Wqkv, Phi-3's qkv_proj) and rotary makes q and k new
     tensors, while V stays a view of that output, which the fused kernel saves: the whole output stays alive, its q
