@@ -2,7 +2,8 @@
 view under data parallelism. memplan.estimate takes the largest phase as the peak."""
 from __future__ import annotations
 
-from memplan.attention_phases import attention_backward_phase, first_attention_backward_phase, in_forward_phases
+from memplan.attention_phases import (attention_backward_phase, first_attention_backward_phase, in_forward_phases,
+                                      indexer_backward_phase)
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
@@ -78,6 +79,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
                                          int(outside - after), deq),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
+        **indexer_backward_phase(ctx, grads - _late_grad_bytes(ctx), ends, int(outside - after), in_blocks,
+                                 {**back, **block_casts}),
         **_frozen_backward_phase(ctx, res, grads, blocks),
         # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,

@@ -145,9 +145,10 @@ class Arch:
     expert_gate_saves: tuple[float, ...] = ()
     #: config.layer_types whose token mixer is not attention and is not modelled (configfacts.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
-    #: DeepSeek-V3.2's lightning indexer in every attention: (heads, head size) from config index_n_heads and
-    #: index_head_dim; (0, 0) for every other family (forward_block.indexer_bytes)
-    indexer: tuple[int, ...] = (0, 0)
+    #: DeepSeek-V3.2's lightning indexer in every attention: (heads, head size, rotary size) from config
+    #: index_n_heads, index_head_dim and qk_rope_head_dim; (0, 0, 0) for every other family
+    #: (forward_block.indexer_bytes; inventories from before the rotary size pad it with 0)
+    indexer: tuple[int, ...] = (0, 0, 0)
     #: decoder layers whose token mixer is a linear attention (config.layer_types: Qwen3-Next's gated DeltaNet)
     linear_layers: tuple[int, ...] = ()
     #: bytes per token such a layer's mixer saves beyond its Linears' inputs, per linfacts.LINEAR_CASES
@@ -233,7 +234,7 @@ class ModelSpec:
         arch["eager_held"] = (tuple(arch.get("eager_held", ())) + (False, False, True)[len(arch.get("eager_held", ())):])
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["linear_layers"] = tuple(arch.get("linear_layers", ()))
-        arch["indexer"] = tuple(arch.get("indexer", (0, 0)))
+        arch["indexer"] = (tuple(arch.get("indexer", ())) + (0, 0, 0))[:3]
         arch["linear_saves"] = tuple(arch.get("linear_saves", ()))
         arch["linear_work"] = tuple(arch.get("linear_work", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))

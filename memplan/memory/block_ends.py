@@ -79,13 +79,23 @@ def end_blocks(rows: list[EndBlock]) -> tuple[EndBlock, EndBlock] | None:
 def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
     """The block's base weight gradients the backward has not written at its MLP product's backward: every trainable
     parameter of the block but the MLP output projection's (LoRA's small ones left in)."""
-    return _block_grads(ctx).get((end.blk.stack, end.blk.index), (0, 0))[0] * ctx.weight_bytes
+    return _grads_of(ctx, end, 0)
+
+
+def block_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
+    """Every base weight gradient of the block: none is written yet while its recompute runs."""
+    return _grads_of(ctx, end, 2)
+
+
+def _grads_of(ctx: Ctx, end: EndBlock, which: int) -> int:
+    """Bytes of one of _block_grads' counts for the block."""
+    return _block_grads(ctx).get((end.blk.stack, end.blk.index), (0, 0, 0))[which] * ctx.weight_bytes
 
 
 @per_model()
 def _block_grads(ctx: Ctx) -> MappingProxyType:
-    """(stack, index) -> (trainable elements but the MLP output projection's, the q/k/v projections' elements), once
-    per model and selection (speed: a walk over every parameter per estimate otherwise)."""
+    """(stack, index) -> (trainable elements but the MLP output projection's, the q/k/v projections' elements, all
+    trainable elements), once per model and selection (speed: a walk over every parameter per estimate otherwise)."""
     from memplan.memory.weights import numel
 
     slots = {}
@@ -97,10 +107,11 @@ def _block_grads(ctx: Ctx) -> MappingProxyType:
         if p.block is None or p.name not in ctx.trainable:
             continue
         sl = slots.get(p.name.rsplit(".", 1)[0])
-        row = out.setdefault((p.stack, p.block), [0, 0])
+        row = out.setdefault((p.stack, p.block), [0, 0, 0])
         n = numel(ctx, p)
         row[0] += 0 if sl == "mlp_out" else n
         row[1] += n if sl == "attn_in" else 0
+        row[2] += n
     return MappingProxyType({k: tuple(v) for k, v in out.items()})
 
 
@@ -136,4 +147,4 @@ def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
 def attention_pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
     """The block's base weight gradients the backward has not written at its attention's softmax backward: its
     q/k/v projections' (layout slot attn_in), which read the normed input the softmax's backward has not reached."""
-    return _block_grads(ctx).get((end.blk.stack, end.blk.index), (0, 0))[1] * ctx.weight_bytes
+    return _grads_of(ctx, end, 1)

@@ -95,10 +95,9 @@ def _units(ctx: Ctx) -> dict[tuple, list]:
 
 def _lora_by_unit(ctx: Ctx) -> dict[tuple, int]:
     """LoRA adapter elements per unit (peft places lora_A/lora_B inside the targeted Linear's module)."""
-    r = ctx.setup.lora_r
     out: dict[tuple, int] = defaultdict(int)
     for m in ctx.lora:
-        out[_unit(m)] += r * m.rank_mult * (m.in_features + m.out_features)
+        out[_unit(m)] += weights.adapter_numel(ctx, (m,))
     return out
 
 

@@ -158,18 +158,65 @@ def indexer_bytes(ctx: Ctx) -> int:
     """DeepSeek-V3.2's lightning indexer in one attention's forward (modeling_deepseek_v32 DeepseekV32Indexer): a
     transient of every layer, checkpointed or not, since its top-k indices carry no gradient and nothing it computes
     is saved. torch.matmul broadcasts q.float() [b, s, h, d] against k.float() [b, 1, d, t], copying k to
-    [b, s, d, t] (from batch 2: at batch 1 it folds into one mm) beside its [b, s, h, t] fp32 scores and q itself; the
-    scaling and relu each make a second score tensor. Under autocast the matmul casts its fp32 inputs back to the compute
-    dtype, so the copy and the scores are 16-bit.
-    Arch.indexer: (h, d).
+    [b, s, d, t] (from batch 2: at batch 1 it folds into one mm) beside its [b, s, h, t] fp32 scores; the scaling and
+    relu each make a second score tensor. Under autocast the matmul casts its fp32 inputs back to the compute dtype,
+    so the copy and the scores are 16-bit. Beside them: the indexer's q and k (_indexer_qk_bytes) and what the
+    attention holds when it calls the indexer (_mla_locals_bytes; without checkpointing these are what the block has
+    saved so far: attention_phases.in_forward_phases leaves the block's own saves out of the activations).
+    Arch.indexer: (h, d, rotary size).
     Found by the tracer: a DeepSeek-V3.2-shaped config (64 indexer heads of 128) full bf16 b2 s512, -4.6% with the
-    forward's peak at the first layer's indexer."""
-    h, d = ctx.spec.arch.indexer
+    forward's peak at the first layer's indexer; LoRA all-linear bf16-mixed b2 s1024 checkpointed -4.3% with the
+    scores' context (q, k and the attention's locals) left out."""
+    h, d, _ = ctx.spec.arch.indexer
     if not h:
         return 0
     b, s = ctx.setup.batch_size, max(ctx.src_len, ctx.tgt_len)
     copied = d if b > 1 else 0  # at batch 1 the broadcast folds into one mm: no copy of k
     e = ctx.compute_bytes if ctx.mixed else 4  # autocast runs the matmul on compute-dtype casts of the fp32 copies
-    # q as projected and its fp32 copy (under autocast the rotated q is fp32 already), and autocast's cast of it
-    q = ctx.act_bytes + 4 + (ctx.compute_bytes if ctx.mixed else 0)
-    return b * s * (s * max(copied + h, 2 * h) * e + h * d * q)
+    named, cast = _indexer_qk_bytes(ctx)
+    return b * s * (max(s * (copied + h) * e + cast, s * 2 * h * e) + named + _mla_locals_bytes(ctx))
+
+
+def _rotated_bytes(ctx: Ctx) -> int:
+    """Bytes per element of a rotated q or k part: fp32 under autocast (the compute-dtype part times the fp32 cos and
+    sin promotes), else the activations' dtype."""
+    return 4 if ctx.mixed else ctx.act_bytes
+
+
+def _indexer_qk_bytes(ctx: Ctx) -> tuple[int, int]:
+    """Per token, the indexer's q and k at its scores' matmul: (named, the matmul's own inputs). Named: q as wq_b
+    returns it [h, d] (its unrotated part a view of it), its rotated part [h, r] and their torch.cat (fp32 under
+    autocast: the rotated part promotes it); k likewise at one head, its LayerNorm's output fp32 under autocast. The
+    matmul's inputs, freed once it returns (before the scaling's second score tensor): q.float()'s and k.float()'s
+    copies where the cat is 16-bit and, under autocast, their compute-dtype casts. Found by the tracer (a
+    DeepSeek-V3.2-shaped config b2 s1024): 9 bytes per q element under bf16-mixed and fp32, 8.5 under bf16; at b1 s2048
+    the scaling's moment holds no copy."""
+    h, d, r = ctx.spec.arch.indexer
+    act, rot = ctx.act_bytes, _rotated_bytes(ctx)
+    cat = 4 if ctx.mixed else act
+    norm = 4 if ctx.mixed else act
+    inputs = (4 if cat != 4 else 0) + (ctx.compute_bytes if ctx.mixed else 0)
+    return h * d * (act + cat) + h * r * rot + d * (act + norm + cat) + r * rot, (h + 1) * d * inputs
+
+
+def _mla_locals_bytes(ctx: Ctx) -> int:
+    """Per token, what DeepSeek-V3.2's attention holds when it calls its indexer (DeepseekV32Attention.forward): the
+    normed input (residual dtype), the outputs of its projections before the core (q_a_proj's, q_b_proj's,
+    kv_a_proj_with_mqa's and kv_b_proj's, their views named), the rotated q and k parts, query_states' torch.cat
+    ([heads, head size], fp32 under autocast) and key_states, a new tensor of kv_b_proj's dtype. Found by the tracer:
+    a DeepSeek-V3.2-shaped config LoRA all-linear bf16-mixed b2 s1024 checkpointed, 23 MiB beside the indexer's own."""
+    from memplan.memory.layout import blocks
+    from memplan.select import gets_no_grad
+
+    a = ctx.spec.arch
+    first = blocks(ctx.spec)[0] if blocks(ctx.spec) else None
+    out = next((m for slot, m in first.linears if slot == "attn_out"), None) if first else None
+    if out is None:
+        return 0
+    prefix = out.name.rsplit(".", 1)[0] + "."
+    projected = sum(m.out_features for slot, m in first.linears
+                    if m.name.startswith(prefix) and m is not out and not gets_no_grad(ctx.spec, m.name))
+    r, rot = a.indexer[2], _rotated_bytes(ctx)
+    q_dim = a.num_heads * a.head_dim
+    return a.hidden_size * ctx.residual_bytes + projected * ctx.act_bytes + (a.num_heads + 1) * r * rot \
+        + q_dim * (4 if ctx.mixed else ctx.act_bytes) + q_dim * ctx.act_bytes

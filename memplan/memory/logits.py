@@ -56,9 +56,12 @@ def _fp32_logits(ctx: Ctx) -> bool:
     copies: `lm_logits + self.final_logits_bias`): the sum, the logits the loss reads, is fp32. Found by the tracer:
     bart-large full bf16-mixed b8 s512 -3.4% while T5's and BERT's 16-bit loss was modelled. The buffer has the
     dtype the model was loaded in (Buffer "float"): fp32 under mixed precision, 16-bit under QLoRA (k-bit preparation
-    casts parameters only: an mBART-shaped config QLoRA +9.2% when counted fp32)."""
-    return ctx.mixed and ctx.setup.weight_dtype == "fp32" and any(
-        b.name.endswith("final_logits_bias") and b.dtype == "float" for b in ctx.spec.buffers)
+    casts parameters only: an mBART-shaped config QLoRA +9.2% when counted fp32). Added tokens make it fp32 whatever
+    the model's dtype: resize_token_embeddings grows it with `torch.zeros((1, extra))`, fp32 by default, and torch.cat
+    promotes (modeling_bart `_resize_final_logits_bias`). Found by a stress run: bart-large LoRA bf16 b2 s512
+    checkpointed with 8 added tokens, -20% with 16-bit logits."""
+    has_bias = any(b.name.endswith("final_logits_bias") and b.dtype == "float" for b in ctx.spec.buffers)
+    return has_bias and ((ctx.mixed and ctx.setup.weight_dtype == "fp32") or ctx.setup.added_tokens > 0)
 
 
 def _cuda_split_loss(ctx: Ctx) -> bool:
@@ -73,8 +76,9 @@ def _cuda_split_loss(ctx: Ctx) -> bool:
 
 def _loss_bytes(ctx: Ctx) -> int:
     """dtype of log_softmax inside cross-entropy: fp32 after the loss_function upcast, or under autocast (log_softmax
-    and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model."""
-    if ctx.mixed or not _plain_cross_entropy(ctx):
+    and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model, fp32
+    where an fp32 bias makes them so (_fp32_logits)."""
+    if ctx.mixed or not _plain_cross_entropy(ctx) or _fp32_logits(ctx):
         return 4
     return _logit_bytes(ctx)
 

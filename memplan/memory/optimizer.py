@@ -20,7 +20,7 @@ def trainable_tensors(ctx: Ctx) -> Iterator[tuple[tuple[int, ...], int]]:
         if p.name in ctx.trainable:
             yield weights.shape(ctx, p), ctx.weight_bytes
     r = ctx.setup.lora_r
-    for m in ctx.lora:
+    for m in weights.trained_lora(ctx):
         yield (r * m.rank_mult, m.in_features), 4
         yield (m.out_features, r * m.rank_mult), 4
 
