@@ -13,7 +13,7 @@ from memplan.memory import distributed as dist
 from memplan.memory import logits as lg
 from memplan.memory import optimizer as opt
 from memplan.memory import overhead, weights
-from memplan.memory.context import Ctx, resolve
+from memplan.memory.context import Ctx, resolve, reties_head
 from memplan.phases import inference_phases, sharded_phases, training_phases
 from memplan.setup import Setup, sharding_label
 from memplan.spec import ModelSpec
@@ -153,6 +153,10 @@ def _notes(ctx: Ctx) -> tuple[str, ...]:
         notes.append(f"text-only steps: {', '.join(ctx.spec.arch.media_parts)} ({n / 1e6:,.1f}M parameters) held in "
                      "the weights, never run: no gradients, optimizer state or activations; image inputs are not "
                      "modelled")
+    if reties_head(ctx.spec, ctx.setup):
+        notes.append("resize_token_embeddings ties this checkpoint's own lm_head to the input embedding again "
+                     "(transformers 5 forces T5's tie): one vocabulary table fewer, and the head's trained values "
+                     "are replaced by the embedding's")
     if ctx.training and opt.is_paged(ctx):
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")

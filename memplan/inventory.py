@@ -5,6 +5,7 @@ Counting, not guessing: every unique parameter of the real module tree is record
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -50,7 +51,9 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
                        f"{type(e).__name__}: {e}") from None
     model.tie_weights()
     params, tied = _params(model, torch)
-    params, tied = _honour_untied_file(config_dict, model, params, tied)
+    params, untied = _honour_untied_file(config_dict, model, params, tied)
+    retie = next((dict(tied)[alias] for alias in dict(tied).keys() - dict(untied).keys()), "")
+    tied = untied
     linears = _linears(model, torch)
     media, media_linears, extra = (), (), {}
     if is_composite(config):  # estimated for text-only steps: the vision tower and projector are held, never run
@@ -58,6 +61,8 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
         params, linears, media, media_linears, parts = split_media(model, params, linears, skipped)
         extra = {"last_module": last, "media_parts": parts, "skipped_layers": len(skipped)}
     arch = _arch(config.get_text_config(), config_dict, model, cls.__name__, linears, tied, **extra)
+    if retie:
+        arch = dataclasses.replace(arch, retie_on_resize=retie)
     return ModelSpec(model_id=model_id, arch=arch, params=tuple(params), linears=tuple(linears), tied=tuple(tied),
                      config_file=config_file, transformers_version=transformers.__version__,
                      buffers=tuple(_buffers(model)), media=media, media_linears=media_linears)

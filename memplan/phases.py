@@ -82,9 +82,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         **indexer_backward_phase(ctx, grads - _late_grad_bytes(ctx), ends, int(outside - after), in_blocks,
                                  {**back, **block_casts}),
         **_frozen_backward_phase(ctx, res, grads, blocks),
-        # the decoder embedding's sum with lm_head's contribution: only where the head is tied to it
-        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks,
-                                   tied if ctx.spec.arch.tie_word_embeddings else 0),
+        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, tied),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
 
@@ -163,20 +161,24 @@ def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dic
 
 
 def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
-    """Encoder-decoders whose shared embedding trains (T5, BART): the decoder's embedding backward adds its
-    contribution to lm_head's in the engine's input buffer (logits.tied_accumulation_bytes) before the encoder's
-    backward starts, so the encoder's saved activations are still alive beside the decoder's gradients. Found by
-    the tracer on t5-small full bf16-mixed Adafactor (-4.9% before): its peak held the encoder's activations, the
-    decoder blocks' gradients and three [V, H] fp32 copies. tied: logits.tied_accumulation_bytes."""
+    """Encoder-decoders whose shared embedding trains (T5, BART): the decoder's embedding backward leaves its
+    contribution in the engine's input buffer until the encoder's arrives at the very end, so the encoder's saved
+    activations are still alive beside the decoder's gradients and that contribution (counted with the gradients:
+    the shared table's). Where lm_head is tied to the table the engine first sums the decoder's contribution with
+    lm_head's out of place (logits.tied_accumulation_bytes, `tied`: both and the sum). Found by the tracer on t5-small
+    full bf16-mixed Adafactor (-4.9% before): its peak held the encoder's activations, the decoder blocks' gradients and
+    three [V, H] fp32 copies; a stress run on mt0-xxl (its own lm_head) full bf16 SGD eager b2 s1024 target 128: -12.4%
+    with the phase left out where the head is untied."""
     if ctx.spec.arch.kind != "seq2seq" or not tied:
         return {}
     enc = [full if not ctx.setup.grad_ckpt else ck
            for (full, ck), blk in zip(blocks, layout.blocks(ctx.spec)) if blk.stack == "encoder"]
     enc_grads = sum(p.numel for p in ctx.spec.params if p.stack == "encoder" and p.name in ctx.trainable)
     later = 0 if held else enc_grads * ctx.weight_bytes  # the encoder's gradients do not exist yet
+    summed = tied if ctx.spec.arch.tie_word_embeddings else 0
     return {"decoder_embedding_backward": {**res, "gradients": grads - later, "activations": int(sum(enc)),
                                            "autocast_weight_copies": quant.autocast_copy_bytes(ctx, stack="encoder"),
-                                           "backward_temporaries": tied}}
+                                           "backward_temporaries": summed}}
 
 
 def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], dist.RankState]:

@@ -183,6 +183,11 @@ class Arch:
     #: parameters the model builds with requires_grad=False (Marian's and Pegasus' sinusoidal position tables): no
     #: gradients or optimizer state in any technique
     frozen_params: tuple[str, ...] = ()
+    #: the tensor a separate output embedding is tied to again when the vocabulary is resized: transformers 5 forces
+    #: T5Config/MT5Config.tie_word_embeddings=True, from_pretrained keeps a checkpoint's own lm_head (flan-t5-xl,
+    #: T0_3B, mt0-xxl), and resize_token_embeddings ends with tie_weights(), which ties it (checked on 5.24 with a
+    #: saved mT5: lm_head is shared after the resize). "" elsewhere (memory.context._resized_spec)
+    retie_on_resize: str = ""
 
     @property
     def num_layers(self) -> int:

@@ -437,6 +437,25 @@ def test_added_tokens_grow_only_the_vocabulary_rows_that_exist_and_train():
         assert optimizer.optimizer_state_bytes(c1) - optimizer.optimizer_state_bytes(c0) == (2 * rows * 4 if trains else 0)
 
 
+def test_added_tokens_tie_a_checkpoints_own_t5_head_again_from_transformers_5():
+    """transformers 5 forces T5/mT5's tie_word_embeddings; from_pretrained keeps mt0-xxl's own lm_head, and
+    resize_token_embeddings ends with tie_weights(), which ties it (memory.context._resized_spec): with added tokens
+    one [vocab, hidden] table fewer, said in the notes; transformers 4.x respects the config and keeps it."""
+    from memplan import libs
+
+    s0 = Setup(technique="full", precision="bf16", optimizer="adafactor", batch_size=1, seq_len=128)
+    s1 = dataclasses.replace(s0, added_tokens=3)
+    table = 250_112 * 4096 * 2  # mt0-xxl's vocabulary x d_model, bf16
+    e0, e1 = estimate("bigscience/mt0-xxl", s0), estimate("bigscience/mt0-xxl", s1)
+    rows = 3 * 4096 * 2  # the added rows of the one remaining table
+    assert e0.components["weights"] - e1.components["weights"] == table - rows
+    assert any("ties this checkpoint's own lm_head" in n for n in e1.notes)
+    with libs.assume(transformers="4.57.6"):
+        e4 = estimate("bigscience/mt0-xxl", s1)
+    assert e4.components["weights"] - e0.components["weights"] == 2 * rows
+    assert not any("ties this checkpoint's own lm_head" in n for n in e4.notes)
+
+
 @pytest.mark.parametrize("model, fields, per_logit", [
     # CUDA autocast has no cross_entropy_loss entry: a bf16 log_softmax (kept), nll_loss's fp32 cast (kept) and its
     # fp32 gradient (H100, transformers 5.17: t5-base bf16-mixed freeze b8 s512 +7.8% -> -1.0% with this)

@@ -186,13 +186,16 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     return q_dim * qk + kv * qk + kv * vr * c, probs
 
 
-def score_grad_bytes(ctx: Ctx) -> int:
+def score_grad_bytes(ctx: Ctx, q_len: int | None = None, k_len: int | None = None) -> int:
     """Inside an eager or math attention's backward: the probabilities' gradient (PV's backward) and the softmax
     backward's output, [b, heads, s_q, s_k] each in the softmax dtype (aten bmm / _softmax_backward_data; fused kernels
-    work tile by tile). Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing, -11% before."""
+    work tile by tile); s_q = s_k = the longer sequence unless given (an encoder-decoder's decoder block: its
+    target length against the source's). Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing, -11%
+    before."""
     kernel = attention_kernel(ctx, relative_bias=True)
     s = max(ctx.src_len, ctx.tgt_len)
-    return 2 * ctx.setup.batch_size * ctx.spec.arch.num_heads * s * s * softmax_out_bytes(ctx, kernel)
+    return 2 * ctx.setup.batch_size * ctx.spec.arch.num_heads * (q_len or s) * (k_len or s) * \
+        softmax_out_bytes(ctx, kernel)
 
 
 def softmax_out_bytes(ctx: Ctx, kernel: str) -> int:
