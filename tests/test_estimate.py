@@ -437,6 +437,18 @@ def test_added_tokens_grow_only_the_vocabulary_rows_that_exist_and_train():
         assert optimizer.optimizer_state_bytes(c1) - optimizer.optimizer_state_bytes(c0) == (2 * rows * 4 if trains else 0)
 
 
+def test_lora_dropout_on_fused_experts_is_refused_like_peft_does():
+    """peft adapts Mixtral's router and fused experts as parameters (lora.ParamWrapper), which raise on
+    lora_dropout != 0; the attention's Linears take dropout."""
+    from memplan.errors import BadInput
+
+    with pytest.raises(BadInput, match="--lora-dropout 0"):
+        estimate("mistralai/Mixtral-8x7B-v0.1", Setup(technique="lora", precision="bf16", lora_targets="all-linear",
+                                                      lora_dropout=0.05))
+    assert estimate("mistralai/Mixtral-8x7B-v0.1", Setup(technique="lora", precision="bf16",
+                                                         lora_targets="q_proj,v_proj", lora_dropout=0.05))
+
+
 def test_added_tokens_tie_a_checkpoints_own_t5_head_again_from_transformers_5():
     """transformers 5 forces T5/mT5's tie_word_embeddings; from_pretrained keeps mt0-xxl's own lm_head, and
     resize_token_embeddings ends with tie_weights(), which ties it (memory.context._resized_spec): with added tokens

@@ -202,6 +202,13 @@ def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
         p.append("target_len applies to encoder-decoder models only")
     if setup.mode == "infer" and a.kind == "encoder" and setup.new_tokens:
         p.append(f"{spec.model_id} is an encoder: it does not generate; drop --new-tokens")
+    if setup.uses_lora and setup.lora_dropout and a.lora_expert_targets:
+        wrapped = sorted({m.kind for m in select.lora_linears(spec, setup.lora_targets)} & {"expert", "router"})
+        if wrapped:
+            # peft/tuners/lora/layer.py ParamWrapper: "does not work with lora_dropout != 0" (found by a stress run)
+            p.append(f"peft adapts {spec.model_id}'s {' and '.join(w + 's' for w in wrapped)} as parameters "
+                     "(lora.ParamWrapper), which refuse LoRA dropout: use --lora-dropout 0, or target the attention "
+                     "only (e.g. --lora-targets q_proj,v_proj)")
     return p
 
 
