@@ -97,7 +97,7 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
         raise TypeError("pass either a Setup or Setup fields, not both")
     ctx = resolve(spec, setup)
     if dist.is_distributed(setup):
-        return _assemble(ctx, *sharded_phases(ctx, resolve(spec, dist.compute_setup(setup))))
+        return _assemble(ctx, *sharded_phases(ctx, dist.compute_ctx(spec, setup)))
     phases = training_phases(ctx) if setup.mode == "train" else inference_phases(ctx)
     return _assemble(ctx, phases)
 

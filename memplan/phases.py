@@ -191,8 +191,8 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
              "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
     grads = {"forward": rs.gradients if accum else 0, "backward_start": rs.gradients if accum else 0}
-    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_backward,
-                "lm_head_backward": rs.gathered_backward, "backward_end": rs.gathered_backward_end,
+    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_head,
+                "lm_head_backward": rs.gathered_head, "backward_end": rs.gathered_backward_end,
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
                 "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
                 "first_attention_backward": rs.gathered_backward_end,
@@ -200,7 +200,9 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
     out = {}
     for name, parts in phases.items():
         kind = "forward" if name.startswith("forward") else name  # forward_block, forward_indexer: in the forward
-        parts = {**parts, **state, "gathered_params": gathered[kind]}
+        # backward_start is the loss's side (its logits' gradients: the root alone gathered) or a block's recompute
+        head_side = name != "backward_start" or parts.get("logits", 0) > 0
+        parts = {**parts, **state, "gathered_params": gathered[kind] if head_side else rs.gathered_backward}
         if kind in grads:
             parts["gradients"] = grads[kind]
         elif name == "lm_head_backward":  # the head's unsharded gradient, before it is reduced

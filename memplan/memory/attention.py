@@ -93,7 +93,7 @@ def _softmax_fp32(ctx: Ctx, c: int) -> bool:
     asks for it (Arch.eager_softmax_fp32; SOFTMAX_FP32_UNTIL in the releases before the one named), or its scores
     are fp32 already (QK_FP32)."""
     a = ctx.spec.arch
-    return (ctx.mixed or c == 4 or a.eager_softmax_fp32 or a.model_type in QK_FP32
+    return (ctx.autocast or c == 4 or a.eager_softmax_fp32 or a.model_type in QK_FP32
             or libs.older_than("transformers", SOFTMAX_FP32_UNTIL.get(a.model_type, ())))
 
 

@@ -32,6 +32,9 @@ class Ctx:
     src_len: int  # tokens per sample through the encoder (seq2seq/encoder) or the decoder (causal)
     tgt_len: int  # decoder tokens (seq2seq); == src_len for causal
     act_bytes: int = 0  # bytes of the block-internal activations (0: compute_bytes); see resolve()
+    #: autocast over a 16-bit model: FSDP computes with its MixedPrecisionPolicy's 16-bit parameters while
+    #: accelerate's autocast stays on (memplan.memory.distributed.compute_ctx)
+    autocast_16bit: bool = False
 
     @property
     def mixed(self) -> bool:
@@ -39,6 +42,12 @@ class Ctx:
         Trainer bf16=True/fp16=True over peft.prepare_model_for_kbit_training's fp32 non-quantized weights; memplan's
         plan files set it). Weights stay fp32 (weight_bytes) and matmuls run in compute_bytes either way."""
         return self.setup.mixed or (bool(self.quantized) and self.training and self.compute_bytes < 4)
+
+    @property
+    def autocast(self) -> bool:
+        """torch.autocast runs: `mixed`, or over a 16-bit model (autocast_16bit): the ops on its fp32 list (softmax,
+        log_softmax, nll_loss) compute in fp32 whatever the weights' dtype."""
+        return self.mixed or self.autocast_16bit
 
     @property
     def training(self) -> bool:
@@ -134,7 +143,8 @@ def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]
             if (ctx.trainable, ctx.lora, ctx.quantized) != _selection(ctx.spec, s):
                 return f(ctx)  # a Ctx with hand-made sets (dataclasses.replace): not what the key stands for
             key = (f, id(ctx.spec), ctx.weight_bytes, ctx.compute_bytes, ctx.act_bytes, ctx.residual_bytes,
-                   ctx.attn_impl, ctx.vocab, libs.version("transformers")) + tuple(getattr(s, n) for n in names)
+                   ctx.attn_impl, ctx.vocab, ctx.autocast_16bit, libs.version("transformers")) + \
+                tuple(getattr(s, n) for n in names)
             return _memo_get(key, ctx.spec, lambda: f(ctx))
         return cached
     return wrap

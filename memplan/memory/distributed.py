@@ -34,7 +34,7 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from memplan.memory.context import Ctx, per_model
+from memplan.memory.context import Ctx, per_model, resolve
 from memplan.memory import optimizer as opt
 from memplan.memory import weights
 from memplan.setup import FSDP_SHARDINGS, ZERO_STAGES, Setup
@@ -61,6 +61,18 @@ def compute_setup(setup: Setup) -> Setup:
     if setup.engine in ("deepspeed", "fsdp") and setup.mixed:
         return dataclasses.replace(setup, precision=setup.compute_dtype)
     return setup
+
+
+def compute_ctx(spec, setup: Setup) -> Ctx:
+    """The Ctx a rank computes with (compute_setup's). Under FSDP accelerate keeps its autocast on over the 16-bit
+    parameters (Ctx.autocast_16bit): softmax, log_softmax and nll_loss still run in fp32. Found by a stress run
+    (trace_sharded): t5-base full bf16-mixed fsdp-full-shard x4 b4 s512 checkpointed, -17% with a 16-bit loss; its
+    CrossEntropyLoss keeps a bf16 log_softmax, nll_loss's fp32 cast and an fp32 gradient, as on one GPU. DeepSpeed
+    casts the module and runs no autocast."""
+    ctx = resolve(spec, compute_setup(setup))
+    if setup.engine == "fsdp" and setup.mixed:
+        ctx = dataclasses.replace(ctx, autocast_16bit=True)
+    return ctx
 
 
 # ------------------------------------------------------------------------------------------------ bucket sizes
@@ -131,6 +143,7 @@ class RankState:
     gathered_forward: int  # unsharded parameters alive at the forward peak (ZeRO-3 / FSDP)
     gathered_backward: int  # unsharded parameters + unsharded unit gradients alive during backward
     gathered_backward_end: int  # the same at the end of backward (shard-grad-op has resharded all but the last)
+    gathered_head: int  # unsharded while the loss and the head run backward, before any block's
     step_temporaries: int  # optimizer-step buffers on the GPU (fp32 gradient partition, ...)
     host_bytes: int  # pinned host memory of this rank (offloaded state)
     nccl_device_bytes: int  # NCCL communicator buffers (outside PyTorch's allocator)
@@ -156,7 +169,7 @@ def _ddp(ctx: Ctx, nccl: int) -> RankState:
     return RankState(weights=weights.weights_bytes(ctx) + weights.quant_state_bytes(ctx),
                      lora_adapters=weights.lora_bytes(ctx), master_and_optimizer=opt.optimizer_state_bytes(ctx),
                      gradients=grads, comm_buffers=grads, comm_backward=0, gathered_forward=0, gathered_backward=0,
-                     gathered_backward_end=0,
+                     gathered_backward_end=0, gathered_head=0,
                      step_temporaries=opt.optimizer_temp_bytes(ctx), host_bytes=0, nccl_device_bytes=nccl)
 
 
@@ -222,7 +235,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
     return RankState(weights=resident, lora_adapters=lora, master_and_optimizer=0 if offload_opt else math.ceil(states / n),
                      gradients=grads, comm_buffers=comm, comm_backward=comm_backward,
                      gathered_forward=gathered + retained, gathered_backward=gathered + retained,
-                     gathered_backward_end=gathered, step_temporaries=step_tmp,
+                     gathered_backward_end=gathered, gathered_head=gathered + retained, step_temporaries=step_tmp,
                      host_bytes=host, nccl_device_bytes=nccl)
 
 
@@ -252,9 +265,13 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
     end = root + 2 * block + 2 * block_grad  # unsharded grads + the reduce-scatter input copy
     if s.sharding == "fsdp-shard-grad-op":  # nothing resharded between a unit's forward and its backward
         fwd = root + sum(unit_bytes(k, cb) for k in blocks)
-        bwd = fwd + 2 * block_grad
+        bwd = head = fwd + 2 * block_grad
     else:
-        fwd, bwd = root + 2 * block, end
+        # the last block is resharded after its forward; the root's pre-backward (on the logits) prefetches it again
+        # at the loss's backward: the root and one block unsharded there, no unit's gradients yet. Found by a stress
+        # run (trace_sharded): Llama-3.2-1B fsdp-full-shard x8 b2 s1024, the loss's backward held the root's
+        # 262,668,288 bf16 elements and one block's 60,874,752
+        fwd, bwd, head = root + 2 * block, end, root + block
     offload = s.offload == "params+optimizer"
     states = opt.optimizer_state_bytes(ctx)  # over the shards in their stored dtype
     host = math.ceil((base + lora + t * wb + states) / n) if offload else 0
@@ -262,6 +279,7 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
                      master_and_optimizer=0 if offload else math.ceil(states / n),
                      gradients=0 if offload else math.ceil(t * wb / n), comm_buffers=0, comm_backward=0,
                      gathered_forward=int(fwd), gathered_backward=int(bwd), gathered_backward_end=int(end),
+                     gathered_head=int(head),
                      step_temporaries=0 if offload else math.ceil(opt.optimizer_temp_bytes(ctx) / n),
                      host_bytes=host, nccl_device_bytes=nccl)
 

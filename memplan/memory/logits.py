@@ -56,12 +56,14 @@ def _fp32_logits(ctx: Ctx) -> bool:
     copies: `lm_logits + self.final_logits_bias`): the sum, the logits the loss reads, is fp32. Found by the tracer:
     bart-large full bf16-mixed b8 s512 -3.4% while T5's and BERT's 16-bit loss was modelled. The buffer has the
     dtype the model was loaded in (Buffer "float"): fp32 under mixed precision, 16-bit under QLoRA (k-bit preparation
-    casts parameters only: an mBART-shaped config QLoRA +9.2% when counted fp32). Added tokens make it fp32 whatever
+    casts parameters only: an mBART-shaped config QLoRA +9.2% when counted fp32); FSDP's 16-bit parameter policy
+    leaves buffers fp32 too (Ctx.autocast_16bit). Added tokens make it fp32 whatever
     the model's dtype: resize_token_embeddings grows it with `torch.zeros((1, extra))`, fp32 by default, and torch.cat
     promotes (modeling_bart `_resize_final_logits_bias`). Found by a stress run: bart-large LoRA bf16 b2 s512
     checkpointed with 8 added tokens, -20% with 16-bit logits."""
     has_bias = any(b.name.endswith("final_logits_bias") and b.dtype == "float" for b in ctx.spec.buffers)
-    return has_bias and ((ctx.mixed and ctx.setup.weight_dtype == "fp32") or ctx.setup.added_tokens > 0)
+    return has_bias and ((ctx.mixed and ctx.setup.weight_dtype == "fp32") or ctx.autocast_16bit
+                         or ctx.setup.added_tokens > 0)
 
 
 def _cuda_split_loss(ctx: Ctx) -> bool:
@@ -71,14 +73,14 @@ def _cuda_split_loss(ctx: Ctx) -> bool:
     which its backward saves too. Measured on an H100 (transformers 5.17): t5-base bf16-mixed freeze b8 s512 +7.8%
     and full b16 s512 with checkpointing +8.3% with an fp32 log_softmax counted; the tracer followed CPU autocast,
     which casts the logits to fp32 first (emulations._cuda_cross_entropy now runs CUDA's order)."""
-    return ctx.mixed and _plain_cross_entropy(ctx) and _logit_bytes(ctx) < 4 and not _fp32_logits(ctx)
+    return ctx.autocast and _plain_cross_entropy(ctx) and _logit_bytes(ctx) < 4 and not _fp32_logits(ctx)
 
 
 def _loss_bytes(ctx: Ctx) -> int:
     """dtype of log_softmax inside cross-entropy: fp32 after the loss_function upcast, or under autocast (log_softmax
     and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model, fp32
     where an fp32 bias makes them so (_fp32_logits)."""
-    if ctx.mixed or not _plain_cross_entropy(ctx) or _fp32_logits(ctx):
+    if ctx.autocast or not _plain_cross_entropy(ctx) or _fp32_logits(ctx):
         return 4
     return _logit_bytes(ctx)
 
