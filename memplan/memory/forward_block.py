@@ -172,14 +172,14 @@ def indexer_bytes(ctx: Ctx) -> int:
         return 0
     b, s = ctx.setup.batch_size, max(ctx.src_len, ctx.tgt_len)
     copied = d if b > 1 else 0  # at batch 1 the broadcast folds into one mm: no copy of k
-    e = ctx.compute_bytes if ctx.mixed else 4  # autocast runs the matmul on compute-dtype casts of the fp32 copies
+    e = ctx.compute_bytes if ctx.autocast else 4  # autocast runs the matmul on compute-dtype casts of the fp32 copies
     named, cast = _indexer_qk_bytes(ctx)
     return b * s * (max(s * (copied + h) * e + cast, s * 2 * h * e) + named + _mla_locals_bytes(ctx))
 
 
 def _rotated_bytes(ctx: Ctx) -> int:
-    """Bytes per element of a rotated q or k part: fp32 under autocast (the compute-dtype part times the fp32 cos and
-    sin promotes), else the activations' dtype."""
+    """Bytes per element of a rotated q or k part: fp32 under autocast over an fp32 stream (the compute-dtype part
+    times the stream's fp32 cos and sin promotes), else the activations' dtype."""
     return 4 if ctx.mixed else ctx.act_bytes
 
 
@@ -194,8 +194,8 @@ def _indexer_qk_bytes(ctx: Ctx) -> tuple[int, int]:
     h, d, r = ctx.spec.arch.indexer
     act, rot = ctx.act_bytes, _rotated_bytes(ctx)
     cat = 4 if ctx.mixed else act
-    norm = 4 if ctx.mixed else act
-    inputs = (4 if cat != 4 else 0) + (ctx.compute_bytes if ctx.mixed else 0)
+    norm = 4 if ctx.autocast else act  # layer_norm is on autocast's fp32 list
+    inputs = (4 if cat != 4 else 0) + (ctx.compute_bytes if ctx.autocast else 0)
     return h * d * (act + cat) + h * r * rot + d * (act + norm + cat) + r * rot, (h + 1) * d * inputs
 
 

@@ -15,19 +15,20 @@ SAVES_OUTPUT = {"relu"}
 
 def act_saved_bytes(ctx: Ctx, trains: bool = False) -> float:
     """Bytes per element of its input the MLP activation saves (trains: its own parameters, if any, train with the
-    MLP): measured on the family's activation when its inventory was built (Arch.act_saves, codefacts.act_saves),
+    MLP): measured on the family's activation when its inventory was built (Arch.act_saves, codefacts.act_saves;
+    under autocast over FSDP's 16-bit parameters the 16-bit autocast case),
     else one ATen op's (its input)."""
     table, c = ctx.spec.arch.act_saves, ctx.act_bytes
     if not table:
         return c
-    return table[act_case(trains, ctx.mixed, c)]
+    return table[act_case(trains, ctx.autocast, c)]
 
 
 def act_out_bytes(ctx: Ctx, trains: bool = False) -> float:
     """Bytes per element the MLP activation returns (Arch.act_out, measured: gelu_new under autocast returns fp32),
     else the activations' dtype."""
     table, c = ctx.spec.arch.act_out, ctx.act_bytes
-    return table[act_case(trains, ctx.mixed, c)] if table else c
+    return table[act_case(trains, ctx.autocast, c)] if table else c
 
 
 def weight_trains(ctx: Ctx, name: str) -> bool:
