@@ -1,7 +1,7 @@
 """Every decoder, encoder and encoder-decoder family transformers ships, shaped small and traced: where is the estimate
 still wrong for a family nobody has checked?
 
-    python benchmarks/family_survey.py [--families qwen3_moe,gpt_oss,...]
+    python benchmarks/family_survey.py [--families qwen3_moe,gpt_oss,...] [--variant]
 
 For each family, its transformers config class with the sizes below (hidden 512, 4 blocks, 4 experts of which 2
 per token, vocabulary 32,000; every other field the class default) is built into a config.json in a temporary
@@ -58,6 +58,15 @@ SETUPS = (("LoRA bf16", dict(technique="lora", precision="bf16", lora_targets="a
                                    seq_len=512, attn_impl="eager")),
           ("full bf16-mixed", dict(technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2,
                                    seq_len=256)))
+#: `--variant`: four other setups (checkpointing, QLoRA, freezing, padding) -> family_survey_variant.md
+VARIANT_SETUPS = (
+    ("QLoRA ckpt", dict(technique="qlora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=512,
+                        grad_ckpt=True)),
+    ("LoRA bf16-mixed eager ckpt", dict(technique="lora", precision="bf16-mixed", lora_targets="all-linear",
+                                        batch_size=2, seq_len=512, attn_impl="eager", grad_ckpt=True)),
+    ("freeze bf16-mixed", dict(technique="freeze", trainable="2", precision="bf16-mixed", batch_size=2, seq_len=256)),
+    ("full bf16 ckpt padded", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2,
+                                   seq_len=1024, grad_ckpt=True, padded=True)))
 
 
 def shape_config(family: str) -> dict:
@@ -130,8 +139,9 @@ def _shaped(config, sizes: dict, pattern: bool = False) -> dict:
     return d
 
 
-def survey(family: str, folder: Path) -> tuple[list[str], str]:
-    """(four error cells, failures) of one family."""
+def survey(family: str, folder: Path, setups=None) -> tuple[list[str], str]:
+    """(four error cells, failures) of one family, over `setups` (default SETUPS)."""
+    setups = setups or SETUPS
     from memplan.errors import MemplanError
     from trace_vs_estimate import run_row
 
@@ -140,9 +150,9 @@ def survey(family: str, folder: Path) -> tuple[list[str], str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(shape_composite(family) if family in VLM_FAMILIES else shape_config(family)))
     except Exception as e:  # the config class rejects the sizes
-        return ["-"] * len(SETUPS), f"config: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        return ["-"] * len(setups), f"config: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
     cells, failures = [], []
-    for name, fields in SETUPS:
+    for name, fields in setups:
         try:
             _, _, c, _ = run_row(str(path), fields, None)
             cells.append(f"{100 * c['rel_error']:+.2f}%")
@@ -159,7 +169,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(FAMILIES + VLM_FAMILIES),
                     help="comma-separated transformers model types")
+    ap.add_argument("--variant", action="store_true", help="the VARIANT_SETUPS, written to family_survey_variant.md")
     args = ap.parse_args(argv)
+    setups = VARIANT_SETUPS if args.variant else SETUPS
     import torch
     import transformers
 
@@ -168,7 +180,7 @@ def main(argv=None) -> int:
     rows, errors = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
-            cells, failures = survey(family, Path(tmp))
+            cells, failures = survey(family, Path(tmp), setups)
             rows.append((family, cells, failures))
             errors += [abs(float(c.rstrip("%"))) for c in cells if c.endswith("%")]
             print(family, *cells, failures[:120], flush=True)
@@ -177,10 +189,11 @@ def main(argv=None) -> int:
             f"{len(rows)} families · {len(errors)} setups traced · median |error| {statistics.median(errors or [0]):.2f}% · "
             f"within 3%: {within}/{len(errors)}")
     lines = ["# Family survey: estimate vs trace on every family, shaped small", "", head, "",
-             "| family | " + " | ".join(name for name, _ in SETUPS) + " | not run / failures |",
-             "|---|" + "---:|" * len(SETUPS) + "---|"]
+             "| family | " + " | ".join(name for name, _ in setups) + " | not run / failures |",
+             "|---|" + "---:|" * len(setups) + "---|"]
     lines += [f"| {f} | " + " | ".join(cells) + f" | {failures} |" for f, cells, failures in rows]
-    write_text_atomic(ROOT / "benchmarks" / "results" / "family_survey.md", "\n".join(lines) + "\n")
+    name = "family_survey_variant.md" if args.variant else "family_survey.md"
+    write_text_atomic(ROOT / "benchmarks" / "results" / name, "\n".join(lines) + "\n")
     print(head)
     return 0
 

@@ -298,4 +298,6 @@ def position_bias_bytes(ctx: Ctx) -> float:
         # stress run: t5-base LoRA bf16 sdpa padded b4 s512 checkpointed, +29% with 12 merged copies counted)
         per_layer = ctx.setup.padded and not ctx.setup.grad_ckpt
         layers, rows = (decoder_layers, rows) if per_layer else (layers, 1)
+        if ctx.setup.grad_ckpt and bias_per_layer(a):  # UMT5: each layer's own bias is recomputed, never passed on
+            layers = 1
     return layers * rows * a.num_heads * ctx.tgt_len * ctx.src_len * _bias_mask_dtype_bytes(ctx)
