@@ -215,7 +215,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
         if kind in grads:
             parts["gradients"] = grads[kind]
         elif name == "lm_head_backward":  # the head's unsharded gradient, before it is reduced
-            parts["gradients"] = rs.gradients + parts.get("gradients", 0) if accum else parts.get("gradients", 0)
+            parts["gradients"] = early + parts.get("gradients", 0)
         else:
             parts["gradients"] = rs.gradients
         if name == "embedding_backward" and ctx.setup.sharding == "zero3":

@@ -250,12 +250,13 @@ def _cut(tmp_path, model: str, layers: int) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["TinyLlama/TinyLlama-1.1B-Chat-v1.0", "HuggingFaceTB/SmolLM2-135M",
                                    "meta-llama/Llama-3.2-1B"])
-def test_zero3_estimate_within_5_percent_of_the_deepspeed_trace(tmp_path, model):
+def test_zero3_estimate_within_2_percent_of_the_deepspeed_trace(tmp_path, model):
     """Rank 0 of real DeepSpeed ZeRO-3 (deepspeed.initialize with the JSON memplan writes, torch AdamW) on its CPU
     accelerator over a fake process group of 4 (memplan.trace_sharded.trace_deepspeed), models cut to 4 blocks.
-    Measured 2026-11-25: TinyLlama +2.4%, SmolLM2-135M (tied embedding) +1.1%; Llama-3.2-1B cut to 4 blocks +0.2%
+    Measured 2026-11-25: TinyLlama +0.0%, SmolLM2-135M (tied embedding) +0.2%; Llama-3.2-1B cut to 4 blocks +0.2%
     (-0.7% / -4.3% / -5.0% before ZeRO-3's persistent gradient-partition buffer was counted in the forward and the
-    loss's backward, and the tied table's whole gradient at its backward)."""
+    loss's and head's backward, the tied table's whole gradient at its backward, and the gathered bytes capped at the
+    model's)."""
     pytest.importorskip("deepspeed")
     from memplan.trace import comparable_estimate_bytes
     from memplan.trace_sharded import trace_deepspeed
@@ -264,6 +265,6 @@ def test_zero3_estimate_within_5_percent_of_the_deepspeed_trace(tmp_path, model)
     s = Setup(technique="full", precision="bf16-mixed", optimizer="adamw-fused", sharding="zero3", num_gpus=4,
               batch_size=2, seq_len=64)
     traced = trace_deepspeed(config, s)
-    assert comparable_estimate_bytes(estimate(config, s)) == pytest.approx(traced.peak_allocated_bytes, rel=0.05)
+    assert comparable_estimate_bytes(estimate(config, s)) == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
     # after the step: 16-bit partition + fp32 master + Adam moments + the 16-bit gradient buffer, each / 4
     assert traced.phases["optimizer"] > 16 * load_spec(config).numel_total / 4
