@@ -7,20 +7,20 @@ from __future__ import annotations
 
 from memplan.memory import block_ends, forward_block, quant
 from memplan.memory import logits as lg
-from memplan.memory.activations import per_block_bytes
 from memplan.memory.attention import score_grad_bytes
 from memplan.memory.context import Ctx
 from memplan.memory.masks import checkpointed_mask_bytes, mask_bytes
 
 
-def in_forward_phases(ctx: Ctx, common: dict, before_head: int) -> dict:
+def in_forward_phases(ctx: Ctx, common: dict, before_head: int, blocks: list) -> dict:
     """Moments inside the blocks' forward, each with what the blocks before it saved and the embeddings' saves
     (`before_head`: the head's side comes later), the blocks' autocast copies (not yet the head's) and the masks:
     forward_block, checkpointing with an eager or math attention: the last block at its softmax or its MLP
     (forward_block.working_bytes; found by the tracer: falcon-7b QLoRA eager b8 s1024 checkpointed peaked there,
     -5.7% without it); forward_indexer, DeepSeek-V3.2: the last layer's indexer (forward_block.indexer_bytes), where
     without checkpointing the last block has saved only its input and what its attention holds (counted there):
-    its whole saves left out of `before_head` (a DeepSeek-V3.2-shaped config full bf16 b2 s512 +2.6% with them)."""
+    its whole saves left out of `before_head` (a DeepSeek-V3.2-shaped config full bf16 b2 s512 +2.6% with them).
+    blocks: activations.per_block_bytes(ctx)."""
     works = {"forward_block": forward_block.working_bytes(ctx) if ctx.setup.grad_ckpt else 0,
              "forward_indexer": forward_block.indexer_bytes(ctx)}
     if not any(works.values()):
@@ -31,7 +31,7 @@ def in_forward_phases(ctx: Ctx, common: dict, before_head: int) -> dict:
     if "forward_indexer" in phases and not ctx.setup.grad_ckpt:
         a = ctx.spec.arch
         block_input = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len) * a.hidden_size * ctx.residual_bytes
-        own = per_block_bytes(ctx)[-1][0] if per_block_bytes(ctx) else 0
+        own = blocks[-1][0] if blocks else 0
         phases["forward_indexer"]["activations"] = int(before_head - own + block_input)
     return phases
 

@@ -51,9 +51,7 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
                        f"{type(e).__name__}: {e}") from None
     model.tie_weights()
     params, tied = _params(model, torch)
-    params, untied = _honour_untied_file(config_dict, model, params, tied)
-    retie = next((dict(tied)[alias] for alias in dict(tied).keys() - dict(untied).keys()), "")
-    tied = untied
+    params, tied, retie = _honour_untied_file(config_dict, model, params, tied)
     linears = _linears(model, torch)
     media, media_linears, extra = (), (), {}
     if is_composite(config):  # estimated for text-only steps: the vision tower and projector are held, never run
@@ -128,16 +126,17 @@ def _params(model, torch):
 def _honour_untied_file(d: dict, model, params, tied):
     """transformers 5.23 ties T5/mT5 embeddings even when the config file says tie_word_embeddings: false
     (SOURCES.md: flan-t5-xl, T0_3B, mt0-xxl would undercount by vocab x d_model). Follow the file: the checkpoint
-    ships a separate lm_head."""
+    ships a separate lm_head. -> (params, tied, the tensor a resize ties that head to again: Arch.retie_on_resize,
+    "" where nothing was untied)."""
     if d.get("tie_word_embeddings", True) is not False:
-        return params, tied
+        return params, tied, ""
     out = model.get_output_embeddings()
     head = next((alias for alias, target in tied if out is not None and alias.startswith(_module_name(model, out))), None)
     if head is None:
-        return params, tied
+        return params, tied, ""
     target = dict(tied)[head]
     shape = next(p.shape for p in params if p.name == target)
-    return params + [Param(head, shape, "lm_head")], [t for t in tied if t[0] != head]
+    return params + [Param(head, shape, "lm_head")], [t for t in tied if t[0] != head], target
 
 
 def _module_name(model, module) -> str:

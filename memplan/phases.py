@@ -69,7 +69,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
-        **in_forward_phases(ctx, common, int(saved - after)),
+        **in_forward_phases(ctx, common, int(saved - after), blocks),
         "backward_start": max(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
                               key=lambda parts: sum(parts.values())),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
@@ -221,8 +221,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
         if name == "embedding_backward" and ctx.setup.sharding == "zero3":
             # the tied table's whole 16-bit gradient, beside its two contributions, before it is reduce-scattered into
             # the partition (found against the DeepSpeed trace: Llama-3.2-1B cut to 4 blocks, zero3 x4, -12.5%)
-            copies = 3 if accum else 2
-            parts["backward_temporaries"] = parts.get("backward_temporaries", 0) * (copies + 1) // copies
+            parts["backward_temporaries"] = parts.get("backward_temporaries", 0) + lg.tied_table_bytes(compute)
         if name == "optimizer_step":
             parts["optimizer_temporaries"] = rs.step_temporaries
         elif kind != "forward":

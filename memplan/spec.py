@@ -236,10 +236,10 @@ class ModelSpec:
         arch["norm_saves"] = tuple(tuple(pair) for pair in arch.get("norm_saves", ()))
         arch["act_saves"] = tuple(arch.get("act_saves", ()))
         arch["act_out"] = tuple(arch.get("act_out", ()))
-        arch["eager_held"] = (tuple(arch.get("eager_held", ())) + (False, False, True)[len(arch.get("eager_held", ())):])
+        arch["eager_held"] = _padded(arch.get("eager_held", ()), (False, False, True))
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
         arch["linear_layers"] = tuple(arch.get("linear_layers", ()))
-        arch["indexer"] = (tuple(arch.get("indexer", ())) + (0, 0, 0))[:3]
+        arch["indexer"] = _padded(arch.get("indexer", ()), (0, 0, 0))
         arch["linear_saves"] = tuple(arch.get("linear_saves", ()))
         arch["linear_work"] = tuple(arch.get("linear_work", ()))
         arch["expert_gate_saves"] = tuple(arch.get("expert_gate_saves", ()))
@@ -288,3 +288,8 @@ class ModelSpec:
             out["media_linears"] = [[m.name, m.in_features, m.out_features, m.bias, m.block, m.stack, m.kind,
                                      m.is_output] for m in self.media_linears]
         return out
+
+
+def _padded(values, defaults: tuple) -> tuple:
+    """An inventory's tuple field with the values later releases of memplan appended: the defaults past its length."""
+    return tuple(values) + defaults[len(values):]

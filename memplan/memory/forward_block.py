@@ -66,7 +66,7 @@ def query_bytes(ctx: Ctx) -> int:
     checkpointed held no cast copy at its softmax."""
     from memplan.memory.layout import blocks
 
-    first = blocks(ctx.spec)[0] if blocks(ctx.spec) else None
+    first = next(iter(blocks(ctx.spec)), None)
     return 4 if ctx.mixed and first is not None and first.qk_norm_widths else ctx.act_bytes
 
 
@@ -178,8 +178,9 @@ def indexer_bytes(ctx: Ctx) -> int:
 
 
 def _rotated_bytes(ctx: Ctx) -> int:
-    """Bytes per element of a rotated q or k part: fp32 under autocast over an fp32 stream (the compute-dtype part
-    times the stream's fp32 cos and sin promotes), else the activations' dtype."""
+    """Bytes per element of a rotated q or k part and of its torch.cat with the unrotated part: fp32 under autocast
+    over an fp32 stream (the compute-dtype part times the stream's fp32 cos and sin promotes, and the cat with it),
+    else the activations' dtype."""
     return 4 if ctx.mixed else ctx.act_bytes
 
 
@@ -193,7 +194,7 @@ def _indexer_qk_bytes(ctx: Ctx) -> tuple[int, int]:
     the scaling's moment holds no copy."""
     h, d, r = ctx.spec.arch.indexer
     act, rot = ctx.act_bytes, _rotated_bytes(ctx)
-    cat = 4 if ctx.mixed else act
+    cat = rot  # torch.cat takes the rotated part's dtype
     norm = 4 if ctx.autocast else act  # layer_norm is on autocast's fp32 list
     inputs = (4 if cat != 4 else 0) + (ctx.compute_bytes if ctx.autocast else 0)
     return h * d * (act + cat) + h * r * rot + d * (act + norm + cat) + r * rot, (h + 1) * d * inputs
@@ -209,7 +210,7 @@ def _mla_locals_bytes(ctx: Ctx) -> int:
     from memplan.select import gets_no_grad
 
     a = ctx.spec.arch
-    first = blocks(ctx.spec)[0] if blocks(ctx.spec) else None
+    first = next(iter(blocks(ctx.spec)), None)
     out = next((m for slot, m in first.linears if slot == "attn_out"), None) if first else None
     if out is None:
         return 0
@@ -219,4 +220,4 @@ def _mla_locals_bytes(ctx: Ctx) -> int:
     r, rot = a.indexer[2], _rotated_bytes(ctx)
     q_dim = a.num_heads * a.head_dim
     return a.hidden_size * ctx.residual_bytes + projected * ctx.act_bytes + (a.num_heads + 1) * r * rot \
-        + q_dim * (4 if ctx.mixed else ctx.act_bytes) + q_dim * ctx.act_bytes
+        + q_dim * rot + q_dim * ctx.act_bytes

@@ -160,7 +160,6 @@ def head_grad_bytes(ctx: Ctx) -> int:
     return 0
 
 
-@per_model("grad_accum")
 def tied_accumulation_bytes(ctx: Ctx) -> int:
     """A trainable tied embedding gets two gradient contributions: lm_head's weight grad (computed first and held
     by the autograd engine's input buffer) and the embedding's dense backward (at the very end). The engine sums
@@ -168,18 +167,23 @@ def tied_accumulation_bytes(ctx: Ctx) -> int:
     torch.profiler on plain CPU autograd, and by the tracer), so both contributions and their sum are alive at once:
     two extra copies beyond the gradient itself; with accumulation the sum is then added into the held .grad
     (three extra)."""
+    return (3 if ctx.setup.grad_accum > 1 else 2) * tied_table_bytes(ctx)
+
+
+@per_model()
+def tied_table_bytes(ctx: Ctx) -> int:
+    """One gradient of the trainable table two uses share (tied_accumulation_bytes): the input embedding lm_head is
+    tied to, or - encoder-decoders whose checkpoint keeps its own lm_head (flan-t5-xl, T0_3B, mt0-xxl) - the shared
+    embedding the encoder and the decoder both read, whose contributions the engine sums the same way (found by the
+    tracer: mt0-xxl full fine-tuning held 2 x [V, H] fp32 at the end of backward, -3.8% before); 0 without one."""
     tied = dict(ctx.spec.tied)
-    copies = 3 if ctx.setup.grad_accum > 1 else 2
     for m in ctx.spec.linears:
         target = tied.get(m.name + ".weight")
         if m.is_output and target in ctx.trainable:
-            return copies * m.in_features * ctx.vocab * ctx.weight_bytes
-    # encoder-decoders whose checkpoint keeps its own lm_head (flan-t5-xl, T0_3B, mt0-xxl): the shared embedding
-    # still serves the encoder and the decoder, whose contributions the engine sums the same way (found by the
-    # tracer: mt0-xxl full fine-tuning held 2 x [V, H] fp32 at the end of backward, -3.8% before)
+            return m.in_features * ctx.vocab * ctx.weight_bytes
     for p in ctx.spec.params:
         if p.role == "embedding" and p.name in ctx.trainable and list(tied.values()).count(p.name) >= 2:
-            return copies * numel(ctx, p) * ctx.weight_bytes
+            return numel(ctx, p) * ctx.weight_bytes
     return 0
 
 
