@@ -319,7 +319,7 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the encoder's 512) live through the
     forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
     from memplan import libs
-    from memplan.memory.attention import position_bias_bytes, self_bias_mask_bytes
+    from memplan.memory.position_bias import position_bias_bytes, self_bias_mask_bytes
     from memplan.memory.attention import attention_kernel
     from memplan.memory.inference import training_cache_bytes
     square = 12 * 512 * 512 * 2

@@ -11,9 +11,9 @@ the dtypes, trainability, GQA, gated MLPs and attention kernels of Hugging Face 
 from __future__ import annotations
 
 from memplan.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CACHE, attention_kernel, attn_core,
-                                      bias_bucket_bytes, kernel_casts_kv, mask_block_bytes, padded_masks,
-                                      position_bias_bytes, sdpa_integration_before,
-                                      self_bias_mask_bytes, windowed)
+                                      kernel_casts_kv, mask_block_bytes, padded_masks, sdpa_integration_before,
+                                      windowed)
+from memplan.memory.position_bias import bias_bucket_bytes, position_bias_bytes, self_bias_mask_bytes
 from memplan.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
 from memplan.linfacts import linear_case
 from memplan.select import gets_no_grad

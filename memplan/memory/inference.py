@@ -3,9 +3,9 @@ during prefill (no autograd)."""
 from __future__ import annotations
 
 from memplan.memory.recording import graph_blocks
-from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, has_position_bias, kernel_casts_kv,
-                                     integration_before, mask_block_bytes, padded_masks,
-                                     windowed)
+from memplan.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, kernel_casts_kv, integration_before,
+                                     mask_block_bytes, padded_masks, windowed)
+from memplan.memory.position_bias import has_position_bias
 from memplan.memory.qkv import attn_in_linears, rotary_positions
 from memplan.memory.context import Ctx
 
@@ -172,7 +172,7 @@ def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
     """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
     compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
     from transformers 5.20 sdpa gets it contiguous, merged with the padding mask: expanded over the batch with
-    padding (Setup.padded), else [1, heads, s, s] (attention.self_bias_mask_bytes)."""
+    padding (Setup.padded), else [1, heads, s, s] (position_bias.self_bias_mask_bytes)."""
     a = ctx.spec.arch
     if not has_position_bias(a):
         return 0

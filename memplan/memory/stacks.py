@@ -4,7 +4,7 @@ states (one storage for all of them). Sizes in bytes."""
 from __future__ import annotations
 
 from memplan import libs
-from memplan.memory.attention import bias_per_layer, has_position_bias
+from memplan.memory.position_bias import bias_per_layer, has_position_bias
 from memplan.memory.context import Ctx
 from memplan.memory.recording import graph_blocks, input_grads
 
