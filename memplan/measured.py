@@ -148,14 +148,17 @@ def measured_files(paths) -> list[Path]:
 def append_row(path: str | Path, row: dict) -> None:
     """Append one row, atomically: the file is rewritten beside itself with the new row and renamed over the old
     one, so an interrupted write leaves the previous file intact. Writes the header on a new file; rows keep the
-    file's column order (columns the file lacks are refused rather than dropped)."""
+    file's column order. A row with values in columns the file lacks (a file written before those columns
+    existed) widens the file: the missing columns are added in COLUMNS order, empty for its earlier rows, which is
+    how read_rows reads them anyway."""
     path = Path(path)
     existing = path.read_text() if path.exists() else ""
     if existing.strip():
         header = next(csv.reader(io.StringIO(existing)))
-        extra = [k for k, v in row.items() if k not in header and v not in ("", None)]
+        extra = {k for k, v in row.items() if k not in header and v not in ("", None)}
         if extra:
-            raise BadInput(f"{path} has no column(s) {extra}: write to a new file")
+            header = _widened(header, extra)
+            existing = _rewritten(existing, header)
     else:
         header, existing = list(COLUMNS), ""
     buf = io.StringIO()
@@ -166,6 +169,26 @@ def append_row(path: str | Path, row: dict) -> None:
         existing += "\n"
     w.writerow({k: _cell(row.get(k)) if not isinstance(row.get(k), str) else row[k] for k in header})
     write_text_atomic(path, existing + buf.getvalue())
+
+
+def _widened(header: list[str], extra: set[str]) -> list[str]:
+    """The file's header with the `extra` columns inserted where COLUMNS has them (after the nearest column the
+    file already holds); columns unknown to COLUMNS go last."""
+    out = list(header)
+    for name in sorted(extra, key=lambda c: COLUMNS.index(c) if c in COLUMNS else len(COLUMNS)):
+        before = COLUMNS[:COLUMNS.index(name)] if name in COLUMNS else ()
+        anchor = max((out.index(c) for c in before if c in out), default=len(out) - 1)
+        out.insert(anchor + 1, name)
+    return out
+
+
+def _rewritten(text: str, header: list[str]) -> str:
+    """`text` (a CSV with a header) with `header`'s columns, empty where its rows had none."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=header, lineterminator="\n")
+    w.writeheader()
+    w.writerows(csv.DictReader(io.StringIO(text)))
+    return buf.getvalue()
 
 
 def done_keys(path: str | Path) -> set[str]:

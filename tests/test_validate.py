@@ -130,6 +130,24 @@ def test_append_is_atomic(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------- sweeps
 
+def test_append_widens_a_file_written_before_newer_columns(tmp_path):
+    # data/measured/gpu-h100.csv predates the padded and multi-GPU columns; the 2026-11-26 GPU session's pool
+    # failed 66 sweep rows on it ("has no column(s) ['padded', 'num_gpus', ...]")
+    out = tmp_path / "rows.csv"
+    old_cols = [c for c in measured.COLUMNS if c not in ("padded", "num_gpus", "sharding")]
+    first = measured.make_row("gpt2", Setup(batch_size=3), status="ok", measured_allocated_bytes=123)
+    out.write_text(",".join(old_cols) + "\n" + ",".join(first[c] for c in old_cols) + "\n")
+    measured.append_row(out, measured.make_row("gpt2", Setup(padded=True, num_gpus=2, sharding="fsdp-full-shard"), status="ok"))
+    header = next(csv.reader(io.StringIO(out.read_text())))
+    assert sorted(header) == sorted(measured.COLUMNS)
+    assert header.index("padded") == header.index(measured.COLUMNS[measured.COLUMNS.index("padded") - 1]) + 1
+    rows = measured.read_rows(out)
+    assert len(rows) == 2 and rows[0]["batch_size"] == "3"
+    assert rows[0]["measured_allocated_bytes"] == "123" and rows[0]["num_gpus"] == ""  # earlier row kept as it was
+    assert measured.setup_from_row(rows[0]) == measured.setup_from_row(first)
+    assert (rows[1]["num_gpus"], rows[1]["sharding"], rows[1]["padded"]) == ("2", "fsdp-full-shard", "true")
+
+
 def _sweep_file(tmp_path, text: str) -> Path:
     p = tmp_path / "sweep.yaml"
     p.write_text(text)
