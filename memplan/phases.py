@@ -268,8 +268,13 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     res = _resident(ctx)
     kv = inf.kv_cache_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
+    prompt = {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
+              "dequant_temporaries": deq, "attention_mask": mask_bytes(ctx)}
+    # an encoder-decoder's prompt call also runs its first decoder step (memplan.steps.inference_loop, as generate
+    # does): the encoder output and the cross-attention cache of every layer, after the encoder's working set is gone
+    first_step = {**res, "kv_cache": inf.cross_cache_bytes(ctx), "activations": inf.encoder_output_bytes(ctx)}
     return {
-        "prefill": {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
-                    "dequant_temporaries": deq, "attention_mask": mask_bytes(ctx)},
-        "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx)},
+        "prefill": max(prompt, first_step, key=lambda d: sum(d.values())),
+        "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx),
+                   "activations": inf.encoder_output_bytes(ctx)},
     }

@@ -248,3 +248,23 @@ def compare(result: TraceResult, est) -> dict:
             "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
             "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
             "traced_components": dict(result.components), "estimated_components": cats}
+
+
+def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
+    """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
+    steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
+    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
+    from memplan.allocator import replay
+    from memplan.memory.context import resolve
+    from memplan.memory.overhead import cublas_workspace_bytes
+    from memplan.models import config_dict, load_spec
+
+    spec = load_spec(model)
+    if setup.mode != "train":
+        raise BadInput("the allocator replay runs training steps; use --mode train")
+    resolve(spec, setup)
+    tracker = StorageTracker()
+    tracker.events = []
+    _run(spec, setup, config_dict(spec), None, steps, True, tracker=tracker)
+    per_handle = cublas_workspace_bytes(True) // 2
+    return replay(tracker.events, limit, {"forward": per_handle, "backward": per_handle})

@@ -50,6 +50,7 @@ class StorageTracker:
         self.stack_depth: dict[str, int] = {}  # stack (the blocks' ModuleList path) -> number of blocks
         self.block_kinds: dict[tuple[str, int], tuple] = {}  # (stack, i) -> (parameters, trainable parameters)
         self.segment_peaks: dict[tuple[str, tuple], tuple[int, dict[int, int]]] = {}  # (phase, class) -> peak, live
+        self.events: list[tuple[int, int, str]] | None = None  # a list: (serial, bytes or 0 at release, phase)
 
     def serial_of(self, t) -> int | None:
         import torch
@@ -68,6 +69,8 @@ class StorageTracker:
         self.born[serial] = self.phase
         self.origin[serial] = self.op
         weakref.finalize(st, self._release, key, serial)
+        if self.events is not None:
+            self.events.append((serial, n, self.phase))
         self.current += n
         self._update()
         return serial
@@ -76,6 +79,8 @@ class StorageTracker:
         hit = self.live.get(key)
         if hit is not None and hit[0] == serial:
             del self.live[key]
+            if self.events is not None:
+                self.events.append((serial, 0, self.phase))
             if serial not in self.excluded:
                 self.current -= hit[1]
 
@@ -85,6 +90,8 @@ class StorageTracker:
         if s is not None and s not in self.excluded:
             self.excluded.add(s)
             self.current -= self.live[t.untyped_storage()._cdata][1]
+            if self.events is not None:  # out of the caching allocator from here on
+                self.events.append((s, 0, self.phase))
 
     def tag(self, t, category: str) -> None:
         s = self.serial_of(t)

@@ -1,0 +1,196 @@
+"""A replay of PyTorch's CUDA caching allocator over the tracer's allocation events: the segments it would reserve,
+and whether a step fits under a memory cap (torch.cuda.set_per_process_memory_fraction), where the estimate's
+closed-form need (peak allocated + a fresh block for the largest tensor, memplan.budget) is a bound.
+
+The policy is c10/cuda/CUDACachingAllocator.cpp's defaults (PyTorch 2.x; no max_split_size_mb, no expandable
+segments, no garbage-collection threshold), on one stream:
+- a request is rounded up to 512 B (kMinBlockSize); up to 1 MiB (kSmallSize) it comes from the small pool, else
+  from the large pool;
+- the pool's best fit serves it: the smallest free block at least as large (ties: the lower address); the block is
+  split when what remains is >= 512 B (small pool) or > 1 MiB (large pool), the request taking the front;
+- with no fit a segment is reserved (cudaMalloc): 2 MiB (kSmallBuffer) for small requests, 20 MiB (kLargeBuffer)
+  below 10 MiB (kMinLargeAlloc), else the request rounded up to 2 MiB (kRoundLarge);
+- a segment that would pass the cap is refused; the allocator then frees every cached segment holding no live
+  block (release_cached_blocks: split segments stay) and retries once; a second refusal is the OOM;
+- a freed block merges with free neighbours of its segment (try_merge_blocks); segments stay reserved (cached)
+  until such a release or empty_cache.
+
+Events come from memplan.tracker.StorageTracker.events: (serial, bytes, phase) when a storage is born, (serial, 0,
+phase) when it dies. The tracer sees storages as ops return them: an op's internal workspace and the cuBLAS
+workspace are not in them (simulate adds the latter where CUDA allocates it)."""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(n: int) -> int:
+    """The block size a request gets (CUDACachingAllocator round_size, no roundup_power2_divisions)."""
+    return MIN_BLOCK if n < MIN_BLOCK else -(-n // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(n: int) -> int:
+    """The cudaMalloc a request without a cached fit makes (get_allocation_size)."""
+    if n <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if n < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-n // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class _Block:
+    addr: int
+    size: int
+    segment: int
+    small: bool
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+
+@dataclass
+class Replay:
+    """What the replay found. reserved/allocated: peaks over the run; phase_reserved: the reserved peak per phase;
+    oom: the phase whose request found no room under the cap ('' when the run fits); oom_request: its size."""
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    phase_reserved: dict[str, int] = field(default_factory=dict)
+    oom: str = ""
+    oom_request: int = 0
+    retries: int = 0
+
+
+class CachingAllocator:
+    """The allocator's state: reserved segments, their blocks, and a best-fit index of free blocks per pool."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.reserved = 0
+        self.allocated = 0
+        self.retries = 0
+        self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # small? -> (size, addr, b)
+        self._segments: dict[int, _Block] = {}  # segment id -> its first block
+        self._ids = itertools.count()
+        self._next_addr = 0
+
+    def malloc(self, nbytes: int) -> _Block | None:
+        """The block serving a request of `nbytes`, or None when the cap leaves no room (the OOM)."""
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._best_fit(size, small)
+        if block is None:
+            block = self._reserve(size, small)
+            if block is None:
+                self.retries += 1
+                self.release_cached()
+                block = self._reserve(size, small)
+                if block is None:
+                    return None
+        self._unindex(block)
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+            rest = _Block(block.addr + size, remaining, block.segment, small, True, block, block.next)
+            if block.next:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._index(rest)
+        block.free = False
+        self.allocated += block.size
+        return block
+
+    def free(self, block: _Block) -> None:
+        block.free = True
+        self.allocated -= block.size
+        for other in (block.prev, block.next):  # try_merge_blocks
+            if other is not None and other.free:
+                self._unindex(other)
+                if other is block.prev:
+                    other.size += block.size
+                    other.next = block.next
+                    if block.next:
+                        block.next.prev = other
+                    block = other
+                else:
+                    block.size += other.size
+                    block.next = other.next
+                    if other.next:
+                        other.next.prev = block
+        self._index(block)
+
+    def release_cached(self) -> None:
+        """Free every segment that is one free block (release_cached_blocks; also what empty_cache does)."""
+        for seg, first in list(self._segments.items()):
+            if first.free and first.next is None:
+                self._unindex(first)
+                self.reserved -= first.size
+                del self._segments[seg]
+
+    def _reserve(self, size: int, small: bool) -> _Block | None:
+        n = segment_size(size)
+        if self.limit is not None and self.reserved + n > self.limit:
+            return None
+        seg = next(self._ids)
+        block = _Block(self._next_addr, n, seg, small)
+        self._next_addr += n
+        self._segments[seg] = block
+        self.reserved += n
+        self._index(block)
+        return block
+
+    def _best_fit(self, size: int, small: bool) -> _Block | None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        return pool[i][2] if i < len(pool) else None
+
+    def _index(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], (block.size, block.addr, block))
+
+    def _unindex(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        i = bisect.bisect_left(pool, (block.size, block.addr))
+        if i < len(pool) and pool[i][2] is block:
+            del pool[i]
+
+
+def replay(events, limit: int | None = None, workspaces: dict[str, int] | None = None) -> Replay:
+    """Replay `events` (StorageTracker.events) through a CachingAllocator capped at `limit` bytes of reserved memory.
+    The cached blocks of the build are released when the first phase after 'setup' starts (validate's meter calls
+    empty_cache there). workspaces: phase -> bytes allocated for good at that phase's first event (the cuBLAS
+    workspace of the handle that phase's matmuls create: forward's thread, then autograd's in backward)."""
+    alloc = CachingAllocator(limit)
+    out = Replay()
+    live: dict[int, _Block] = {}
+    pending = dict(workspaces or {})
+    started = False
+    for serial, nbytes, phase in events:
+        if not started and phase not in ("setup", "between"):
+            alloc.release_cached()
+            started = True
+        if phase in pending and nbytes:
+            workspace = pending.pop(phase)
+            if alloc.malloc(workspace) is None:
+                out.oom, out.oom_request = phase, workspace
+                break
+        if nbytes:
+            block = alloc.malloc(nbytes)
+            if block is None:
+                out.oom, out.oom_request = phase, nbytes
+                break
+            live[serial] = block
+        elif serial in live:
+            alloc.free(live.pop(serial))
+        out.peak_reserved = max(out.peak_reserved, alloc.reserved)
+        out.peak_allocated = max(out.peak_allocated, alloc.allocated)
+        if started:
+            out.phase_reserved[phase] = max(out.phase_reserved.get(phase, 0), alloc.reserved)
+    out.retries = alloc.retries
+    return out
