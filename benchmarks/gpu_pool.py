@@ -140,6 +140,7 @@ def planner_tasks(pool: Pool) -> list:
     from memplan.measured import done_keys
     context = alone_context_bytes()
     done = done_keys(planner_check.OUT)
+    replays = planner_check.stored_replay_batches()
     tasks = []
     for model, card, pinned in planner_check.PAIRS:
         cap = find_gpu(card).memory_bytes - context
@@ -152,6 +153,9 @@ def planner_tasks(pool: Pool) -> list:
                                 f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", planner_check.OUT)
         tasks.append((cap, lambda model=model, card=card, pinned=pinned, measure=measure:
                       planner_check.check_pair(model, card, pinned, measure)))
+        if (model, card) in replays:  # plan --replay's micro-batch (made on the CPU under this transformers)
+            tasks.append((cap, lambda model=model, card=card, pinned=pinned, measure=measure, b=replays[model, card]:
+                          planner_check.check_pair(model, card, pinned, measure, b)))
     return tasks
 
 

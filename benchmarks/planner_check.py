@@ -13,6 +13,13 @@ micro-batch is the largest the planner believes fits with its headroom). On a re
 
 Rows go to data/measured/planner-check.csv (validator format, resumable; `memplan check` gates them too).
 
+Two planners are checked: the closed-form search (`memplan plan`) and `memplan plan --replay`, whose micro-batch
+comes from replaying the caching allocator over traced steps (memplan/refine.py). The replay plans are made here,
+on the CPU, with the transformers release the GPU machine runs, and stored in benchmarks/results/planner_replay_plans.csv;
+the GPU run measures their batches too. A verdict reads every batch measured for the pair, whichever planner's
+run measured it.
+
+    python benchmarks/planner_check.py plans    # here, under the device's transformers: the replay plans
     python benchmarks/planner_check.py run      # on the GPU machine
     python benchmarks/planner_check.py report   # anywhere: benchmarks/results/planner_check.md, exit 1 on failure
     python benchmarks/planner_check.py replay data/measured/planner-check-run1.csv   # today's plans, earlier rows
@@ -27,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "data" / "measured" / "planner-check.csv"
 REPORT = ROOT / "benchmarks" / "results" / "planner_check.md"
+PLANS = ROOT / "benchmarks" / "results" / "planner_replay_plans.csv"
 EFFECTIVE = 512  # cap on the planned micro-batch; no pair below comes near it
 
 # (model, card, pinned Setup fields). Cards with bf16 (the H100 runs bf16 whatever card is emulated).
@@ -64,20 +72,58 @@ def bound_batch(b: int) -> int:
     return max(b + 2, math.floor(b / 0.9) + 1)
 
 
-def check_pair(model: str, card: str, pinned: dict, measure) -> dict[str, str]:
+def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int | None = None) -> dict[str, str]:
     """Run the planned batch, the next one, and the 90% bound when the next one fits. measure(job, notes) runs one
-    Job (emulating `card`) and returns its status. Returns {role: status}."""
+    Job (emulating `card`) and returns its status. replay_batch: check `plan --replay`'s micro-batch instead of the
+    closed-form planner's (same setup otherwise). Returns {role: status}."""
     from memplan.sweep import Job
     setup = planned(model, card, pinned)
-    b = setup.batch_size
+    b = replay_batch or setup.batch_size
+    label = "replay " if replay_batch else ""
     tried: dict[str, str] = {}
     for role, batch in (("planned", b), ("next", b + 1), ("bound", bound_batch(b))):
         if role == "bound" and tried.get("next") != "ok":
             break
         job = Job(model, dataclasses.replace(setup, batch_size=batch), card)
-        tried[role] = measure(job, f"planner check {role} (planned micro-batch {b})")
-        print(f"{model:32s} {card:10s} {role:8s} batch {batch:4d}: {tried[role]}", flush=True)
+        tried[role] = measure(job, f"planner check {label}{role} ({label or 'planned '}micro-batch {b})")
+        print(f"{model:32s} {card:10s} {label}{role:8s} batch {batch:4d}: {tried[role]}", flush=True)
     return tried
+
+
+def replay_plans() -> None:
+    """`plan --replay` for every pair (CPU; minutes), into PLANS with the library versions it ran under."""
+    import csv
+    import io
+
+    import peft
+    import torch
+    import transformers
+
+    from memplan.fileio import write_text_atomic
+    from memplan.search import plan
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["model", "card", "estimate_batch", "replay_batch", "replayed", "transformers", "peft", "torch"])
+    for model, card, pinned in PAIRS:
+        p = plan(model, card, effective_batch=EFFECTIVE, replay=True, **{**BASE, **pinned})
+        r = p.replay
+        tried = " ".join(f"{b}:{'ok' if x['fits'] else 'oom'}" for b, x in r["replayed"].items())
+        w.writerow([model, card, r["estimate_batch_size"], p.setup.batch_size, tried, transformers.__version__,
+                    peft.__version__, torch.__version__])
+        print(model, card, r["estimate_batch_size"], "->", p.setup.batch_size, tried, flush=True)
+    write_text_atomic(PLANS, buf.getvalue())
+
+
+def stored_replay_batches() -> dict[tuple[str, str], int]:
+    """(model, card) -> `plan --replay`'s micro-batch, from PLANS where it was made under the transformers installed
+    here (the batch depends on the release's code paths)."""
+    import csv
+
+    import transformers
+    if not PLANS.exists():
+        return {}
+    return {(r["model"], r["card"]): int(r["replay_batch"]) for r in csv.DictReader(open(PLANS))
+            if r["transformers"] == transformers.__version__}
 
 
 def run() -> None:
@@ -90,52 +136,71 @@ def run() -> None:
     def measure(job, notes):
         run_sweep([job], OUT, notes=notes)
         return next(r["status"] for r in read_rows(OUT) if r["key"] == job.key("cuda"))
+    replays = stored_replay_batches()
     for model, card, pinned in PAIRS:
         check_pair(model, card, pinned, measure)
+        if (model, card) in replays:
+            check_pair(model, card, pinned, measure, replays[model, card])
+
+
+def verdict(b: int | None, status: dict[int, str]) -> tuple[str, str, bool]:
+    """(largest fitting, planner / largest, pass) for planned micro-batch b given the statuses measured per batch:
+    b must fit and an OOM above it must bound the largest fitting batch to within b / 0.9 (memory is monotone in
+    the batch)."""
+    if b is None or b not in status:
+        return "", "", False
+    if status[b] != "ok":
+        return "", "planned OOMed", False
+    above = [x for x, st in status.items() if x > b and st == "oom"]
+    if not above:
+        return f">= {max(x for x, st in status.items() if st == 'ok')}", "", False
+    smallest_oom = min(above)
+    largest = max(x for x, st in status.items() if st == "ok" and x < smallest_oom)
+    ratio = b / (smallest_oom - 1)
+    exact = largest == smallest_oom - 1
+    return (str(largest) if exact else f"< {smallest_oom}"), f">= {ratio:.0%}", ratio >= 0.9
 
 
 def report() -> int:
-    """Markdown table from the measured rows; 1 when a planned batch OOMed or the planner fell below 90%."""
+    """Markdown tables (closed-form planner, then `plan --replay`) from the measured rows; 1 when a planned batch
+    OOMed or a planner fell below 90%."""
+    import csv
     import re
 
     from memplan.fileio import write_text_atomic
     from memplan.measured import read_rows
     rows = read_rows(OUT) if OUT.exists() else []
+    stored = {(r["model"], r["card"]): r for r in csv.DictReader(open(PLANS))} if PLANS.exists() else {}
     lines = ["# Planner check (issue 6)", "",
-             "Planned micro-batch vs the largest that fits, on an H100 capped to each card's memory "
-             "(`python benchmarks/planner_check.py`; rows in data/measured/planner-check.csv).", "",
-             "| model | card | setup | planned b | planned | b+1 | bound | largest fitting | planner / largest | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    failed = 0
-    for model, card, pinned in PAIRS:
-        mine = [r for r in rows if r["model"] == model and f"emulating {card}" in r["notes"]
-                and "planner check" in r["notes"]]
-        if not mine:
-            lines.append(f"| {model} | {card} | | | not measured | | | | | MISSING |")
-            failed += 1
-            continue
-        b = int(re.search(r"planned micro-batch (\d+)", mine[0]["notes"]).group(1))
-        by_role = {re.search(r"planner check (\w+)", r["notes"]).group(1): r for r in mine}
-        status = {k: f"{v['status']} @ {v['batch_size']}" for k, v in by_role.items()}
-        ok = [int(r["batch_size"]) for r in mine if r["status"] == "ok"]
-        oom = [int(r["batch_size"]) for r in mine if r["status"] == "oom"]
-        largest_ok = max(ok, default=0)
-        smallest_oom = min(oom, default=None)
-        planned_ok = by_role.get("planned", {}).get("status") == "ok"
-        # the largest fitting batch is < smallest_oom; the ratio is a lower bound when b+1 fit
-        bound = b / (smallest_oom - 1) if smallest_oom else None
-        good = planned_ok and bound is not None and bound >= 0.9
-        failed += not good
-        desc = ", ".join(f"{k}={v}" for k, v in pinned.items())
-        lines.append(f"| {model} | {card} | {desc} | {b} | {status.get('planned', '')} | {status.get('next', '')} | "
-                     f"{status.get('bound', '')} | {largest_ok if smallest_oom == largest_ok + 1 else f'< {smallest_oom}' if smallest_oom else '?'} | "
-                     f"{'' if bound is None else f'>= {bound:.0%}'} | {'pass' if good else 'FAIL'} |")
-    lines += ["", f"{len(PAIRS) - failed} of {len(PAIRS)} pairs pass (planned batch fits, planner >= 90% of the "
-                  "largest fitting batch)."]
+             "Planned micro-batch vs the largest that fits, on a GPU capped to each card's memory less the CUDA "
+             "context (`python benchmarks/planner_check.py`; rows in data/measured/planner-check.csv). A verdict "
+             "reads every batch measured for the pair.", ""]
+    failed = {"estimate": 0, "replay": 0}
+    for mode in ("estimate", "replay"):
+        title = ("closed-form planner (`memplan plan`)" if mode == "estimate" else
+                 "`memplan plan --replay` (caching-allocator replay; plans in results/planner_replay_plans.csv)")
+        lines += [f"## {title}", "", "| model | card | setup | planned b | measured (batch: status) | largest fitting | "
+                  "planner / largest | verdict |", "|---|---|---|---|---|---|---|---|"]
+        for model, card, pinned in PAIRS:
+            mine = [r for r in rows if r["model"] == model and f"emulating {card}" in r["notes"]
+                    and "planner check" in r["notes"]]
+            status = {int(r["batch_size"]): r["status"] for r in mine}
+            pattern = r"replay micro-batch (\d+)" if mode == "replay" else r"planned micro-batch (\d+)"
+            found = [int(m.group(1)) for r in mine if (m := re.search(pattern, r["notes"]))]
+            b = found[0] if found else (int(stored[model, card]["replay_batch"]) if mode == "replay" and
+                                        (model, card) in stored else None)
+            largest, ratio, good = verdict(b, status)
+            failed[mode] += not good
+            seen = ", ".join(f"{x}: {st}" for x, st in sorted(status.items())) or "not measured"
+            word = "pass" if good else ("FAIL" if ratio == "planned OOMed" or ratio.startswith(">=") else "open")
+            desc = ", ".join(f"{k}={v}" for k, v in pinned.items())
+            lines.append(f"| {model} | {card} | {desc} | {b or ''} | {seen} | {largest} | {ratio} | {word} |")
+        lines += ["", f"{len(PAIRS) - failed[mode]} of {len(PAIRS)} pairs pass (planned batch fits, planner >= 90% of "
+                      "the largest fitting batch; open: the batches that decide it are not measured yet).", ""]
     REPORT.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(REPORT, "\n".join(lines) + "\n")
+    write_text_atomic(REPORT, "\n".join(lines))
     print("\n".join(lines))
-    return 1 if failed else 0
+    return 1 if any(failed.values()) else 0
 
 
 def replay(path: Path) -> int:
@@ -184,6 +249,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else "report"
     if cmd == "run":
         run()
+    elif cmd == "plans":
+        replay_plans()
     elif cmd == "plans":
         show_plans()
     elif cmd == "replay":

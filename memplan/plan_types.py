@@ -60,6 +60,7 @@ class Plan:
     pinned: dict = field(default_factory=dict)
     smallest: Alternative | None = None  # nothing fits: the setup needing the least memory
     suggestions: tuple[str, ...] = ()  # nothing fits: what would make it fit
+    replay: dict = field(default_factory=dict)  # plan --replay: the allocator replays behind the micro-batch
 
     @property
     def fits(self) -> bool:
@@ -87,6 +88,7 @@ class Plan:
             "alternatives": [a.to_dict() for a in self.alternatives],
             "smallest": self.smallest.to_dict() if self.smallest else None,
             "suggestions": list(self.suggestions), "evaluated": self.evaluated,
+            "replay": self.replay or None,
         }
 
 

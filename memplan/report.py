@@ -138,6 +138,17 @@ def print_gpus(gpus, console: Console | None = None) -> None:
     (console or Console()).print(t)
 
 
+def replay_line(r: dict) -> str:
+    """plan --replay: which micro-batches the caching allocator's replay fitted under the allocator's limit."""
+    tried = ", ".join(f"{b} {'fits' if x['fits'] else '[red]OOM[/]'} ({_gib(x['reserved_bytes'])} GiB reserved)"
+                      for b, x in r["replayed"].items())
+    if not r["largest_batch_size"]:
+        return (f"[red]allocator replay[/]: no micro-batch fits {_gib(r['limit_bytes'])} GiB ({tried}); the plan is "
+                "the estimate's: lower the batch or the sequence length")
+    return (f"allocator replay under {_gib(r['limit_bytes'])} GiB: {tried}; largest micro-batch "
+            f"{r['largest_batch_size']} (the estimate's: {r['estimate_batch_size']})")
+
+
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
     """The chosen setup with its breakdown, the budget, and the alternatives with why each lost."""
     from memplan.explain import describe
@@ -163,7 +174,10 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
     console.print(f"needs {_gib(need_bytes(plan.estimate))} GiB (peak allocated + largest tensor + "
                   f"memory outside the allocator) of the budget {_gib(plan.budget_bytes)} GiB = "
                   f"{_gib(g.memory_bytes)} GiB - headroom {_gib(plan.headroom_bytes)} GiB ({plan.headroom:.1%} of the "
-                  f"{_gib(plan.usable_bytes)} GiB usable beyond the CUDA context); spare: {_gib(plan.spare_bytes)} GiB")
+                  f"{_gib(plan.usable_bytes)} GiB usable beyond the CUDA context); spare: {_gib(plan.spare_bytes)} GiB"
+                  + ("; the allocator replay below sets the micro-batch (the need is a bound)" if plan.replay else ""))
+    if plan.replay:
+        console.print(replay_line(plan.replay))
     if plan.alternatives:
         t = table("alternatives", "setup", ("fits", "center"), ("needs GiB", "right"), "why not chosen")
         for a in plan.alternatives:

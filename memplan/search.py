@@ -138,7 +138,7 @@ class _Search:
 def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch: int = DEFAULT_EFFECTIVE_BATCH,
          prefer: str = "quality", headroom: float = DEFAULT_HEADROOM, estimator: Callable | None = None,
          alternatives: int = 4, memory: int | str | None = None, host_memory: int | str | None = None,
-         **pinned) -> Plan:
+         replay: bool = False, **pinned) -> Plan:
     """Search the best training setup of `spec` that fits `gpu` with `headroom` of its usable memory spare.
 
     spec: a ModelSpec or anything load_spec takes (catalog id, config.json). gpu: a Gpu, a catalog name, or None
@@ -146,7 +146,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     (e.g. technique="lora", lora_r=16); pinning num_gpus (num_nodes, sharding, offload) searches sharding x
     offload on that many GPUs, and when nothing fits one GPU and none of them is pinned the plan is for the fewest
     GPUs that fit; padded defaults to True (the plan file's collator pads). host_memory: RAM per node for CPU
-    offload (a size; default this machine's RAM). Raises BadInput
+    offload (a size; default this machine's RAM). replay: set the micro-batch of a single-GPU plan by replaying the
+    caching allocator over traced steps (memplan.refine; seconds to minutes on the CPU). Raises BadInput
     for a bad preference, a pin that is not a Setup field, or pins that contradict each other.
     """
     if isinstance(spec, str):
@@ -184,11 +185,15 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
                 estimator=estimator, alternatives=alternatives, host_budget=host_budget)
     if not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
-        single = _plan_at(spec, gpu, pinned, opts)
-        if single.fits:
-            return single
-        return fewest_gpus(spec, gpu, pinned, single, opts)
-    return _plan_at(spec, gpu, pinned, opts)
+        result = _plan_at(spec, gpu, pinned, opts)
+        if not result.fits:
+            result = fewest_gpus(spec, gpu, pinned, result, opts)
+    else:
+        result = _plan_at(spec, gpu, pinned, opts)
+    if replay:
+        from memplan.refine import refine
+        result = refine(result, spec, estimator)
+    return result
 
 
 def host_memory_bytes() -> int | None:
