@@ -89,7 +89,7 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
               help="samples per optimizer step (micro-batch x gradient accumulation)")
 @click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
               help="what to maximise first (docs/PLANNER.md)")
-@headroom_option
+@headroom_option(replay=True)
 @click.option("--host-memory", help="RAM per node for CPU offload, e.g. 512GiB (default: this machine's RAM)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")

@@ -64,7 +64,9 @@ def setup_from_options(options: dict) -> Setup:
     return Setup(**given_setup_fields(options))
 
 
-def _parse_headroom(ctx, param, value: str) -> float:
+def _parse_headroom(ctx, param, value: str | None) -> float | None:
+    if value is None:
+        return None
     text = value.strip()
     try:
         x = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
@@ -75,12 +77,20 @@ def _parse_headroom(ctx, param, value: str) -> float:
     return x
 
 
-def headroom_option(func):
-    """--headroom: the memory kept spare (memplan.budget), the same default for fit, plan, doctor and plot."""
-    from memplan.budget import DEFAULT_HEADROOM
+def headroom_option(func=None, *, replay: bool = False):
+    """--headroom: the memory kept spare (memplan.budget), the same default for fit, plan, doctor and plot; plan
+    (replay=True) leaves it unset, so that --replay gets its own default."""
+    from memplan.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
+    if func is None:
+        return lambda f: headroom_option(f, replay=replay)
+    help_text = ("memory kept spare, as a share of the GPU memory beyond the CUDA context (a fraction or a "
+                 "percentage)")
+    if replay:
+        return click.option("--headroom", default=None, callback=_parse_headroom,
+                            help=f"{help_text}  [default: {DEFAULT_HEADROOM:.1%}; {REPLAY_HEADROOM:.0%} with "
+                                 "--replay]")(func)
     return click.option("--headroom", default=f"{DEFAULT_HEADROOM:.1%}", show_default=True, callback=_parse_headroom,
-                        help="memory kept spare, as a share of the GPU memory beyond the CUDA context (a fraction "
-                             "or a percentage)")(func)
+                        help=help_text)(func)
 
 
 def handle_errors(func):

@@ -214,6 +214,11 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
     if comparison:
         row.append(f"{_gib(comparison['estimated_bytes'])} ({comparison['estimated_phase']})")
     t.add_row(*row, style="bold")
+    if result.peak_reserved_bytes is not None:
+        row = ["peak reserved (allocator replay)", _gib(result.peak_reserved_bytes)]
+        if comparison:
+            row.append(_gib(comparison["estimated_reserved_bytes"]))
+        t.add_row(*row)
     console.print(t)
     console.print("phase peaks (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in result.phases.items()))
     if comparison:

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
-from memplan.budget import DEFAULT_HEADROOM, budget_bytes, need_bytes, split  # noqa: F401 (DEFAULT_HEADROOM: API)
+from memplan.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, need_bytes, split
 from memplan.candidates import RANKS, Pool, _world, quality_key, speed_score, split_batch
 from memplan.errors import BadInput, MemplanError
 from memplan.fit import largest_fitting
@@ -136,7 +136,7 @@ class _Search:
 
 
 def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch: int = DEFAULT_EFFECTIVE_BATCH,
-         prefer: str = "quality", headroom: float = DEFAULT_HEADROOM, estimator: Callable | None = None,
+         prefer: str = "quality", headroom: float | None = None, estimator: Callable | None = None,
          alternatives: int = 4, memory: int | str | None = None, host_memory: int | str | None = None,
          replay: bool = False, **pinned) -> Plan:
     """Search the best training setup of `spec` that fits `gpu` with `headroom` of its usable memory spare.
@@ -147,7 +147,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     offload on that many GPUs, and when nothing fits one GPU and none of them is pinned the plan is for the fewest
     GPUs that fit; padded defaults to True (the plan file's collator pads). host_memory: RAM per node for CPU
     offload (a size; default this machine's RAM). replay: set the micro-batch of a single-GPU plan by replaying the
-    caching allocator over traced steps (memplan.refine; seconds to minutes on the CPU). Raises BadInput
+    caching allocator over traced steps (memplan.refine; seconds to minutes on the CPU). headroom: default
+    DEFAULT_HEADROOM, REPLAY_HEADROOM with replay (memplan.budget). Raises BadInput
     for a bad preference, a pin that is not a Setup field, or pins that contradict each other.
     """
     if isinstance(spec, str):
@@ -160,6 +161,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
         from memplan.estimate import estimator_for
         estimator = estimator_for(gpu)
 
+    if headroom is None:
+        headroom = REPLAY_HEADROOM if replay else DEFAULT_HEADROOM
     problems = []
     if prefer not in PREFERENCES:
         problems.append(f"prefer={prefer!r} is not one of {', '.join(PREFERENCES)}")

@@ -51,11 +51,12 @@ class TraceResult:
     layers_total: int | None = None
     paged_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    peak_reserved_bytes: int | None = None  # whole-model traces: the caching allocator's replay (memplan.allocator)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "setup": self.setup.to_dict(), "components": dict(self.components),
                 "phases": dict(self.phases), "peak_phase": self.peak_phase,
-                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": None,
+                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
                 "device_total_bytes": None, "paged_optimizer_state": self.paged_bytes,
                 "params_total": self.params_total, "params_trainable": self.params_trainable,
                 "layers_traced": self.layers_traced, "layers_total": self.layers_total, "notes": list(self.notes)}
@@ -150,8 +151,11 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     asked, layers = layers, layers and min_layers(setup, layers)
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
     if not layers or layers >= total_layers or skipping:
-        t = _run(spec, setup, d, None, steps, fake)
+        t = StorageTracker()
+        t.events = []
+        t = _run(spec, setup, d, None, steps, fake, tracker=t)
         result = _result(spec, setup, t, None, total_layers)
+        result.peak_reserved_bytes = _replayed(t.events).peak_reserved
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
             result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
                                 "({}), so its blocks differ; traced whole".format(
@@ -247,16 +251,24 @@ def compare(result: TraceResult, est) -> dict:
     return {"traced_bytes": result.peak_allocated_bytes, "estimated_bytes": predicted,
             "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
             "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
+            "estimated_reserved_bytes": est.peak_reserved_bytes,
             "traced_components": dict(result.components), "estimated_components": cats}
+
+
+def _replayed(events, limit: int | None = None):
+    """The caching allocator's replay of a training run's events, with the cuBLAS workspace of forward's handle and
+    of autograd's backward thread (memory.overhead.cublas_workspace_bytes)."""
+    from memplan.allocator import replay
+    from memplan.memory.overhead import cublas_workspace_bytes
+    per_handle = cublas_workspace_bytes(True) // 2
+    return replay(events, limit, {"forward": per_handle, "backward": per_handle})
 
 
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
     """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
     steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
     workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
-    from memplan.allocator import replay
     from memplan.memory.context import resolve
-    from memplan.memory.overhead import cublas_workspace_bytes
     from memplan.models import config_dict, load_spec
 
     spec = load_spec(model)
@@ -266,5 +278,4 @@ def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int =
     tracker = StorageTracker()
     tracker.events = []
     _run(spec, setup, config_dict(spec), None, steps, True, tracker=tracker)
-    per_handle = cublas_workspace_bytes(True) // 2
-    return replay(tracker.events, limit, {"forward": per_handle, "backward": per_handle})
+    return _replayed(tracker.events, limit)

@@ -154,3 +154,9 @@ def test_plan_cli_replay_flag(monkeypatch):
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["setup"]["batch_size"] == 4 and out["replay"]["largest_batch_size"] == 4 and calls
+    assert out["headroom"] == 0.01  # memplan.budget.REPLAY_HEADROOM: --headroom not given
+    r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--json"])
+    assert json.loads(r.output)["headroom"] == 0.035 and json.loads(r.output)["replay"] is None
+    r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--replay", "--headroom",
+                                  "5%", "--technique", "full", "--grad-accum", "1", "--json"])
+    assert json.loads(r.output)["headroom"] == 0.05
