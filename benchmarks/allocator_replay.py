@@ -103,13 +103,16 @@ def report() -> int:
     lines = ["# Caching-allocator replay vs the GPU", "",
              "`python benchmarks/allocator_replay.py` (memplan/allocator.py over whole-model traces on the CPU; rows "
              "from data/measured/). No parameter of the replay was fitted to these rows.", "",
-             f"Capped runs (an H100/H200 capped to a card's memory): the replay's fit/OOM matches the GPU in "
-             f"**{agree} of {len(capped)}**.", ""]
+             f"Runs under an allocator cap (planner checks: a card's memory; sweeps shared by several runs: each "
+             f"run's share): the replay's fit/OOM matches the GPU in **{agree} of {len(capped)}** "
+             f"({sum(r['measured_status'] == 'oom' for r in capped)} of them ran out of memory on the GPU; planner "
+             f"checks: {sum(r['file'].startswith('planner') for r in capped)}).", ""]
     wrong = [r for r in capped if r["measured_status"] != r["replay_status"]]
     for r in wrong:
         lines.append(f"- differs: {r['model']} {r['setup']} (GPU {r['measured_status']}, replay {r['replay_status']})")
     lines += ["", "Peak reserved of the rows that ran (|error| median | p95):", "",
-              "| rows | replay | closed-form estimate |", "|---:|---|---|",
+              "| rows | replay median | replay p95 | closed-form estimate median | estimate p95 |",
+              "|---:|---:|---:|---:|---:|",
               f"| {len(ok)} | {stats(errs('replay_reserved_bytes', ok))} | {stats(errs('estimate_reserved_bytes', ok))} |",
               "", "| model | setup | transformers | cap GiB | GPU | replay | reserved GPU GiB | replay | estimate |",
               "|---|---|---|---:|---|---|---:|---:|---:|"]

@@ -8,6 +8,8 @@
 # say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions);
 # quote a glob of sweeps: 'wheels:.whl-t448:benchmarks/sweeps/t448-*.yaml'. The wheel folders are not kept in a
 # checkout: make them first with benchmarks/gpu_wheels.sh.
+# alloctrace:MODEL:k=v,k=v records the caching allocator's own events of that setup (benchmarks/gpu_alloc_trace.py)
+# into $OUT; compare them here with `python benchmarks/gpu_alloc_trace.py compare FILE`.
 set -u
 budget=$1; shift
 end=$(( $(date +%s) + budget ))
@@ -34,6 +36,8 @@ for step in "$@"; do
              --seq-len 512 --attn-impl sdpa --out "$csv" ;;
     tests) timeout "$left" python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 ;;
     planner) timeout "$left" python3 benchmarks/planner_check.py run ;;
+    alloctrace:*) spec=${step#alloctrace:}; timeout "$left" python3 benchmarks/gpu_alloc_trace.py record "$OUTDIR" \
+             "${spec%%:*}" $(echo "${spec#*:}" | tr , ' ') 2>&1 | tail -3 ;;
     diagnose:*) timeout "$left" python3 benchmarks/gpu_diagnose.py "$OUTDIR/diagnose-$(basename ${step#diagnose:} .yaml)" \
              "${step#diagnose:}" --parallel 3 2>&1 | tail -5 ;;
     pool:*) timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" ${step#pool:} \

@@ -67,6 +67,7 @@ class Replay:
     oom: str = ""
     oom_request: int = 0
     retries: int = 0
+    segments: list[tuple[str, int]] = field(default_factory=list)  # (phase, bytes) of each cudaMalloc, in order
 
 
 class CachingAllocator:
@@ -81,6 +82,7 @@ class CachingAllocator:
         self._segments: dict[int, _Block] = {}  # segment id -> its first block
         self._ids = itertools.count()
         self._next_addr = 0
+        self.segment_log: list[int] = []  # the size of each segment reserved, in order
 
     def malloc(self, nbytes: int) -> _Block | None:
         """The block serving a request of `nbytes`, or None when the cap leaves no room (the OOM)."""
@@ -143,6 +145,7 @@ class CachingAllocator:
         self._next_addr += n
         self._segments[seg] = block
         self.reserved += n
+        self.segment_log.append(n)
         self._index(block)
         return block
 
@@ -175,6 +178,7 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
         if not started and phase not in ("setup", "between"):
             alloc.release_cached()
             started = True
+        logged = len(alloc.segment_log)
         if phase in pending and nbytes:
             workspace = pending.pop(phase)
             if alloc.malloc(workspace) is None:
@@ -188,6 +192,8 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
             live[serial] = block
         elif serial in live:
             alloc.free(live.pop(serial))
+        if started:
+            out.segments += [(phase, n) for n in alloc.segment_log[logged:]]
         out.peak_reserved = max(out.peak_reserved, alloc.reserved)
         out.peak_allocated = max(out.peak_allocated, alloc.allocated)
         if started:
