@@ -200,3 +200,15 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
             out.phase_reserved[phase] = max(out.phase_reserved.get(phase, 0), alloc.reserved)
     out.retries = alloc.retries
     return out
+
+
+def min_limit(events, workspaces: dict[str, int] | None = None, step: int = ROUND_LARGE) -> int:
+    """The smallest allocator limit (to `step`) under which replaying `events` does not run out of memory: what a
+    card must leave the allocator for the run. Bisection between the live peak and the uncapped reserved peak;
+    each probe replays the events (a fraction of a second for a 7B model's 3 steps)."""
+    free = replay(events, None, workspaces)
+    lo, hi = free.peak_allocated - 1, free.peak_reserved  # lo does not fit (below the live peak); hi fits
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if not replay(events, mid, workspaces).oom else (mid, hi)
+    return hi

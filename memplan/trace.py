@@ -255,19 +255,22 @@ def compare(result: TraceResult, est) -> dict:
             "traced_components": dict(result.components), "estimated_components": cats}
 
 
-def _replayed(events, limit: int | None = None):
-    """The caching allocator's replay of a training run's events, with the cuBLAS workspace of forward's handle and
-    of autograd's backward thread (memory.overhead.cublas_workspace_bytes)."""
-    from memplan.allocator import replay
+def _workspaces() -> dict[str, int]:
+    """The cuBLAS workspace of forward's handle and of autograd's backward thread, allocated at each one's first
+    matmul (memory.overhead.cublas_workspace_bytes)."""
     from memplan.memory.overhead import cublas_workspace_bytes
     per_handle = cublas_workspace_bytes(True) // 2
-    return replay(events, limit, {"forward": per_handle, "backward": per_handle})
+    return {"forward": per_handle, "backward": per_handle}
 
 
-def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
-    """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
-    steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
-    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
+def _replayed(events, limit: int | None = None):
+    """The caching allocator's replay of a training run's events, cuBLAS workspaces included."""
+    from memplan.allocator import replay
+    return replay(events, limit, _workspaces())
+
+
+def _events(model, setup: Setup, steps: int):
+    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events)."""
     from memplan.memory.context import resolve
     from memplan.models import config_dict, load_spec
 
@@ -278,4 +281,18 @@ def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int =
     tracker = StorageTracker()
     tracker.events = []
     _run(spec, setup, config_dict(spec), None, steps, True, tracker=tracker)
-    return _replayed(tracker.events, limit)
+    return tracker.events
+
+
+def replay_need(model, setup: Setup, steps: int = 3) -> int:
+    """The smallest allocator limit the traced steps fit under (memplan.allocator.min_limit, cuBLAS workspaces
+    included): the exact counterpart of Estimate.allocator_need_bytes."""
+    from memplan.allocator import min_limit
+    return min_limit(_events(model, setup, steps), _workspaces())
+
+
+def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
+    """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
+    steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
+    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
+    return _replayed(_events(model, setup, steps), limit)

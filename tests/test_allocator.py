@@ -81,6 +81,16 @@ def test_replay_releases_the_build_cache_and_adds_workspaces():
     assert replay(events, limit=40 * MiB, workspaces={"forward": 32 * MiB}).oom == "forward"
 
 
+def test_min_limit_is_the_smallest_limit_that_fits():
+    from memplan.allocator import min_limit
+    # a 24 MiB tensor freed, a 2 MiB one carved from its cached segment (pinning it), then 23 MiB more: uncapped
+    # the allocator reserves 24 + 24; under a cap it cannot release the split segment, so 48 MiB it needs
+    events = [(0, 24 * MiB, "forward"), (0, 0, "forward"), (1, 2 * MiB, "forward"), (2, 23 * MiB, "forward")]
+    need = min_limit(events, step=MiB)
+    assert replay(events, need).oom == "" and replay(events, need - MiB).oom == "forward"
+    assert need == 48 * MiB  # the live peak is 25 MiB: the closed form's 25 + 23 bound happens to be exact here
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,batches", [("openai-community/gpt2", ("6", "7")),
                                            ("google-bert/bert-large-uncased", ("7", "8"))])
