@@ -13,7 +13,6 @@ was fitted to these rows: the policy is PyTorch's (see memplan/allocator.py)."""
 from __future__ import annotations
 
 import csv
-import io
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ def run(files: list[str]) -> None:
 
     from memplan import libs, measured
     from memplan.estimate import estimate
-    from memplan.fileio import write_text_atomic
+    from memplan.fileio import append_csv_row_atomic
     from memplan.trace import replay_allocator
     done = {r["key"] for r in csv.DictReader(open(RESULTS))} if RESULTS.exists() else set()
     skipped = 0
@@ -67,13 +66,7 @@ def run(files: list[str]) -> None:
                        replay_reserved_bytes=got.peak_reserved, estimate_reserved_bytes=est.peak_reserved_bytes,
                        measured_allocated_bytes=r["measured_allocated_bytes"],
                        replay_allocated_bytes=got.peak_allocated, retries=got.retries, seconds=round(time.time() - t, 1))
-            old = RESULTS.read_text() if RESULTS.exists() else ""
-            buf = io.StringIO()
-            w = csv.DictWriter(buf, FIELDS, lineterminator="\n")
-            if not old:
-                w.writeheader()
-            w.writerow(row)
-            write_text_atomic(RESULTS, old + buf.getvalue())
+            append_csv_row_atomic(RESULTS, FIELDS, row)
             done.add(r["key"])
             print(f"{row['measured_status']:3s} -> {row['replay_status']:3s}  {r['model']} {row['setup']}  "
                   f"reserved {_rel(row['replay_reserved_bytes'], row['measured_reserved_bytes'])}", flush=True)

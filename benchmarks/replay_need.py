@@ -12,7 +12,6 @@ need) is a setup the planner could pick where it runs out of memory without the 
 from __future__ import annotations
 
 import csv
-import io
 import statistics
 import sys
 import time
@@ -55,7 +54,7 @@ def describe(s) -> str:
 def run(shard: int = 0, shards: int = 1) -> None:
     from memplan.errors import MemplanError
     from memplan.estimate import estimate
-    from memplan.fileio import write_text_atomic
+    from memplan.fileio import append_csv_row_atomic
     from memplan.trace import replay_need
     out = RESULTS.with_name(f"replay_need.{shard}.csv") if shards > 1 else RESULTS
     done = {(r["model"], r["setup"]) for r in csv.DictReader(open(out))} if out.exists() else set()
@@ -72,13 +71,7 @@ def run(shard: int = 0, shards: int = 1) -> None:
         row = dict(model=model, setup=describe(setup), peak_allocated_bytes=e.peak_allocated_bytes,
                    largest_block_bytes=e.largest_block_bytes, closed_form_bytes=e.allocator_need_bytes,
                    replay_need_bytes=need, seconds=round(time.time() - t, 1))
-        old = out.read_text() if out.exists() else ""
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, FIELDS, lineterminator="\n")
-        if not old:
-            w.writeheader()
-        w.writerow(row)
-        write_text_atomic(out, old + buf.getvalue())
+        append_csv_row_atomic(out, FIELDS, row)
         slack = (e.allocator_need_bytes - need) / need
         print(f"{model} {describe(setup)}: closed form {slack:+.1%} vs the replay's need", flush=True)
 

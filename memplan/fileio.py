@@ -31,3 +31,20 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data, indent: int | None = None) -> None:
     """Write JSON atomically (compact unless indent is given)."""
     write_text_atomic(path, json.dumps(data, indent=indent, separators=(",", ":") if indent is None else None) + "\n")
+
+
+def append_csv_row_atomic(path: Path, fieldnames: list[str], row: dict) -> None:
+    """Append one row to a CSV (its header first when the file is new or empty), rewriting the file atomically."""
+    import csv
+    import io
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames, lineterminator="\n")
+    if not old.strip():
+        old = ""
+        w.writeheader()
+    elif not old.endswith("\n"):
+        old += "\n"
+    w.writerow(row)
+    write_text_atomic(path, old + buf.getvalue())
