@@ -178,6 +178,9 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
                   + ("; the allocator replay below sets the micro-batch (the need is a bound)" if plan.replay else ""))
     if plan.replay:
         console.print(replay_line(plan.replay))
+    elif plan.setup.world_size == 1:
+        console.print("[dim]micro-batch from the closed-form fit test; --replay checks it against the caching allocator "
+                      "(fragmentation the bound misses: docs/PLANNER.md)[/]")
     if plan.alternatives:
         t = table("alternatives", "setup", ("fits", "center"), ("needs GiB", "right"), "why not chosen")
         for a in plan.alternatives:
