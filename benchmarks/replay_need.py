@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "replay_need.csv"
 FIELDS = ["model", "setup", "peak_allocated_bytes", "largest_block_bytes", "closed_form_bytes", "replay_need_bytes",
-          "seconds"]
+          "estimate_reserved_bytes", "replay_reserved_bytes", "seconds"]
 
 SMALL = ["openai-community/gpt2", "openai-community/gpt2-medium", "google-bert/bert-large-uncased",
          "google-t5/t5-base", "facebook/bart-large", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-1.5B",
@@ -55,7 +55,8 @@ def run(shard: int = 0, shards: int = 1) -> None:
     from memplan.errors import MemplanError
     from memplan.estimate import estimate
     from memplan.fileio import append_csv_row_atomic
-    from memplan.trace import replay_need
+    from memplan.allocator import min_limit, replay
+    from memplan.trace import cuda_workspaces, traced_events
     out = RESULTS.with_name(f"replay_need.{shard}.csv") if shards > 1 else RESULTS
     done = {(r["model"], r["setup"]) for r in csv.DictReader(open(out))} if out.exists() else set()
     for i, (model, setup) in enumerate(grid()):
@@ -64,13 +65,16 @@ def run(shard: int = 0, shards: int = 1) -> None:
         t = time.time()
         try:
             e = estimate(model, setup)
-            need = replay_need(model, setup)
+            events = traced_events(model, setup, 3)
+            need = min_limit(events, cuda_workspaces())
+            reserved = replay(events, None, cuda_workspaces()).peak_reserved
         except MemplanError as err:
             print(f"skip {model} {describe(setup)}: {str(err).splitlines()[0][:100]}")
             continue
         row = dict(model=model, setup=describe(setup), peak_allocated_bytes=e.peak_allocated_bytes,
                    largest_block_bytes=e.largest_block_bytes, closed_form_bytes=e.allocator_need_bytes,
-                   replay_need_bytes=need, seconds=round(time.time() - t, 1))
+                   replay_need_bytes=need, estimate_reserved_bytes=e.peak_reserved_bytes,
+                   replay_reserved_bytes=reserved, seconds=round(time.time() - t, 1))
         append_csv_row_atomic(out, FIELDS, row)
         slack = (e.allocator_need_bytes - need) / need
         print(f"{model} {describe(setup)}: closed form {slack:+.1%} vs the replay's need", flush=True)

@@ -255,7 +255,7 @@ def compare(result: TraceResult, est) -> dict:
             "traced_components": dict(result.components), "estimated_components": cats}
 
 
-def _workspaces() -> dict[str, int]:
+def cuda_workspaces() -> dict[str, int]:
     """The cuBLAS workspace of forward's handle and of autograd's backward thread, allocated at each one's first
     matmul (memory.overhead.cublas_workspace_bytes)."""
     from memplan.memory.overhead import cublas_workspace_bytes
@@ -266,10 +266,10 @@ def _workspaces() -> dict[str, int]:
 def _replayed(events, limit: int | None = None):
     """The caching allocator's replay of a training run's events, cuBLAS workspaces included."""
     from memplan.allocator import replay
-    return replay(events, limit, _workspaces())
+    return replay(events, limit, cuda_workspaces())
 
 
-def _events(model, setup: Setup, steps: int):
+def traced_events(model, setup: Setup, steps: int):
     """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events)."""
     from memplan.memory.context import resolve
     from memplan.models import config_dict, load_spec
@@ -288,11 +288,11 @@ def replay_need(model, setup: Setup, steps: int = 3) -> int:
     """The smallest allocator limit the traced steps fit under (memplan.allocator.min_limit, cuBLAS workspaces
     included): the exact counterpart of Estimate.allocator_need_bytes."""
     from memplan.allocator import min_limit
-    return min_limit(_events(model, setup, steps), _workspaces())
+    return min_limit(traced_events(model, setup, steps), cuda_workspaces())
 
 
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
     """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
     steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
     workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
-    return _replayed(_events(model, setup, steps), limit)
+    return _replayed(traced_events(model, setup, steps), limit)

@@ -153,6 +153,18 @@ def test_cli_trace_json_has_the_estimate_keys():
     assert d["comparison"]["traced_bytes"] == d["peak_allocated_bytes"]
 
 
+def test_whole_model_trace_reports_the_replayed_reserved_peak():
+    # cut traces extrapolate live bytes only; a whole-model trace also replays the caching allocator
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--batch-size", "2", "--seq-len", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    workspaces = 2 * 32 * 2**20  # cuBLAS, forward's handle and autograd's (memory/overhead.py)
+    assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"] + workspaces
+    assert d["peak_reserved_bytes"] % (512 * 1024) == 0  # whole segments: 2 MiB or 20 MiB or 2 MiB-rounded
+    cut = CliRunner().invoke(main, ["trace", "gpt2", "--batch-size", "1", "--seq-len", "32", "--layers", "2", "--json"])
+    assert json.loads(cut.output[cut.output.index("{"):])["peak_reserved_bytes"] is None
+
+
 def test_cli_trace_bad_input_exit_2():
     r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer"])
     assert r.exit_code == 2 and "training" in r.output
