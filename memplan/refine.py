@@ -34,8 +34,11 @@ def refine(plan: Plan, spec, estimator, replay_fn=None) -> Plan:
     """`plan` with its micro-batch (and accumulation) set by allocator replays; the plan as it is when it does not
     fit or spans several GPUs. replay_fn(spec, setup, limit) -> memplan.allocator.Replay (default:
     memplan.trace.replay_allocator over STEPS steps)."""
-    if not plan.fits or plan.setup.world_size > 1:
+    if not plan.fits:
         return plan
+    if plan.setup.world_size > 1:
+        return dataclasses.replace(plan, replay={"skipped": "the allocator replay covers single-GPU plans; this plan "
+                                                            f"spans {plan.setup.world_size} GPUs"})
     if replay_fn is None:
         from memplan.trace import replay_allocator
 

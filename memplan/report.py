@@ -140,6 +140,8 @@ def print_gpus(gpus, console: Console | None = None) -> None:
 
 def replay_line(r: dict) -> str:
     """plan --replay: which micro-batches the caching allocator's replay fitted under the allocator's limit."""
+    if "skipped" in r:
+        return f"[yellow]allocator replay skipped[/]: {r['skipped']}"
     tried = ", ".join(f"{b} {'fits' if x['fits'] else '[red]OOM[/]'} ({_gib(x['reserved_bytes'])} GiB reserved)"
                       for b, x in r["replayed"].items())
     if not r["largest_batch_size"]:

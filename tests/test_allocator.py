@@ -151,7 +151,10 @@ def test_refine_leaves_multi_gpu_and_nothing_fits_plans_alone():
     from memplan.refine import refine
     from memplan.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, num_gpus=2, sharding="ddp")
-    assert refine(p, p.model, None, lambda *a: pytest.fail("replayed")) is p
+    got = refine(p, p.model, None, lambda *a: pytest.fail("replayed"))
+    assert got.setup == p.setup and "single-GPU" in got.replay["skipped"]
+    nothing = plan("meta-llama/Llama-2-7b-hf", "RTX 3060", seq_len=1024, technique="full", num_gpus=1)
+    assert not nothing.fits and refine(nothing, nothing.model, None, lambda *a: pytest.fail("replayed")) is nothing
 
 
 def test_plan_cli_replay_flag(monkeypatch):
