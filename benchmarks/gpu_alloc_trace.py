@@ -77,12 +77,45 @@ def compare(path: str) -> None:
     r = replay_allocator(d["model"], setup)
     print(f"reserved peak: GPU {d['reserved_peak'] / 2**30:.3f} GiB, replay {r.peak_reserved / 2**30:.3f} GiB; segments "
           f"reserved: GPU {len(gpu)}, replay {len(r.segments)}")
+    allocation_sizes(d, phase_of)
     first = next((i for i, (a, b) in enumerate(zip(gpu, r.segments)) if a != b), min(len(gpu), len(r.segments)))
     for i in range(max(0, first - 3), min(max(len(gpu), len(r.segments)), first + 12)):
         a = gpu[i] if i < len(gpu) else ("", 0)
         b = r.segments[i] if i < len(r.segments) else ("", 0)
         print(f"{'>' if i == first else ' '} {i:4d}  GPU {a[0]:10s} {a[1] / 2**20:9.1f} MiB   replay {b[0]:10s} "
               f"{b[1] / 2**20:9.1f} MiB")
+
+
+def allocation_sizes(d: dict, phase_of) -> None:
+    """Per phase of the first step, the allocation sizes the GPU made more (or fewer) times than the trace: where
+    the GPU's extra allocated bytes come from (a CUDA kernel's own buffers, a different dtype)."""
+    from collections import Counter
+
+    from memplan.allocator import round_size
+    from memplan.setup import Setup
+    from memplan.trace import traced_events
+    setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
+    traced: dict[str, Counter] = {}
+    seen_optimizer = False
+    for _, n, phase in traced_events(d["model"], setup, 3):
+        seen_optimizer |= phase == "optimizer"
+        if n and not seen_optimizer and phase in ("forward", "backward"):
+            traced.setdefault(phase, Counter())[round_size(n)] += 1
+    gpu: dict[str, Counter] = {}
+    seen_optimizer = False
+    for i, (action, size, _) in enumerate(d["events"]):
+        phase = phase_of(i)
+        seen_optimizer |= phase == "optimizer"
+        if action == "alloc" and not seen_optimizer and phase in ("forward", "backward"):
+            gpu.setdefault(phase, Counter())[size] += 1
+    for phase in ("forward", "backward"):
+        g, t = gpu.get(phase, Counter()), traced.get(phase, Counter())
+        diff = {size: g[size] - t[size] for size in g.keys() | t.keys() if g[size] != t[size]}
+        extra = sum(size * k for size, k in diff.items())
+        print(f"first step's {phase}: GPU allocated {extra / 2**20:+.1f} MiB more in total than the trace; largest "
+              "differences (size x count):")
+        for size, k in sorted(diff.items(), key=lambda x: -abs(x[0] * x[1]))[:10]:
+            print(f"    {size / 2**20:10.2f} MiB x {k:+d}")
 
 
 if __name__ == "__main__":
