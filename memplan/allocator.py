@@ -59,7 +59,8 @@ class _Block:
 
 @dataclass
 class Replay:
-    """What the replay found. reserved/allocated: peaks over the run; phase_reserved: the reserved peak per phase;
+    """What the replay found. reserved/allocated: peaks over the run after the build (as validate's meter resets
+    them there); phase_reserved: the reserved peak per phase;
     oom: the phase whose request found no room under the cap ('' when the run fits); oom_request: its size."""
     peak_reserved: int = 0
     peak_allocated: int = 0
@@ -192,11 +193,10 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
             live[serial] = block
         elif serial in live:
             alloc.free(live.pop(serial))
-        if started:
+        if started:  # the peaks validate's meter reports: from its reset after the build on
             out.segments += [(phase, n) for n in alloc.segment_log[logged:]]
-        out.peak_reserved = max(out.peak_reserved, alloc.reserved)
-        out.peak_allocated = max(out.peak_allocated, alloc.allocated)
-        if started:
+            out.peak_reserved = max(out.peak_reserved, alloc.reserved)
+            out.peak_allocated = max(out.peak_allocated, alloc.allocated)
             out.phase_reserved[phase] = max(out.phase_reserved.get(phase, 0), alloc.reserved)
     out.retries = alloc.retries
     return out
