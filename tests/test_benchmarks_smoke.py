@@ -60,3 +60,18 @@ def test_family_survey_shapes_every_family_small_and_traces_one(tmp_path):
     assert d["hidden_size"] == 512 and d["num_local_experts"] == 4 and d.get("eos_token_id") in (None, 2)
     cells, failures = mod.survey("llama", tmp_path)
     assert not failures and all(abs(float(c.rstrip("%"))) < 1 for c in cells), (cells, failures)
+
+
+def test_planner_check_verdict_reads_every_measured_batch():
+    spec = importlib.util.spec_from_file_location("planner_check", ROOT / "benchmarks" / "planner_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # data/measured/planner-check.csv (H200, 2026-11-26): gpt2 on an RTX 3060 fitted 5 and 6, not 7
+    gpt2 = {5: "ok", 6: "ok", 7: "oom"}
+    assert mod.verdict(6, gpt2) == ("6", ">= 100%", True)
+    assert mod.verdict(5, gpt2) == ("6", ">= 83%", False)  # the closed form's plan: below 90%
+    assert mod.verdict(11, {11: "ok", 12: "ok", 13: "oom"}) == ("12", ">= 92%", True)  # Mistral-7B on an A100 40GB
+    assert mod.verdict(21, {21: "ok", 22: "ok", 24: "ok"}) == (">= 24", "", False)  # no OOM above: not decided
+    assert mod.verdict(8, {8: "oom"}) == ("", "planned OOMed", False)
+    assert mod.verdict(27, {21: "ok", 24: "ok"}) == ("", "", False)  # the plan's batch not measured
+    assert mod.verdict(20, {20: "ok", 25: "oom"}) == ("< 25", ">= 83%", False)  # 21-24 unmeasured: a lower bound
