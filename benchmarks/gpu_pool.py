@@ -135,27 +135,29 @@ def sweep_tasks(pool: Pool, files: list[str]) -> list:
 
 
 def planner_tasks(pool: Pool) -> list:
+    """One task per pair: the closed-form planner's batches, then plan --replay's (made on the CPU under this
+    transformers), one after the other so that a batch both need runs once (each measure reads the rows so far)."""
     import planner_check
     from memplan.gpus import find_gpu
     from memplan.measured import done_keys
     context = alone_context_bytes()
-    done = done_keys(planner_check.OUT)
     replays = planner_check.stored_replay_batches()
     tasks = []
     for model, card, pinned in planner_check.PAIRS:
         cap = find_gpu(card).memory_bytes - context
 
         def measure(job, notes, cap=cap, card=card):
-            if job.key("cuda") in done:
+            if job.key("cuda") in done_keys(planner_check.OUT):
                 return next(r["status"] for r in csv.DictReader(open(planner_check.OUT))
                             if r["key"] == job.key("cuda"))
             return pool.measure(job, cap / pool.device, f"emulating {card} (cap = card - CUDA context measured "
                                 f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", planner_check.OUT)
-        tasks.append((cap, lambda model=model, card=card, pinned=pinned, measure=measure:
-                      planner_check.check_pair(model, card, pinned, measure)))
-        if (model, card) in replays:  # plan --replay's micro-batch (made on the CPU under this transformers)
-            tasks.append((cap, lambda model=model, card=card, pinned=pinned, measure=measure, b=replays[model, card]:
-                          planner_check.check_pair(model, card, pinned, measure, b)))
+
+        def both(model=model, card=card, pinned=pinned, measure=measure, b=replays.get((model, card))):
+            planner_check.check_pair(model, card, pinned, measure)
+            if b is not None:
+                planner_check.check_pair(model, card, pinned, measure, b)
+        tasks.append((cap, both))
     return tasks
 
 
