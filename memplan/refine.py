@@ -71,4 +71,5 @@ def refine(plan: Plan, spec, estimator, replay_fn=None) -> Plan:
     else:
         b, ga = split_batch(effective, largest)
     setup = dataclasses.replace(plan.setup, batch_size=b, grad_accum=ga)
+    record.update(batch_size=b, grad_accum=ga)
     return dataclasses.replace(plan, setup=setup, estimate=estimator(spec, setup), replay=record)

@@ -147,8 +147,10 @@ def replay_line(r: dict) -> str:
     if not r["largest_batch_size"]:
         return (f"[red]allocator replay[/]: no micro-batch fits {_gib(r['limit_bytes'])} GiB ({tried}); the plan is "
                 "the estimate's: lower the batch or the sequence length")
-    return (f"allocator replay under {_gib(r['limit_bytes'])} GiB: {tried}; largest micro-batch "
-            f"{r['largest_batch_size']} (the estimate's: {r['estimate_batch_size']})")
+    split = (f"; the plan takes {r['batch_size']} x {r['grad_accum']} accumulation steps for the effective batch"
+             if r["batch_size"] != r["largest_batch_size"] else "")
+    return (f"allocator replay under {_gib(r['limit_bytes'])} GiB: {tried}; largest fitting micro-batch "
+            f"{r['largest_batch_size']} (closed-form plan: {r['estimate_batch_size']}){split}")
 
 
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
