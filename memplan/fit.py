@@ -152,19 +152,16 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     return out
 
 
-def largest_fitting(fits: Callable[[int], bool], cap: int, start: int = 1) -> int:
-    """Largest b in [1, cap] with fits(b), for a monotone `fits`; 0 if none. From `start` (a guess: 1, or an
-    estimate's answer when each probe is costly) steps of 1, 2, 4... up while it fits, else down; then bisection:
-    about 2 log2 of the distance probes."""
-    start = max(1, min(start, cap))
-    if fits(start):
-        lo, step = start, 1
-        while lo + step <= cap and fits(lo + step):
-            lo, step = lo + step, step * 2
-        hi = min(lo + step, cap + 1)
-    else:
-        lo, hi = 0, start
-    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is beyond the cap)
+def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
+    """Largest b in [1, cap] with fits(b), for a monotone `fits`; 0 if none. Doubling from 1, then bisection:
+    about 2 log2(b) probes."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:  # invariant: lo fits, hi does not (or is beyond the cap)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo

@@ -142,15 +142,15 @@ def replay_line(r: dict) -> str:
     """plan --replay: which micro-batches the caching allocator's replay fitted under the allocator's limit."""
     if "skipped" in r:
         return f"[yellow]allocator replay skipped[/]: {r['skipped']}"
-    tried = ", ".join(f"{b} {'fits' if x['fits'] else '[red]OOM[/]'} ({_gib(x['reserved_bytes'])} GiB reserved)"
+    tried = ", ".join(f"{b}: {_gib(x['need_bytes'])} GiB" + ("" if x["fits"] else " [red]OOM[/]")
                       for b, x in r["replayed"].items())
     if not r["largest_batch_size"]:
-        return (f"[red]allocator replay[/]: no micro-batch fits {_gib(r['limit_bytes'])} GiB ({tried}); the plan is "
-                "the estimate's: lower the batch or the sequence length")
+        return (f"[red]allocator replay[/]: no micro-batch fits the {_gib(r['limit_bytes'])} GiB limit (needs by "
+                f"micro-batch: {tried}); the plan is the estimate's: lower the batch or the sequence length")
     split = (f"; the plan takes {r['batch_size']} x {r['grad_accum']} accumulation steps for the effective batch"
              if r["batch_size"] != r["largest_batch_size"] else "")
-    return (f"allocator replay under {_gib(r['limit_bytes'])} GiB: {tried}; largest fitting micro-batch "
-            f"{r['largest_batch_size']} (closed-form plan: {r['estimate_batch_size']}){split}")
+    return (f"allocator replay, needs by micro-batch against the {_gib(r['limit_bytes'])} GiB limit: {tried}; largest "
+            f"fitting {r['largest_batch_size']} (closed-form plan: {r['estimate_batch_size']}){split}")
 
 
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:

@@ -111,13 +111,13 @@ def test_replay_under_an_rtx3060_cap_matches_the_h200(model, batches):
 
 # ---------------------------------------------------------------------------------------------- plan --replay
 
-def _replay_fake(largest: int, calls: list):
-    """A replay_fn whose step fits up to micro-batch `largest`."""
-    from memplan.allocator import Replay
+def _replay_fake(largest: int, limit: int, calls: list):
+    """A replay_fn whose need grows linearly with the micro-batch and reaches `limit` at `largest`."""
+    unit = limit // largest
 
-    def fn(spec, setup, limit):
-        calls.append((setup.batch_size, setup.grad_accum, limit))
-        return Replay(peak_reserved=setup.batch_size, oom="" if setup.batch_size <= largest else "backward")
+    def fn(spec, setup):
+        calls.append((setup.batch_size, setup.grad_accum))
+        return setup.batch_size * unit, setup.batch_size * unit + 1
     return fn
 
 
@@ -129,12 +129,32 @@ def test_refine_sets_the_largest_micro_batch_the_replay_fits(largest):
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
              precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
     calls: list = []
-    got = refine(p, p.model, lambda spec, s: estimate(spec, s), _replay_fake(largest, calls))
+    got = refine(p, p.model, lambda spec, s: estimate(spec, s), _replay_fake(largest, allocator_limit(p), calls))
     assert got.setup.batch_size == largest and got.setup.grad_accum == 1  # accumulation pinned to 1
     assert got.estimate.setup == got.setup and got.replay["estimate_batch_size"] == p.setup.batch_size
-    assert {c[2] for c in calls} == {allocator_limit(p)}  # budget less context: RTX 3060 11.60 - 0.51 GiB
-    assert allocator_limit(p) == p.budget_bytes - CUDA_CONTEXT_BYTES
-    assert len(calls) <= 2 * max(1, abs(largest - p.setup.batch_size)).bit_length() + 2  # probes from the guess
+    assert allocator_limit(p) == p.budget_bytes - CUDA_CONTEXT_BYTES  # RTX 3060: budget less the context
+    assert len(calls) == len({c[0] for c in calls})  # each micro-batch traced once
+    assert len(calls) <= 2 * max(1, abs(largest - p.setup.batch_size)).bit_length() + 3
+
+
+def test_refine_guesses_from_the_first_need():
+    # where the need grows at the closed form's own rate, the guess lands on the answer: b0, the guess, guess + 1
+    from memplan.estimate import estimate
+    from memplan.refine import allocator_limit, refine
+    from memplan.search import plan
+    p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
+             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False, headroom=0.3)
+    b0, limit = p.setup.batch_size, allocator_limit(p)
+    per = estimate(p.model, p.setup.__class__(**{**p.setup.to_dict(), "batch_size": b0 + 1})).allocator_need_bytes \
+        - p.estimate.allocator_need_bytes
+    calls: list = []
+
+    def fn(spec, setup):
+        calls.append(setup.batch_size)
+        need = limit - 3 * per + (setup.batch_size - b0) * per  # b0 + 3 is the largest that fits
+        return need, need
+    got = refine(p, p.model, lambda spec, s: estimate(spec, s), fn)
+    assert got.setup.batch_size == b0 + 3 and calls == [b0, b0 + 3, b0 + 4]
 
 
 def test_refine_splits_the_effective_batch_when_accumulation_is_free():
@@ -143,7 +163,8 @@ def test_refine_splits_the_effective_batch_when_accumulation_is_free():
     from memplan.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=32, technique="full",
              precision="bf16-mixed", attn_impl="sdpa", grad_ckpt=False)
-    got = refine(p, p.model, lambda spec, s: estimate(spec, s), _replay_fake(9, []))
+    from memplan.refine import allocator_limit
+    got = refine(p, p.model, lambda spec, s: estimate(spec, s), _replay_fake(9, allocator_limit(p), []))
     assert (got.setup.batch_size, got.setup.grad_accum) == (8, 4)  # 32 = 8 x 4, the largest divisor <= 9
 
 
@@ -160,10 +181,13 @@ def test_refine_leaves_multi_gpu_and_nothing_fits_plans_alone():
 def test_plan_cli_replay_flag(monkeypatch):
     from memplan import refine as refine_mod
     calls: list = []
-    monkeypatch.setattr(refine_mod, "STEPS", 3)
-    import memplan.trace
-    monkeypatch.setattr(memplan.trace, "replay_allocator",
-                        lambda spec, setup, limit, steps: _replay_fake(4, calls)(spec, setup, limit))
+    limits: list = []
+    real_refine = refine_mod.refine
+
+    def fake_refine(plan, spec, estimator):  # the CLI's path with the traces replaced by a linear need
+        limits.append(refine_mod.allocator_limit(plan))
+        return real_refine(plan, spec, estimator, _replay_fake(4, limits[0], calls))
+    monkeypatch.setattr(refine_mod, "refine", fake_refine)
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--technique", "full",
                                   "--precision", "bf16-mixed", "--grad-accum", "1", "--effective-batch", "64",
                                   "--seq-len", "1024", "--replay", "--json"])
