@@ -55,8 +55,7 @@ def run(shard: int = 0, shards: int = 1) -> None:
     from memplan.errors import MemplanError
     from memplan.estimate import estimate
     from memplan.fileio import append_csv_row_atomic
-    from memplan.allocator import min_limit, replay
-    from memplan.trace import cuda_workspaces, traced_events
+    from memplan.trace import replay_need
     out = RESULTS.with_name(f"replay_need.{shard}.csv") if shards > 1 else RESULTS
     done = {(r["model"], r["setup"]) for r in csv.DictReader(open(out))} if out.exists() else set()
     for i, (model, setup) in enumerate(grid()):
@@ -65,9 +64,7 @@ def run(shard: int = 0, shards: int = 1) -> None:
         t = time.time()
         try:
             e = estimate(model, setup)
-            events = traced_events(model, setup, 3)
-            need = min_limit(events, cuda_workspaces())
-            reserved = replay(events, None, cuda_workspaces()).peak_reserved
+            need, reserved = replay_need(model, setup, 3)
         except MemplanError as err:
             print(f"skip {model} {describe(setup)}: {str(err).splitlines()[0][:100]}")
             continue

@@ -30,12 +30,9 @@ def allocator_limit(plan: Plan) -> int:
 
 
 def replay_need(spec, setup) -> tuple[int, int]:
-    """(smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model trace of
-    STEPS steps, the limit bisected over replays of it (memplan.allocator.min_limit)."""
-    from memplan.allocator import min_limit, replay
-    from memplan.trace import cuda_workspaces, traced_events
-    events = traced_events(spec, setup, STEPS)
-    return min_limit(events, cuda_workspaces()), replay(events, None, cuda_workspaces()).peak_reserved
+    """(need, reserved) of STEPS traced steps: memplan.trace.replay_need."""
+    from memplan.trace import replay_need as traced
+    return traced(spec, setup, STEPS)
 
 
 def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:

@@ -284,11 +284,13 @@ def traced_events(model, setup: Setup, steps: int):
     return tracker.events
 
 
-def replay_need(model, setup: Setup, steps: int = 3) -> int:
-    """The smallest allocator limit the traced steps fit under (memplan.allocator.min_limit, cuBLAS workspaces
-    included): the exact counterpart of Estimate.allocator_need_bytes."""
-    from memplan.allocator import min_limit
-    return min_limit(traced_events(model, setup, steps), cuda_workspaces())
+def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
+    """(the smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model
+    trace, the limit bisected over replays of it (memplan.allocator.min_limit; cuBLAS workspaces included) - the
+    exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes."""
+    from memplan.allocator import min_limit, replay
+    events = traced_events(model, setup, steps)
+    return min_limit(events, cuda_workspaces()), replay(events, None, cuda_workspaces()).peak_reserved
 
 
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
