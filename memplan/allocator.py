@@ -202,11 +202,13 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
     return out
 
 
-def min_limit(events, workspaces: dict[str, int] | None = None, step: int = ROUND_LARGE) -> int:
+def min_limit(events, workspaces: dict[str, int] | None = None, step: int = ROUND_LARGE,
+              uncapped: Replay | None = None) -> int:
     """The smallest allocator limit (to `step`) under which replaying `events` does not run out of memory: what a
-    card must leave the allocator for the run. Bisection between the live peak and the uncapped reserved peak;
-    each probe replays the events (a fraction of a second for a 7B model's 3 steps)."""
-    free = replay(events, None, workspaces)
+    card must leave the allocator for the run. Bisection between the live peak and the uncapped reserved peak
+    (`uncapped`: the events' replay without a limit, when the caller has it); each probe replays the events (a
+    fraction of a second for a 7B model's 3 steps)."""
+    free = uncapped or replay(events, None, workspaces)
     lo, hi = free.peak_allocated - 1, free.peak_reserved  # lo does not fit (below the live peak); hi fits
     while hi - lo > step:
         mid = (lo + hi) // 2

@@ -7,7 +7,7 @@ is loose where the largest tensor finds a cached block to reuse (gpt2-xl on an A
 H200 capped to the card, data/measured/planner-check.csv). Here the chosen setup is traced at whole depth for the
 steps validate runs, each micro-batch replayed through memplan.allocator under the budget's allocator share, and
 the micro-batch becomes the largest whose replay fits. Single-GPU plans only (one rank's trace is the whole
-step there); seconds per replay on the CPU for a 1B model, about 20 s for a 7B QLoRA.
+step there); seconds per trace on the CPU for a 1B model, about 35 s for a 7B QLoRA (benchmarks/results/speed.md).
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
     fit or spans several GPUs. replay_fn(spec, setup) -> (need bytes, reserved bytes) as replay_need.
 
     Each probe's need (not only fit or not) guides the next: from the plan's micro-batch b0 the first guess is
-    b0 + (limit - need(b0)) / the closed form's need per sample, then steps of 1, 2, 4... and bisection
-    (fit.largest_fitting) - two or three traces where probing from b0 alone took six (gpt2-xl on an A10)."""
+    b0 + (limit - need(b0)) / the closed form's need per sample, then regula falsi (_search) - four traces for
+    gpt2-xl on an A10 where stepping 1, 2, 4 from b0 and bisecting took six."""
     if not plan.fits:
         return plan
     if plan.setup.world_size > 1:
@@ -104,10 +104,11 @@ def _search(needs: dict, fits, limit: int, cap: int, guess: int) -> int:
         lo, hi = max(ok, default=0), min(oom, default=cap + 1)
         if hi - lo <= 1 or lo >= cap:
             return min(lo, cap)
-        near = sorted(needs, key=lambda b: abs(b - lo))[:2] if lo else sorted(needs)[:2]
-        (b1, (n1, _)), (b2, (n2, _)) = [(b, needs[b]) for b in sorted(near)] if len(near) == 2 else [(lo, needs[lo])] * 2
-        slope = (n2 - n1) / (b2 - b1) if b2 != b1 and n2 > n1 else 0
-        base, base_need = (lo, needs[lo][0]) if lo else (b1, n1)
-        step = math.floor((limit - base_need) / slope) if slope > 0 else (hi - lo) // 2
-        nxt = min(max(base + step, lo + 1), hi - 1)
+        anchor = lo or hi  # the largest fit, or with none the smallest OOM
+        near = sorted(sorted(needs, key=lambda b: abs(b - anchor))[:2])
+        slope = 0.0
+        if len(near) == 2 and needs[near[1]][0] > needs[near[0]][0]:
+            slope = (needs[near[1]][0] - needs[near[0]][0]) / (near[1] - near[0])
+        step = math.floor((limit - needs[anchor][0]) / slope) if slope > 0 else (hi - lo) // 2
+        nxt = min(max(anchor + step, lo + 1), hi - 1)
         fits(nxt)

@@ -187,12 +187,9 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
         host_budget = host_memory if isinstance(host_memory, int) else parse_size(host_memory)
     opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
                 estimator=estimator, alternatives=alternatives, host_budget=host_budget)
-    if not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
-        result = _plan_at(spec, gpu, pinned, opts)
-        if not result.fits:
-            result = fewest_gpus(spec, gpu, pinned, result, opts)
-    else:
-        result = _plan_at(spec, gpu, pinned, opts)
+    result = _plan_at(spec, gpu, pinned, opts)
+    if not result.fits and not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
+        result = fewest_gpus(spec, gpu, pinned, result, opts)
     if replay:
         from memplan.refine import refine
         result = refine(result, spec, estimator)

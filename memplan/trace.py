@@ -151,9 +151,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     asked, layers = layers, layers and min_layers(setup, layers)
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
     if not layers or layers >= total_layers or skipping:
-        t = StorageTracker()
-        t.events = []
-        t = _run(spec, setup, d, None, steps, fake, tracker=t)
+        t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = _result(spec, setup, t, None, total_layers)
         result.peak_reserved_bytes = _replayed(t.events).peak_reserved
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
@@ -278,19 +276,17 @@ def traced_events(model, setup: Setup, steps: int):
     if setup.mode != "train":
         raise BadInput("the allocator replay runs training steps; use --mode train")
     resolve(spec, setup)
-    tracker = StorageTracker()
-    tracker.events = []
-    _run(spec, setup, config_dict(spec), None, steps, True, tracker=tracker)
-    return tracker.events
+    return _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
 
 
 def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
     """(the smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model
     trace, the limit bisected over replays of it (memplan.allocator.min_limit; cuBLAS workspaces included) - the
     exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes."""
-    from memplan.allocator import min_limit, replay
+    from memplan.allocator import min_limit
     events = traced_events(model, setup, steps)
-    return min_limit(events, cuda_workspaces()), replay(events, None, cuda_workspaces()).peak_reserved
+    free = _replayed(events)
+    return min_limit(events, cuda_workspaces(), uncapped=free), free.peak_reserved
 
 
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):

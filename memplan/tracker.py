@@ -30,7 +30,7 @@ def _round(n: int) -> int:
 class StorageTracker:
     """Live storages keyed by their C pointer; serial numbers identify allocations across pointer reuse."""
 
-    def __init__(self, segmented: bool = False):
+    def __init__(self, segmented: bool = False, events: bool = False):
         self.live: dict[int, tuple[int, int]] = {}  # key -> (serial, bytes)
         self.serials = itertools.count()
         self.born: dict[int, str] = {}  # serial -> phase allocated in
@@ -50,7 +50,8 @@ class StorageTracker:
         self.stack_depth: dict[str, int] = {}  # stack (the blocks' ModuleList path) -> number of blocks
         self.block_kinds: dict[tuple[str, int], tuple] = {}  # (stack, i) -> (parameters, trainable parameters)
         self.segment_peaks: dict[tuple[str, tuple], tuple[int, dict[int, int]]] = {}  # (phase, class) -> peak, live
-        self.events: list[tuple[int, int, str]] | None = None  # a list: (serial, bytes or 0 at release, phase)
+        # events=True: (serial, bytes, phase) as each storage is born, (serial, 0, phase) as it dies (memplan.allocator)
+        self.events: list[tuple[int, int, str]] | None = [] if events else None
 
     def serial_of(self, t) -> int | None:
         import torch

@@ -19,10 +19,9 @@ def kv_cache_bytes(ctx: Ctx) -> int:
         return 0
     new = s.new_tokens if s.new_tokens is not None else 128
     kv_elems = a.kv_cache_elems  # K and V (measured: transformers 5 caches MLA's latent, not expanded K and V)
-    if a.kind == "seq2seq":
-        per_layer = kv_elems * (max(new - 1, 0) + ctx.src_len)
-    else:
-        per_layer = kv_elems * (ctx.src_len + max(new - 1, 0))
+    # decoders: prompt + new - 1 tokens; encoder-decoders: new - 1 in self-attention + the encoder length in
+    # cross-attention (cross_cache_bytes) - the same sum
+    per_layer = kv_elems * (ctx.src_len + max(new - 1, 0))
     return s.batch_size * a.num_decoder_layers * per_layer * ctx.compute_bytes
 
 
