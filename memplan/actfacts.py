@@ -42,7 +42,7 @@ def _measure(name: str) -> tuple[tuple[float, float], ...]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.activations import ACT2FN
 
-    from memplan.emulations import cuda_autocast_fp32
+    from memplan.emulate_autocast import cuda_autocast_fp32
 
     if name not in ACT2FN:
         return ()

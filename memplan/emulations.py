@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+from memplan.emulate_autocast import cuda_autocast_fp32
 from memplan.emulate_masks import is_fake, mask_checks
 from memplan.emulate_sdpa import cuda_sdpa
 
@@ -34,11 +35,13 @@ EMULATIONS = {
                              "as a real run of its batches would, and draws 1.0 for the second, so every layer runs",
     "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
                   "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
-    "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors): its lower-precision op list "
-                "matches CUDA's for matmuls; CUDA's fp32 list (pow, exp, log, rsqrt, softplus, layer_norm, "
-                "logsumexp, softmax/log_softmax/cumsum with dtype=float32, ...) is applied by a function mode "
-                "(emulations.AUTOCAST_FP32); CPU autocast casts cross_entropy's 16-bit logits to fp32 first, CUDA's "
-                "takes a 16-bit log_softmax and casts it for nll_loss (emulations._cuda_cross_entropy)",
+    "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors) with CUDA's cast policy laid "
+                "over it by a function mode (memplan.emulate_autocast): CUDA's fp32 ops (pow, exp, rsqrt, "
+                "layer_norm, the losses, ...) cast up, softmax/log_softmax/cumsum/sum/norms into fp32 outputs, "
+                "CUDA's promote list, the matmuls only CUDA lowers (einsum, mv, ...); CPU-only policies (cat/stack "
+                "promotion by copy, fp32 fft/linalg) switched off; cross_entropy as CUDA's decomposition runs it (a "
+                "16-bit log_softmax cast up for nll_loss). Checked op by op against the AutocastCUDA kernels "
+                "(tests/test_autocast_parity.py)",
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "
@@ -80,75 +83,6 @@ def cuda_like(padded: bool = False, seq2seq: bool = False):
     finally:
         F.dropout = original
         F.scaled_dot_product_attention = original_sdpa
-
-
-#: CUDA autocast's fp32 ops (aten/src/ATen/autocast_mode.cpp AT_FORALL_FP32, registered for the CUDA Autocast key
-#: only: CPU autocast leaves them in bf16), and those it runs with dtype=float32 (AT_FORALL_FP32_SET_OPT_DTYPE)
-AUTOCAST_FP32 = {"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
-                 "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "group_norm",
-                 "logsumexp", "cosine_similarity", "dist", "pdist", "cdist", "renorm"}
-AUTOCAST_FP32_DTYPE = {"softmax", "log_softmax", "cumsum", "cumprod", "prod"}
-
-
-def cuda_autocast_fp32():
-    """While CPU autocast is on, run CUDA autocast's fp32 ops in fp32 (16-bit tensor arguments cast up first): e.g.
-    gelu_new's torch.pow, whose fp32 cast and outputs CUDA saves (14 B per element instead of 8). Found with the H100
-    rows: the tracer was 10-14% below every gpt2 bf16-mixed measurement, the estimate within 0.6%."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    half = (torch.bfloat16, torch.float16)
-
-    def up(a):
-        if isinstance(a, torch.Tensor) and a.dtype in half:
-            return a.float()
-        return type(a)(up(x) for x in a) if isinstance(a, (list, tuple)) else a
-
-    class _Mode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if torch.is_autocast_enabled("cpu"):
-                name = getattr(func, "__name__", "")
-                if name in AUTOCAST_FP32:
-                    args, kwargs = up(args), {k: up(v) for k, v in kwargs.items()}
-                elif (name in AUTOCAST_FP32_DTYPE and kwargs.get("dtype") is None and args
-                      and isinstance(args[0], torch.Tensor) and args[0].dtype in half):
-                    kwargs = {**kwargs, "dtype": torch.float32}
-                elif name == "cross_entropy" and args and getattr(args[0], "dtype", None) in half:
-                    return _cuda_cross_entropy(*args, **kwargs)
-            return func(*args, **kwargs)
-
-    return _Mode()
-
-
-def _cuda_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                        reduction="mean", label_smoothing=0.0):
-    """F.cross_entropy on 16-bit logits under CUDA autocast, which has no entry for cross_entropy_loss (the CPU's
-    casts the logits to fp32 first): aten's decomposition (LossNLL.cpp cross_entropy_loss) takes log_softmax with
-    dtype = the logits' own, which autocast's fp32_set_opt_dtype policy respects (16-bit log-probabilities, saved),
-    then nll_loss, on autocast's fp32 list, casts them to fp32 (saved by its backward). Found with the H100 rows:
-    t5-base bf16-mixed (T5's CrossEntropyLoss on its bf16 logits) sat 8% under the tracer. Class-index targets
-    without label smoothing only; anything else runs as the CPU would."""
-    import torch
-    import torch.nn.functional as F
-
-    if label_smoothing or target.is_floating_point() or size_average is not None or reduce is not None:
-        return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
-                               label_smoothing=label_smoothing)
-    with torch.autocast("cpu", enabled=False):
-        logp = torch.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=input.dtype)
-        return F.nll_loss(logp.float(), target, None if weight is None else weight.float(),
-                          ignore_index=ignore_index, reduction=reduction)
-
-
-def checkpoint_kwargs() -> dict:
-    """torch.utils.checkpoint arguments (non-reentrant, as Trainer's plan files set): the recompute re-enters the
-    CPU emulation of CUDA autocast's fp32 ops (cuda_autocast_fp32), which the autograd engine does not carry into
-    backward; otherwise recomputed values differ from the forward's and checkpoint raises. The mode only acts under
-    CPU autocast: a no-op on the GPU."""
-    import contextlib
-
-    return {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), cuda_autocast_fp32())}
 
 
 def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):

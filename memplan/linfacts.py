@@ -34,7 +34,7 @@ def measure(model, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[fl
     tokens and starts from a zero state, which the difference removes), saves under
     torch.autograd.graph.saved_tensors_hooks (told apart by storage; parameters and the Linears' inputs left out),
     the backward under memplan.tracker's storage accounting; the mixed case under CPU autocast with CUDA's fp32 op
-    list (emulations.cuda_autocast_fp32). A 512-wide Qwen3-Next-shaped layer: 345 KB saved and 82 KB of backward
+    list (emulate_autocast.cuda_autocast_fp32). A 512-wide Qwen3-Next-shaped layer: 345 KB saved and 82 KB of backward
     working memory per token in bf16. ((), ()) where the model has no such layer or its mixer does not run on fake
     tensors (the estimate then names the layers as not modelled)."""
     mixer = _mixer(model, layers)
@@ -59,7 +59,7 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.emulations import cuda_autocast_fp32
+    from memplan.emulate_autocast import cuda_autocast_fp32
     from memplan.steps import materialize
     from memplan.tracker import StorageTracker, _dispatch_mode
 

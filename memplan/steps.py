@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from memplan.emulations import checkpoint_kwargs
+from memplan.emulate_autocast import checkpoint_kwargs
 from memplan.errors import BadInput
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 

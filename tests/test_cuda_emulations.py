@@ -108,7 +108,7 @@ def test_sdpa_stand_in_runs_math_under_autocast_for_a_permuted_fp32_bias():
 def test_cross_entropy_on_16_bit_logits_keeps_cudas_buffers():
     """CUDA autocast: log_softmax in the logits' own bf16 dtype, then nll_loss's fp32 cast, both saved; CPU autocast
     alone would cast the logits to fp32 and save an fp32 log_softmax only. Same loss value either way."""
-    from memplan.emulations import cuda_autocast_fp32
+    from memplan.emulate_autocast import cuda_autocast_fp32
     logits = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, 50, (6,))
     target[0] = -100

@@ -72,7 +72,7 @@ def _cuda_split_loss(ctx: Ctx) -> bool:
     policy respects that dtype, a 16-bit log_softmax is saved, and nll_loss (on autocast's fp32 list) casts it to fp32,
     which its backward saves too. Measured on an H100 (transformers 5.17): t5-base bf16-mixed freeze b8 s512 +7.8%
     and full b16 s512 with checkpointing +8.3% with an fp32 log_softmax counted; the tracer followed CPU autocast,
-    which casts the logits to fp32 first (emulations._cuda_cross_entropy now runs CUDA's order)."""
+    which casts the logits to fp32 first (emulate_autocast._cuda_cross_entropy now runs CUDA's order)."""
     return ctx.autocast and _plain_cross_entropy(ctx) and _logit_bytes(ctx) < 4 and not _fp32_logits(ctx)
 
 
