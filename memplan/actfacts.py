@@ -18,7 +18,7 @@ def act_case(trains: bool, mixed: bool, input_bytes: int) -> int:
 def act_saves(name: str) -> tuple[float, ...]:
     """Bytes per element of its input that the activation function `name` (transformers ACT2FN) saves for backward,
     its input included, measured by running it on fake CPU tensors under saved_tensors_hooks, per ACT_CASES: 16-bit and
-    fp32 input, without and with autocast (CUDA autocast's fp32 ops, memplan.emulations; an fp32 input under autocast
+    fp32 input, without and with autocast (CUDA autocast's fp32 ops, memplan.emulate_autocast; an fp32 input under autocast
     is QLoRA's, whose bitsandbytes layers return fp32), its own parameters frozen or trained (xIELU's alphas train
     with a fully trained MLP). One ATen op (silu, gelu, relu) saves its input only; Python compositions keep their
     intermediates: gelu_new 4 tensors (8/16/14/16 bytes: pow runs in fp32 under CUDA autocast), gelu_fast 7,
