@@ -7,7 +7,7 @@ labels runs twice on fake tensors: as the tracer runs it (CPU tensors, CPU autoc
 and on fake CUDA tensors under CUDA autocast switched on directly (torch registers the AutocastCUDA kernels in
 CPU-only builds). Every aten op with a floating-point input or output, views aside, is compared by (op, input dtypes and shapes,
 output dtypes and shapes); a difference is an op the tracer runs in another precision than the GPU (or a cast
-one side makes and the other does not). tests/test_autocast_parity.py checks the same op by op, in CI.
+one side makes and the other does not). tests/test_cuda_parity.py checks the same op by op, in CI.
 
 A CPU-only build cannot run all of a CUDA forward, so the CUDA side goes through shims: parameters are frozen
 (autograd on a fake CUDA tensor needs a device guard, which aborts), factories asked for "cuda" are made on the CPU

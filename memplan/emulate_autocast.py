@@ -17,7 +17,7 @@ on, makes each op take CUDA's policy instead (lists from aten/src/ATen/autocast_
 - cross_entropy: CPU autocast casts the 16-bit logits to fp32 first; CUDA has no entry for it and its
   decomposition takes a 16-bit log_softmax, cast up for nll_loss (_cuda_cross_entropy).
 
-tests/test_autocast_parity.py checks each rule against the real AutocastCUDA kernels: torch registers them in
+tests/test_cuda_parity.py checks each rule against the real AutocastCUDA kernels: torch registers them in
 CPU-only builds too, and they run on fake CUDA tensors (no autograd) with CUDA autocast switched on directly.
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ EMULATIONS = {
                 "CUDA's promote list, the matmuls only CUDA lowers (einsum, mv, ...); CPU-only policies (cat/stack "
                 "promotion by copy, fp32 fft/linalg) switched off; cross_entropy as CUDA's decomposition runs it (a "
                 "16-bit log_softmax cast up for nll_loss). Checked op by op against the AutocastCUDA kernels "
-                "(tests/test_autocast_parity.py)",
+                "(tests/test_cuda_parity.py)",
     "sdpa": "with attention dropout the CPU falls back to the math kernel (saving [b, h, s, s] probabilities and "
             "a dropout mask); CUDA runs the flash/memory-efficient kernels, which regenerate dropout from a saved RNG "
             "state. The tracer then calls the CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu: "

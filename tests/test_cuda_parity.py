@@ -1,4 +1,5 @@
-"""The tracer's CUDA-autocast emulation (memplan.emulate_autocast) against the real AutocastCUDA kernels.
+"""The tracer's CUDA emulations against torch's own CUDA code paths, without a GPU: CUDA autocast
+(memplan.emulate_autocast) and the optimizers' steps.
 
 torch registers the AutocastCUDA kernels in CPU-only builds too, and fake CUDA tensors reach them once CUDA autocast
 is switched on directly (torch.set_autocast_enabled("cuda", True); torch.autocast("cuda") refuses without a GPU).
@@ -6,6 +7,10 @@ Each case runs twice on fake tensors: on "cpu" under CPU autocast + the emulatio
 "cuda" under CUDA autocast (what the GPU does); the aten ops each dispatches, with their input and output dtypes,
 must be the same. No autograd: it needs a CUDA device guard, which a CPU-only build aborts on (not raises), so
 the probe runs in a subprocess.
+
+The optimizers (memplan.steps.make_optimizer: what Trainer builds) take three steps over fake parameters with
+gradients set by hand, on "cpu" as the tracer runs them and on "cuda", where torch.optim picks its CUDA branches
+(foreach/fused grouping, step tensors on the device); every storage they allocate is recorded.
 """
 from __future__ import annotations
 
@@ -89,7 +94,8 @@ def _probe() -> dict:
                 torch.set_autocast_enabled(dev, False)
         return log.ops
 
-    out = {}
+    out = {"optimizers": {opt: {dev: _optimizer_allocations(dev, opt) for dev in ("cpu", "cuda")}
+                          for opt in OPTIMIZERS}}
     for name, case in _cases().items():
         def fn(dev, log, case=case):
             # inputs are made before logging: run the case's factories, then replay the call under the log
@@ -98,6 +104,43 @@ def _probe() -> dict:
         out[name] = {dev: [op for op in run(dev, fn) if not op[0].startswith(("aten.empty", "aten.zeros"))]
                      for dev in ("cpu", "cuda")}
     return out
+
+
+OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "adafactor")
+PARAM_SHAPES = ((1024, 768), (768,), (3072, 768), (50, 7))
+
+
+def _optimizer_allocations(dev: str, optimizer: str) -> dict:
+    """Per step: the peak live bytes and the sizes of the storages allocated, over three optimizer steps."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.setup import Setup
+    from memplan.steps import make_optimizer
+    from memplan.tracker import StorageTracker, _dispatch_mode
+
+    class OnDevice(StorageTracker):  # GPU memory only: Adafactor's torch.zeros(...).to(grad) makes a CPU temporary
+        def serial_of(self, t):
+            return super().serial_of(t) if isinstance(t, torch.Tensor) and t.device.type == dev else None
+
+    tracker = OnDevice(events=True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        params = [torch.nn.Parameter(torch.empty(shape, device=dev)) for shape in PARAM_SHAPES]
+        opt = make_optimizer(Setup(optimizer=optimizer), params)
+        with _dispatch_mode(tracker):
+            for step in range(3):
+                tracker.phase = f"step {step}"
+                for p in params:
+                    p.grad = torch.empty(p.shape, device=dev)
+                opt.step()
+                tracker.phase = "between"
+                for p in params:
+                    p.grad = None
+    sizes: dict[str, list[int]] = {}
+    for _, n, phase in tracker.events:
+        if n and phase != "between":
+            sizes.setdefault(phase, []).append(n)
+    return {"peaks": dict(tracker.phase_peaks), "sizes": {k: sorted(v) for k, v in sizes.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +157,25 @@ def test_emulated_cpu_autocast_dispatches_as_cuda_autocast(probed, case):
     got = probed[case]
     assert got["cuda"], f"{case}: nothing dispatched on the CUDA side"
     assert got["cpu"] == got["cuda"], f"{case}:\n cpu  {got['cpu']}\n cuda {got['cuda']}"
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_steps_allocate_as_on_cuda(probed, optimizer):
+    """The same device storages and peaks as the CUDA code path, step by step, but for torch.optim's scalar step
+    counters: foreach AdamW keeps `state["step"]` (one per parameter) and its increment on the host when the
+    parameters are on CUDA, on the device when they are on the CPU - the tracer counts those 512 B blocks (150 KB for
+    a 7B model's ~300 parameters), the GPU does not."""
+    cpu, cuda = probed["optimizers"][optimizer]["cpu"], probed["optimizers"][optimizer]["cuda"]
+    assert cuda["sizes"], f"{optimizer}: nothing allocated on the CUDA side"
+    scalars = 0
+    for step, sizes in cpu["sizes"].items():
+        extra = list(sizes)
+        for n in cuda["sizes"][step]:
+            extra.remove(n)  # ValueError: CUDA allocates a storage the tracer's path does not
+        assert set(extra) <= {512} and len(extra) <= len(PARAM_SHAPES) + 1, f"{optimizer} {step}: the tracer's path also makes {extra}"
+        scalars = max(scalars, len(extra))
+    for step, peak in cpu["peaks"].items():
+        assert 0 <= peak - cuda["peaks"][step] <= 512 * scalars
 
 
 def test_the_unemulated_cpu_policy_differs(probed):
