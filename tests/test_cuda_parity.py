@@ -1,11 +1,11 @@
 """The tracer's CUDA emulations against torch's own CUDA code paths, without a GPU: CUDA autocast
-(memplan.emulate_autocast) and the optimizers' steps.
+(memplan.emulate_autocast), dropout, and the optimizers' steps.
 
 torch registers the AutocastCUDA kernels in CPU-only builds too, and fake CUDA tensors reach them once CUDA autocast
 is switched on directly (torch.set_autocast_enabled("cuda", True); torch.autocast("cuda") refuses without a GPU).
-Each case runs twice on fake tensors: on "cpu" under CPU autocast + the emulation (what the tracer does), and on
-"cuda" under CUDA autocast (what the GPU does); the aten ops each dispatches, with their input and output dtypes,
-must be the same. No autograd: it needs a CUDA device guard, which a CPU-only build aborts on (not raises), so
+Each case runs twice on fake tensors: on "cpu" under CPU autocast and the tracer's emulations
+(memplan.emulations.cuda_like), and on "cuda" under CUDA autocast (what the GPU does); the aten ops each
+dispatches, with their input and output dtypes, must be the same. No autograd: it needs a CUDA device guard, which a CPU-only build aborts on (not raises), so
 the probe runs in a subprocess.
 
 The optimizers (memplan.steps.make_optimizer: what Trainer builds) take three steps over fake parameters with
@@ -53,6 +53,7 @@ def _cases():
         "unlisted": lambda d: (F.gelu(t(d, 4, 8), approximate="tanh"), F.silu(t(d, 4, 8)), t(d, 4, 8) * 2.0,
                                t(d, 4, 8) + t(d, 4, 8, dtype=f32)),
         "cosine_similarity": lambda d: F.cosine_similarity(t(d, 4, 8), t(d, 4, 8)),
+        "dropout": lambda d: (F.dropout(t(d, 4, 8), 0.1, True), torch.nn.Dropout(0.1)(t(d, 4, 8, dtype=f32))),
     }
 
 
@@ -65,7 +66,7 @@ def _probe() -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from memplan.emulate_autocast import cuda_autocast_fp32
+    from memplan.emulations import cuda_like
 
     class Log(TorchDispatchMode):
         def __init__(self):
@@ -86,7 +87,7 @@ def _probe() -> dict:
             torch.set_autocast_dtype(dev, torch.bfloat16)
             torch.autocast_increment_nesting()
             try:
-                with (cuda_autocast_fp32() if dev == "cpu" else contextlib.nullcontext()):
+                with (cuda_like() if dev == "cpu" else contextlib.nullcontext()):
                     fn(dev, log)
             finally:
                 torch.autocast_decrement_nesting()
