@@ -267,16 +267,20 @@ def _replayed(events, limit: int | None = None):
     return replay(events, limit, cuda_workspaces())
 
 
-def traced_events(model, setup: Setup, steps: int):
-    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events)."""
+def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
+    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
+    model synthesized from a trace cut to a few blocks where that is exact (memplan.synth), else traced whole."""
     from memplan.memory.context import resolve
     from memplan.models import config_dict, load_spec
 
+    from memplan.synth import events as synthesized
     spec = load_spec(model)
     if setup.mode != "train":
         raise BadInput("the allocator replay runs training steps; use --mode train")
     resolve(spec, setup)
-    return _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
+    made = synthesized(spec, setup, steps) if synthesize else None
+    return made if made is not None else \
+        _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
 
 
 def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:

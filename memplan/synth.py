@@ -1,0 +1,298 @@
+"""The allocation events of a deep model's training steps without tracing every block (for the caching-allocator
+replay, memplan.allocator): a trace cut to CUT = 5 blocks gives blocks 0, 1 (the first may differ: T5's holds the
+position bias), 3, 4 and the template, block 2; the whole run is blocks 0, 1, N - 4 copies of the template's runs
+(forward in order, backward in reverse), then 3 and 4 as blocks N - 2 and N - 1. A copy's free of a neighbour's
+allocation frees its own neighbour's (the same ordinal in that block's run). Weights, optimizer steps and zero_grad
+come from the full-depth model on fake tensors, given gradients by hand (cached per setup: the micro-batch does not
+change them), its gradients renamed to the synthesized ones parameter by parameter.
+
+Checked, not assumed: a setup's first synthesis is compared with a trace cut to VERIFY = 7 blocks, event by event
+(canonical()); a difference, blocks of different kinds (freeze's trainable blocks, dense-then-MoE stacks), config
+layer_types of several kinds, or a model of at most VERIFY blocks, and the caller traces the whole model.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from memplan.tracker import StorageTracker
+
+CUT = 5
+TEMPLATE = 2
+VERIFY = 7
+_verified: dict[tuple, bool] = {}
+_optimizer_runs: dict[tuple, "_Run"] = {}
+
+
+class _SegTracker(StorageTracker):
+    """Events with the step and the block segment they happen in; gradient serials per (step, micro-step)."""
+
+    def __init__(self):
+        self.step = self.micro = 0
+        super().__init__(segmented=True, events=True)
+        self.seg_events: list[tuple] = []  # (serial, bytes, phase, step, segment)
+        self.grads: dict[tuple[int, int], list] = collections.defaultdict(list)
+        tracker = self
+
+        class Events(list):
+            def append(self, e):
+                super().append(e)
+                tracker.seg_events.append((*e, tracker.step, tracker.segment))
+
+        self.events = Events()
+
+    def __setattr__(self, name, value):  # steps end at zero_grad (the next batch is made in "between")
+        if name == "phase" and value != getattr(self, "phase", value):
+            self.step += value == "between" and self.phase == "zero_grad"
+            self.micro += value == "forward"
+        super().__setattr__(name, value)
+
+    def tag(self, t, category):
+        super().tag(t, category)
+        if category == "gradients":
+            self.grads[self.step, self.micro].append(self.serial_of(t))
+
+    def step_grads(self, names: list[str]) -> list[dict]:
+        """Per step: {trainable parameter name: its gradient's serial} after the step's last micro-step."""
+        last = {step: dict(zip(names, serials)) for (step, _), serials in sorted(self.grads.items())}
+        return [last[s] for s in sorted(last)]
+
+
+@dataclasses.dataclass
+class _Run:
+    events: list  # _SegTracker.seg_events
+    weights: set  # serials of parameters and buffers
+    grads: list  # per step: {param name: gradient serial}
+    blocks: dict  # param name -> (stack, block, name inside the block), None outside the blocks
+    depth: dict  # stack -> blocks
+    kinds: dict  # (stack, block) -> (parameters, trainable parameters)
+
+
+def _layout(model):
+    """(param name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds)."""
+    from memplan.tracker import block_stacks
+    where, kinds = {}, {}
+    stacks = block_stacks(model)
+    for stack, blocks in stacks.items():
+        for i, block in enumerate(blocks):
+            params = list(block.named_parameters())
+            kinds[stack, i] = (sum(p.numel() for _, p in params), sum(p.numel() for _, p in params if p.requires_grad))
+            for name, p in params:
+                where[id(p)] = (stack, i, name)
+    named = list(model.named_parameters())
+    return ({n: where.get(id(p)) for n, p in named}, [n for n, p in named if p.requires_grad],
+            {s: len(b) for s, b in stacks.items()}, kinds)
+
+
+def _cut_run(spec, setup, d: dict, layers: int, steps: int) -> _Run:
+    """The traced training steps of the model cut to `layers` blocks."""
+    from memplan.steps import build_model, cut_config
+    from memplan.trace import _run
+    cut = cut_config(d, layers)
+    tracker = _SegTracker()
+    _run(spec, setup, cut, layers, steps, True, tracker=tracker)
+    blocks, trainable, depth, kinds = _layout(build_model(spec, setup, layers, cut))
+    return _Run(tracker.seg_events, {s for s, c in tracker.tags.items() if c == "weights"},
+                tracker.step_grads(trainable), blocks, depth, kinds)
+
+
+def _optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> _Run:
+    """The model at full depth (or cut to `layers`) on fake tensors: its weights, then per step gradients set by
+    hand (phase "backward"), the optimizer's step and zero_grad, as the traced loop runs them."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.emulations import cuda_like
+    from memplan.steps import build_model, cut_config, make_optimizer, materialize
+    from memplan.tracker import _dispatch_mode
+
+    d = cut_config(d, layers) if layers else d
+    model = build_model(spec, setup, layers, d)
+    blocks, trainable, depth, kinds = _layout(model)
+    tracker = _SegTracker()
+    with FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(tracker), \
+            cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+        materialize(model, True)
+        for t in list(model.parameters()) + list(model.buffers()):
+            tracker.tag(t, "weights")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(setup, params, standin_tracker=tracker)
+        for _ in range(steps):
+            tracker.phase = "forward"
+            tracker.phase = "backward"
+            for p in params:
+                p.grad = torch.empty(p.shape, dtype=p.dtype)
+                tracker.tag(p.grad, "gradients")
+            tracker.phase = "optimizer"
+            opt.step()
+            tracker.phase = "zero_grad"
+            opt.zero_grad(set_to_none=True)
+            tracker.phase = "between"
+        return _Run(list(tracker.seg_events), {s for s, c in tracker.tags.items() if c == "weights"},
+                    tracker.step_grads(trainable), blocks, depth, kinds)
+
+
+class _Mismatch(Exception):
+    """The cut trace's blocks do not allocate alike."""
+
+
+def synthesize(cut: _Run, opt: _Run) -> list[tuple]:
+    """The events of opt's depth: cut's blocks 0, 1, copies of TEMPLATE, cut's last two; opt's weights, optimizer
+    steps and zero_grad, its gradients renamed to the synthesized ones (module docstring)."""
+    n, N = cut.depth, opt.depth
+
+    def copies(stack):
+        return range(TEMPLATE, N[stack] - (n[stack] - TEMPLATE - 1))
+
+    def full_block(stack, i):  # a kept block of the cut -> its block in the full model
+        return i if i < TEMPLATE else N[stack] - (n[stack] - i)
+
+    born = {s: seg for s, nbytes, _, _, seg in cut.events if nbytes}
+    runs = collections.defaultdict(list)  # (step, phase, stack, block) -> [(serial, bytes)] allocated there
+    for s, nbytes, phase, step, seg in cut.events:
+        if nbytes and seg[0] == "block":
+            runs[step, phase, seg[1], seg[2]].append((s, nbytes))
+    ordinal = {s: (key, k) for key, run in runs.items() for k, (s, _) in enumerate(run)}
+
+    def equivalent(s, block):
+        (step, phase, stack, b), k = ordinal[s]
+        other, mine = runs[step, phase, stack, block], runs[step, phase, stack, b]
+        if len(other) != len(mine) or [x for _, x in other] != [x for _, x in mine]:
+            raise _Mismatch(f"blocks {b} and {block} of {stack} allocate differently ({phase}, step {step})")
+        return other[k][0]
+
+    def ref(s, j, cur, stack):
+        """What a free of cut serial s, in the run of cut block `cur` standing for full block j, frees."""
+        seg = born.get(s)
+        if seg is None or seg[0] != "block" or seg[1] != stack:
+            return s
+        target = j + seg[2] - cur
+        if target in copies(stack):
+            return (s if seg[2] == TEMPLATE else equivalent(s, TEMPLATE), target)
+        kept = target if target < TEMPLATE else n[stack] - (N[stack] - target)
+        return s if seg[2] == kept else equivalent(s, kept)
+
+    out = [(("o", s), nbytes, phase) for s, nbytes, phase, _, _ in opt.events if phase == "setup"]
+    batch = {s for s, nbytes, phase, _, _ in cut.events
+             if nbytes and phase in ("setup", "between") and s not in cut.weights}
+    per_step = collections.defaultdict(list)
+    for e in cut.events:
+        if e[2] in ("forward", "backward") or (e[2] in ("setup", "between") and e[0] in batch):
+            per_step[e[3]].append(e)
+    for step, es in sorted(per_step.items()):
+        k = 0
+        while k < len(es):
+            s, nbytes, phase, _, seg = es[k]
+            if seg[0] == "block" and seg[2] == TEMPLATE:  # the template's run: one copy per middle block
+                m = k
+                while m < len(es) and es[m][4] == seg and es[m][2] == phase:
+                    m += 1
+                order = copies(seg[1]) if phase == "forward" else reversed(copies(seg[1]))
+                for j in order:
+                    out += [((s2, j), nb, ph) if nb else (ref(s2, j, TEMPLATE, seg[1]), 0, ph)
+                            for s2, nb, ph, _, _ in es[k:m]]
+                k = m
+                continue
+            if nbytes:
+                out.append((s, nbytes, phase))
+            elif seg[0] == "block":
+                out.append((ref(s, full_block(seg[1], seg[2]), seg[2], seg[1]), 0, phase))
+            else:  # outside the blocks: a free of a template allocation frees every copy's
+                b = born.get(s)
+                if b is not None and b[0] == "block" and b[2] == TEMPLATE:
+                    out += [((s, j), 0, phase) for j in copies(b[1])]
+                else:
+                    out.append((s, 0, phase))
+            k += 1
+        full_grads = _full_grads(cut, step, copies, full_block)
+        if set(opt.grads[step]) - set(full_grads):
+            raise _Mismatch(f"no synthesized gradient for {sorted(set(opt.grads[step]) - set(full_grads))[:3]}")
+        rename = {s: full_grads[name] for name, s in opt.grads[step].items()}
+        out += [(rename.get(s, ("o", s)) if not nbytes else ("o", s), nbytes, phase)
+                for s, nbytes, phase, st, _ in opt.events if st == step and phase in ("optimizer", "zero_grad")]
+    return out
+
+
+def _full_grads(cut: _Run, step: int, copies, full_block) -> dict:
+    """{full-depth parameter name: the synthesized serial of its gradient} for one step. A gradient belongs to the
+    run it was allocated in (AccumulateGrad may run in a neighbour's): its copies' parameters shift with them."""
+    born = {s: seg for s, nbytes, _, _, seg in cut.events if nbytes}
+    out = {}
+    for name, s in cut.grads[step].items():
+        where, seg = cut.blocks[name], born.get(s)
+        if where is None:
+            out[name] = s
+            continue
+        stack, block, inner = where
+        if seg is not None and seg[0] == "block" and seg[1] == stack:
+            if seg[2] == TEMPLATE:
+                out.update({f"{stack}.{j + block - TEMPLATE}.{inner}": (s, j) for j in copies(stack)})
+                continue
+            at = full_block(stack, seg[2]) + block - seg[2]
+        elif block == TEMPLATE:
+            raise _Mismatch(f"the gradient of {name} is allocated outside the blocks")
+        else:
+            at = full_block(stack, block)
+        out[f"{stack}.{at}.{inner}"] = s
+    return out
+
+
+def canonical(events) -> list:
+    """Events with serials renumbered by birth, each burst of frees (between two allocations) as a sorted tuple:
+    the allocator's state after a burst does not depend on the order of its frees."""
+    ids, out, burst = {}, [], []
+    for s, nbytes, phase in events:
+        if nbytes:
+            if burst:
+                out.append(tuple(sorted(burst)))
+                burst = []
+            ids[s] = len(ids)
+            out.append((ids[s], nbytes, phase))
+        else:
+            burst.append((ids.get(s, -1), phase))
+    return out + ([tuple(sorted(burst))] if burst else [])
+
+
+def _through_last_step(events) -> list:
+    """Events up to the last zero_grad one (what follows is the run's teardown)."""
+    last = max(i for i, e in enumerate(events) if e[2] == "zero_grad")
+    return list(events[:last + 1])
+
+
+def _kinds_alike(cut: _Run, opt: _Run) -> bool:
+    """Blocks 1 to 3 of the cut alike; the full model's blocks: the cut's ends, then the template's kind."""
+    for stack, N in opt.depth.items():
+        n = cut.depth.get(stack)
+        if n != CUT or len({cut.kinds[stack, i] for i in (1, 2, 3)}) > 1:
+            return False
+        want = [cut.kinds[stack, i] for i in (0, 1)] + [cut.kinds[stack, TEMPLATE]] * (N - CUT + 1) + \
+            [cut.kinds[stack, i] for i in (3, 4)]
+        if [opt.kinds[stack, i] for i in range(N)] != want:
+            return False
+    return bool(opt.depth)
+
+
+def events(spec, setup, steps: int) -> list | None:
+    """The whole model's training events (StorageTracker.events form) synthesized from a cut trace, or None where
+    synthesis does not apply or its check against a VERIFY-block trace fails (module docstring)."""
+    from memplan.models import config_dict, config_from_dict
+    d = config_dict(spec)
+    types = getattr(config_from_dict(d), "layer_types", None)
+    depths = [n for n in (spec.arch.num_encoder_layers, spec.arch.num_decoder_layers) if n]
+    key = (spec.model_id, dataclasses.replace(setup, batch_size=1), steps)
+    if (not depths or min(depths) <= VERIFY or (types and len(set(types)) > 1) or _verified.get(key) is False
+            or any(p[-1:].isdigit() for p in spec.arch.media_parts)):
+        return None
+    if key not in _optimizer_runs:
+        _optimizer_runs[key] = _optimizer_run(spec, setup, d, None, steps)
+    cut = _cut_run(spec, setup, d, CUT, steps)
+    try:
+        if key not in _verified:
+            whole = _cut_run(spec, setup, d, VERIFY, steps)
+            _verified[key] = _kinds_alike(cut, _optimizer_runs[key]) and canonical(_through_last_step(
+                synthesize(cut, _optimizer_run(spec, setup, d, VERIFY, steps)))) == canonical(
+                _through_last_step([e[:3] for e in whole.events]))
+        return synthesize(cut, _optimizer_runs[key]) if _verified[key] else None
+    except _Mismatch:
+        _verified[key] = False
+        return None
