@@ -32,6 +32,7 @@ class _SegTracker(StorageTracker):
         super().__init__(segmented=True, events=True)
         self.seg_events: list[tuple] = []  # (serial, bytes, phase, step, segment)
         self.grads: dict[tuple[int, int], list] = collections.defaultdict(list)
+        self.weight_order: list = []  # serials of the parameters, then the buffers, as _traced_run tags them
         tracker = self
 
         class Events(list):
@@ -49,8 +50,9 @@ class _SegTracker(StorageTracker):
 
     def tag(self, t, category):
         super().tag(t, category)
-        if category == "gradients":
-            self.grads[self.step, self.micro].append(self.serial_of(t))
+        if category in ("gradients", "weights"):
+            (self.grads[self.step, self.micro] if category == "gradients" else self.weight_order).append(
+                self.serial_of(t))
 
     def step_grads(self, names: list[str]) -> list[dict]:
         """Per step: {trainable parameter name: its gradient's serial} after the step's last micro-step."""
@@ -63,13 +65,15 @@ class _Run:
     events: list  # _SegTracker.seg_events
     weights: set  # serials of parameters and buffers
     grads: list  # per step: {param name: gradient serial}
-    blocks: dict  # param name -> (stack, block, name inside the block), None outside the blocks
+    blocks: dict  # parameter or buffer name -> (stack, block, name inside the block), None outside the blocks
     depth: dict  # stack -> blocks
     kinds: dict  # (stack, block) -> (parameters, trainable parameters)
+    weight_names: dict  # serial -> parameter or buffer name
 
 
 def _layout(model):
-    """(param name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds)."""
+    """(parameter/buffer name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds,
+    parameter then buffer names in the order _traced_run tags them)."""
     from memplan.tracker import block_stacks
     where, kinds = {}, {}
     stacks = block_stacks(model)
@@ -77,11 +81,11 @@ def _layout(model):
         for i, block in enumerate(blocks):
             params = list(block.named_parameters())
             kinds[stack, i] = (sum(p.numel() for _, p in params), sum(p.numel() for _, p in params if p.requires_grad))
-            for name, p in params:
-                where[id(p)] = (stack, i, name)
-    named = list(model.named_parameters())
-    return ({n: where.get(id(p)) for n, p in named}, [n for n, p in named if p.requires_grad],
-            {s: len(b) for s, b in stacks.items()}, kinds)
+            for name, t in params + list(block.named_buffers()):
+                where[id(t)] = (stack, i, name)
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return ({n: where.get(id(t)) for n, t in named}, [n for n, t in named if getattr(t, "requires_grad", False)],
+            {s: len(b) for s, b in stacks.items()}, kinds, [n for n, _ in named])
 
 
 def _cut_run(spec, setup, d: dict, layers: int, steps: int) -> _Run:
@@ -91,9 +95,9 @@ def _cut_run(spec, setup, d: dict, layers: int, steps: int) -> _Run:
     cut = cut_config(d, layers)
     tracker = _SegTracker()
     _run(spec, setup, cut, layers, steps, True, tracker=tracker)
-    blocks, trainable, depth, kinds = _layout(build_model(spec, setup, layers, cut))
+    blocks, trainable, depth, kinds, names = _layout(build_model(spec, setup, layers, cut))
     return _Run(tracker.seg_events, {s for s, c in tracker.tags.items() if c == "weights"},
-                tracker.step_grads(trainable), blocks, depth, kinds)
+                tracker.step_grads(trainable), blocks, depth, kinds, dict(zip(tracker.weight_order, names)))
 
 
 def _optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> _Run:
@@ -108,7 +112,7 @@ def _optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> _Run
 
     d = cut_config(d, layers) if layers else d
     model = build_model(spec, setup, layers, d)
-    blocks, trainable, depth, kinds = _layout(model)
+    blocks, trainable, depth, kinds, names = _layout(model)
     tracker = _SegTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(tracker), \
             cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
@@ -129,7 +133,7 @@ def _optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> _Run
             opt.zero_grad(set_to_none=True)
             tracker.phase = "between"
         return _Run(list(tracker.seg_events), {s for s, c in tracker.tags.items() if c == "weights"},
-                    tracker.step_grads(trainable), blocks, depth, kinds)
+                    tracker.step_grads(trainable), blocks, depth, kinds, dict(zip(tracker.weight_order, names)))
 
 
 class _Mismatch(Exception):
@@ -161,11 +165,28 @@ def synthesize(cut: _Run, opt: _Run) -> list[tuple]:
             raise _Mismatch(f"blocks {b} and {block} of {stack} allocate differently ({phase}, step {step})")
         return other[k][0]
 
+    opt_weight = {name: s for s, name in opt.weight_names.items()}
+
+    def weight(s, j, cur):
+        """The full model's storage of cut weight s (a weight a forward replaces: bnb's bias cast to the input's
+        dtype), seen from the run of cut block `cur` (None: outside the blocks) standing for full block j."""
+        name = cut.weight_names[s]
+        if cut.blocks[name] is not None:
+            stack, b, inner = cut.blocks[name]
+            name = f"{stack}.{full_block(stack, b) if TEMPLATE not in (cur, b) else j + b - cur}.{inner}"
+        if name not in opt_weight:
+            raise _Mismatch(f"no weight {name} at full depth")
+        return ("o", opt_weight[name])
+
     def ref(s, j, cur, stack):
         """What a free of cut serial s, in the run of cut block `cur` standing for full block j, frees."""
+        if s in cut.weight_names:
+            return weight(s, j, cur)
         seg = born.get(s)
-        if seg is None or seg[0] != "block" or seg[1] != stack:
-            return s
+        if seg is None or seg[0] != "block" or seg[1] != stack or TEMPLATE not in (cur, seg[2]):
+            return s  # outside the stack, or between kept blocks (T5's position bias, freed by the last block)
+        if abs(seg[2] - cur) > 1:
+            raise _Mismatch(f"block {cur} of {stack} frees an allocation of block {seg[2]}")
         target = j + seg[2] - cur
         if target in copies(stack):
             return (s if seg[2] == TEMPLATE else equivalent(s, TEMPLATE), target)
@@ -198,8 +219,12 @@ def synthesize(cut: _Run, opt: _Run) -> list[tuple]:
             elif seg[0] == "block":
                 out.append((ref(s, full_block(seg[1], seg[2]), seg[2], seg[1]), 0, phase))
             else:  # outside the blocks: a free of a template allocation frees every copy's
-                b = born.get(s)
-                if b is not None and b[0] == "block" and b[2] == TEMPLATE:
+                b, w = born.get(s), cut.blocks.get(cut.weight_names.get(s))
+                if w is not None and w[1] == TEMPLATE:
+                    out += [(weight(s, j, TEMPLATE), 0, phase) for j in copies(w[0])]
+                elif s in cut.weight_names:
+                    out.append((weight(s, None, None), 0, phase))
+                elif b is not None and b[0] == "block" and b[2] == TEMPLATE:
                     out += [((s, j), 0, phase) for j in copies(b[1])]
                 else:
                     out.append((s, 0, phase))
