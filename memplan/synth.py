@@ -15,132 +15,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from memplan.tracker import StorageTracker
+from memplan.synth_runs import cut_run, optimizer_run, Run
 
 CUT = 5
 TEMPLATE = 2
 VERIFY = 7
 _verified: dict[tuple, bool] = {}
-_optimizer_runs: dict[tuple, "_Run"] = {}
-
-
-class _SegTracker(StorageTracker):
-    """Events with the step and the block segment they happen in; gradient serials per (step, micro-step)."""
-
-    def __init__(self):
-        self.step = self.micro = 0
-        super().__init__(segmented=True, events=True)
-        self.seg_events: list[tuple] = []  # (serial, bytes, phase, step, segment)
-        self.grads: dict[tuple[int, int], list] = collections.defaultdict(list)
-        self.weight_order: list = []  # serials of the parameters, then the buffers, as _traced_run tags them
-        tracker = self
-
-        class Events(list):
-            def append(self, e):
-                super().append(e)
-                tracker.seg_events.append((*e, tracker.step, tracker.segment))
-
-        self.events = Events()
-
-    def __setattr__(self, name, value):  # steps end at zero_grad (the next batch is made in "between")
-        if name == "phase" and value != getattr(self, "phase", value):
-            self.step += value == "between" and self.phase == "zero_grad"
-            self.micro += value == "forward"
-        super().__setattr__(name, value)
-
-    def tag(self, t, category):
-        super().tag(t, category)
-        if category in ("gradients", "weights"):
-            (self.grads[self.step, self.micro] if category == "gradients" else self.weight_order).append(
-                self.serial_of(t))
-
-    def step_grads(self, names: list[str]) -> list[dict]:
-        """Per step: {trainable parameter name: its gradient's serial} after the step's last micro-step."""
-        last = {step: dict(zip(names, serials)) for (step, _), serials in sorted(self.grads.items())}
-        return [last[s] for s in sorted(last)]
-
-
-@dataclasses.dataclass
-class _Run:
-    events: list  # _SegTracker.seg_events
-    weights: set  # serials of parameters and buffers
-    grads: list  # per step: {param name: gradient serial}
-    blocks: dict  # parameter or buffer name -> (stack, block, name inside the block), None outside the blocks
-    depth: dict  # stack -> blocks
-    kinds: dict  # (stack, block) -> (parameters, trainable parameters)
-    weight_names: dict  # serial -> parameter or buffer name
-
-
-def _layout(model):
-    """(parameter/buffer name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds,
-    parameter then buffer names in the order _traced_run tags them)."""
-    from memplan.tracker import block_stacks
-    where, kinds = {}, {}
-    stacks = block_stacks(model)
-    for stack, blocks in stacks.items():
-        for i, block in enumerate(blocks):
-            params = list(block.named_parameters())
-            kinds[stack, i] = (sum(p.numel() for _, p in params), sum(p.numel() for _, p in params if p.requires_grad))
-            for name, t in params + list(block.named_buffers()):
-                where[id(t)] = (stack, i, name)
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    return ({n: where.get(id(t)) for n, t in named}, [n for n, t in named if getattr(t, "requires_grad", False)],
-            {s: len(b) for s, b in stacks.items()}, kinds, [n for n, _ in named])
-
-
-def _cut_run(spec, setup, d: dict, layers: int, steps: int) -> _Run:
-    """The traced training steps of the model cut to `layers` blocks."""
-    from memplan.steps import build_model, cut_config
-    from memplan.trace import _run
-    cut = cut_config(d, layers)
-    tracker = _SegTracker()
-    _run(spec, setup, cut, layers, steps, True, tracker=tracker)
-    blocks, trainable, depth, kinds, names = _layout(build_model(spec, setup, layers, cut))
-    return _Run(tracker.seg_events, {s for s, c in tracker.tags.items() if c == "weights"},
-                tracker.step_grads(trainable), blocks, depth, kinds, dict(zip(tracker.weight_order, names)))
-
-
-def _optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> _Run:
-    """The model at full depth (or cut to `layers`) on fake tensors: its weights, then per step gradients set by
-    hand (phase "backward"), the optimizer's step and zero_grad, as the traced loop runs them."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memplan.emulations import cuda_like
-    from memplan.steps import build_model, cut_config, make_optimizer, materialize
-    from memplan.tracker import _dispatch_mode
-
-    d = cut_config(d, layers) if layers else d
-    model = build_model(spec, setup, layers, d)
-    blocks, trainable, depth, kinds, names = _layout(model)
-    tracker = _SegTracker()
-    with FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(tracker), \
-            cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
-        materialize(model, True)
-        for t in list(model.parameters()) + list(model.buffers()):
-            tracker.tag(t, "weights")
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(setup, params, standin_tracker=tracker)
-        for _ in range(steps):
-            tracker.phase = "forward"
-            tracker.phase = "backward"
-            for p in params:
-                p.grad = torch.empty(p.shape, dtype=p.dtype)
-                tracker.tag(p.grad, "gradients")
-            tracker.phase = "optimizer"
-            opt.step()
-            tracker.phase = "zero_grad"
-            opt.zero_grad(set_to_none=True)
-            tracker.phase = "between"
-        return _Run(list(tracker.seg_events), {s for s, c in tracker.tags.items() if c == "weights"},
-                    tracker.step_grads(trainable), blocks, depth, kinds, dict(zip(tracker.weight_order, names)))
+_optimizer_runs: dict[tuple, "Run"] = {}
 
 
 class _Mismatch(Exception):
     """The cut trace's blocks do not allocate alike."""
 
 
-def synthesize(cut: _Run, opt: _Run) -> list[tuple]:
+def synthesize(cut: Run, opt: Run) -> list[tuple]:
     """The events of opt's depth: cut's blocks 0, 1, copies of TEMPLATE, cut's last two; opt's weights, optimizer
     steps and zero_grad, its gradients renamed to the synthesized ones (module docstring)."""
     n, N = cut.depth, opt.depth
@@ -238,7 +126,7 @@ def synthesize(cut: _Run, opt: _Run) -> list[tuple]:
     return out
 
 
-def _full_grads(cut: _Run, step: int, copies, full_block) -> dict:
+def _full_grads(cut: Run, step: int, copies, full_block) -> dict:
     """{full-depth parameter name: the synthesized serial of its gradient} for one step. A gradient belongs to the
     run it was allocated in (AccumulateGrad may run in a neighbour's): its copies' parameters shift with them."""
     born = {s: seg for s, nbytes, _, _, seg in cut.events if nbytes}
@@ -284,7 +172,7 @@ def _through_last_step(events) -> list:
     return list(events[:last + 1])
 
 
-def _kinds_alike(cut: _Run, opt: _Run) -> bool:
+def _kinds_alike(cut: Run, opt: Run) -> bool:
     """Blocks 1 to 3 of the cut alike; the full model's blocks: the cut's ends, then the template's kind."""
     for stack, N in opt.depth.items():
         n = cut.depth.get(stack)
@@ -309,13 +197,13 @@ def events(spec, setup, steps: int) -> list | None:
             or any(p[-1:].isdigit() for p in spec.arch.media_parts)):
         return None
     if key not in _optimizer_runs:
-        _optimizer_runs[key] = _optimizer_run(spec, setup, d, None, steps)
-    cut = _cut_run(spec, setup, d, CUT, steps)
+        _optimizer_runs[key] = optimizer_run(spec, setup, d, None, steps)
+    cut = cut_run(spec, setup, d, CUT, steps)
     try:
         if key not in _verified:
-            whole = _cut_run(spec, setup, d, VERIFY, steps)
+            whole = cut_run(spec, setup, d, VERIFY, steps)
             _verified[key] = _kinds_alike(cut, _optimizer_runs[key]) and canonical(_through_last_step(
-                synthesize(cut, _optimizer_run(spec, setup, d, VERIFY, steps)))) == canonical(
+                synthesize(cut, optimizer_run(spec, setup, d, VERIFY, steps)))) == canonical(
                 _through_last_step([e[:3] for e in whole.events]))
         return synthesize(cut, _optimizer_runs[key]) if _verified[key] else None
     except _Mismatch:
