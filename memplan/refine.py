@@ -4,10 +4,11 @@ The search (memplan.search) keeps a setup when its closed-form need - peak alloc
 largest tensor + the device-only memory (memplan.budget) - is within the budget. Whether a step really fits under a
 cap depends on how the caching allocator splits and caches its segments; the closed form bounds that from above and
 is loose where the largest tensor finds a cached block to reuse (gpt2-xl on an A10: 21 planned, 24 fitted on the
-H200 capped to the card, data/measured/planner-check.csv). Here the chosen setup is traced at whole depth for the
-steps validate runs, each micro-batch replayed through memplan.allocator under the budget's allocator share, and
-the micro-batch becomes the largest whose replay fits. Single-GPU plans only (one rank's trace is the whole
-step there); seconds per trace on the CPU for a 1B model, about 35 s for a 7B QLoRA (benchmarks/results/speed.md).
+H200 capped to the card, data/measured/planner-check.csv). Here the events of the steps validate runs (a deep
+model's synthesized from a 5-block trace: memplan.synth) are replayed through memplan.allocator under the budget's
+allocator share for each micro-batch probed, and the micro-batch becomes the largest whose replay fits.
+Single-GPU plans only (one rank's trace is the whole step there); about a second per probe on 2 CPU cores once a
+setup's first call has run (benchmarks/results/speed.md, synth_check.md).
 """
 from __future__ import annotations
 
