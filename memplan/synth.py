@@ -192,7 +192,7 @@ def events(spec, setup, steps: int) -> list | None:
     d = config_dict(spec)
     types = getattr(config_from_dict(d), "layer_types", None)
     depths = [n for n in (spec.arch.num_encoder_layers, spec.arch.num_decoder_layers) if n]
-    key = (spec.model_id, dataclasses.replace(setup, batch_size=1), steps)
+    key = (spec.model_id, dataclasses.replace(setup, batch_size=1, grad_accum=min(setup.grad_accum, 2)), steps)
     if (not depths or min(depths) <= VERIFY or (types and len(set(types)) > 1) or _verified.get(key) is False
             or any(p[-1:].isdigit() for p in spec.arch.media_parts)):
         return None
