@@ -91,7 +91,10 @@ def _guess(plan: Plan, spec, estimator, setup_at, need0: int, limit: int, cap: i
         if nxt > b0 else 0
     if per_sample <= 0:
         return b0 + 1 if b0 < cap else b0
-    return max(1, min(cap, b0 + math.floor((limit - need0) / per_sample)))
+    guess = max(1, min(cap, b0 + math.floor((limit - need0) / per_sample)))
+    if guess == b0 and need0 <= limit and b0 < cap:  # room for less than a sample: the neighbour decides
+        return b0 + 1  # (probing b0 again left _search nothing to interpolate: it bisected up to the cap)
+    return guess
 
 
 def _search(needs: dict, fits, limit: int, cap: int, guess: int) -> int:

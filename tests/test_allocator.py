@@ -157,6 +157,25 @@ def test_refine_guesses_from_the_first_need():
     assert got.setup.batch_size == b0 + 3 and calls == [b0, b0 + 3, b0 + 4]
 
 
+def test_refine_with_less_than_a_sample_of_room_probes_the_neighbour():
+    # b0 fits with less than one sample's need to spare: b0 + 1 is probed next (not a bisection up to the cap:
+    # the planner check's replay plans probed 259 for gpt2 before)
+    from memplan.estimate import estimate
+    from memplan.refine import allocator_limit, refine
+    from memplan.search import plan
+    p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
+             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
+    b0, limit = p.setup.batch_size, allocator_limit(p)
+    calls: list = []
+
+    def fn(spec, setup):
+        calls.append(setup.batch_size)
+        need = limit - 1 + (setup.batch_size - b0) * 2**30  # b0 fits by one byte
+        return need, need
+    got = refine(p, p.model, lambda spec, s: estimate(spec, s), fn)
+    assert got.setup.batch_size == b0 and calls == [b0, b0 + 1]
+
+
 def test_refine_splits_the_effective_batch_when_accumulation_is_free():
     from memplan.estimate import estimate
     from memplan.refine import refine
