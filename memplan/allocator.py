@@ -175,17 +175,19 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
     live: dict[int, _Block] = {}
     pending = dict(workspaces or {})
     started = False
+    log = alloc.segment_log
+    phase_reserved = out.phase_reserved
     for serial, nbytes, phase in events:
         if not started and phase not in ("setup", "between"):
             alloc.release_cached()
             started = True
-        logged = len(alloc.segment_log)
-        if phase in pending and nbytes:
-            workspace = pending.pop(phase)
-            if alloc.malloc(workspace) is None:
-                out.oom, out.oom_request = phase, workspace
-                break
+        logged = len(log)
         if nbytes:
+            if phase in pending:
+                workspace = pending.pop(phase)
+                if alloc.malloc(workspace) is None:
+                    out.oom, out.oom_request = phase, workspace
+                    break
             block = alloc.malloc(nbytes)
             if block is None:
                 out.oom, out.oom_request = phase, nbytes
@@ -194,10 +196,14 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
         elif serial in live:
             alloc.free(live.pop(serial))
         if started:  # the peaks validate's meter reports: from its reset after the build on
-            out.segments += [(phase, n) for n in alloc.segment_log[logged:]]
-            out.peak_reserved = max(out.peak_reserved, alloc.reserved)
-            out.peak_allocated = max(out.peak_allocated, alloc.allocated)
-            out.phase_reserved[phase] = max(out.phase_reserved.get(phase, 0), alloc.reserved)
+            if len(log) != logged:
+                out.segments += [(phase, n) for n in log[logged:]]
+            if alloc.reserved > out.peak_reserved:
+                out.peak_reserved = alloc.reserved
+            if alloc.allocated > out.peak_allocated:
+                out.peak_allocated = alloc.allocated
+            if alloc.reserved > phase_reserved.get(phase, -1):
+                phase_reserved[phase] = alloc.reserved
     out.retries = alloc.retries
     return out
 
