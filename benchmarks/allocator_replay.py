@@ -38,7 +38,7 @@ def run(files: list[str]) -> None:
     from memplan import libs, measured
     from memplan.estimate import estimate
     from memplan.fileio import append_csv_row_atomic
-    from memplan.trace import replay_allocator
+    from memplan.replay import replay_allocator
     done = {r["key"] for r in csv.DictReader(open(RESULTS))} if RESULTS.exists() else set()
     skipped = 0
     for f in files:

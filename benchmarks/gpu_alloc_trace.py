@@ -66,7 +66,7 @@ def compare(path: str) -> None:
     """The segments each side reserved after the build (cudaMalloc sizes, in order, with their phase) side by side,
     and the first place they differ."""
     from memplan.setup import Setup
-    from memplan.trace import replay_allocator
+    from memplan.replay import replay_allocator
     d = json.load(gzip.open(path, "rt"))
     setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
     marks = sorted(d["marks"])
@@ -93,7 +93,7 @@ def allocation_sizes(d: dict, phase_of) -> None:
 
     from memplan.allocator import round_size
     from memplan.setup import Setup
-    from memplan.trace import traced_events
+    from memplan.replay import traced_events
     setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
     traced: dict[str, Counter] = {}
     seen_optimizer = False

@@ -1,5 +1,5 @@
 """How tight is the closed-form fit test? For a grid of training setups, the smallest allocator limit the caching
-allocator's replay fits under (memplan.trace.replay_need: the whole model traced once, the limit bisected over
+allocator's replay fits under (memplan.replay.replay_need: the whole model traced once, the limit bisected over
 replays) beside the closed form's bound, Estimate.allocator_need_bytes = peak allocated + the largest tensor.
 
     python benchmarks/replay_need.py run [SHARD/NSHARDS]   # appends results/replay_need.csv (resumable)
@@ -55,7 +55,7 @@ def run(shard: int = 0, shards: int = 1) -> None:
     from memplan.errors import MemplanError
     from memplan.estimate import estimate
     from memplan.fileio import append_csv_row_atomic
-    from memplan.trace import replay_need
+    from memplan.replay import replay_need
     out = RESULTS.with_name(f"replay_need.{shard}.csv") if shards > 1 else RESULTS
     done = {(r["model"], r["setup"]) for r in csv.DictReader(open(out))} if out.exists() else set()
     for i, (model, setup) in enumerate(grid()):
@@ -89,7 +89,7 @@ def report() -> None:
     lines = ["# The closed-form fit test against the allocator replay", "",
              "`python benchmarks/replay_need.py`: per setup, the closed form's bound (peak allocated + the largest "
              "tensor, Estimate.allocator_need_bytes) against the smallest allocator limit the caching allocator's "
-             "replay fits under (memplan.trace.replay_need). slack = (closed form - replay need) / replay need: "
+             "replay fits under (memplan.replay.replay_need). slack = (closed form - replay need) / replay need: "
              "negative where the closed form would accept a limit the step runs out of memory under.", "",
              f"{len(rows)} setups: slack median {statistics.median(values):+.1%}, min {values[0]:+.1%}, "
              f"max {values[-1]:+.1%}; below zero: {sum(v < 0 for v in values)}.", "",

@@ -2,7 +2,7 @@
 
     python benchmarks/synth_check.py
 
-Per setup: the events memplan.trace.traced_events synthesizes from a 5-block cut (after a first call for the setup
+Per setup: the events memplan.replay.traced_events synthesizes from a 5-block cut (after a first call for the setup
 at batch 1, which pays the per-setup costs: the full-depth optimizer run and the check against a 7-block trace),
 the whole model traced, both compared event by event (memplan.synth.canonical) and replayed through the caching
 allocator (peak reserved, allocated, and the smallest limit that fits). Results: benchmarks/results/synth_check.md.
@@ -55,7 +55,7 @@ def main() -> int:
     from memplan.allocator import min_limit
     from memplan.fileio import write_text_atomic
     from memplan.setup import Setup
-    from memplan.trace import _replayed, cuda_workspaces, traced_events
+    from memplan.replay import _replayed, cuda_workspaces, traced_events
 
     lines = ["# Synthesized events vs whole-model traces", "",
              f"`python benchmarks/synth_check.py` ({datetime.date.today()}, torch {torch.__version__}, transformers "

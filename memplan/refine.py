@@ -31,8 +31,8 @@ def allocator_limit(plan: Plan) -> int:
 
 
 def replay_need(spec, setup) -> tuple[int, int]:
-    """(need, reserved) of STEPS traced steps: memplan.trace.replay_need."""
-    from memplan.trace import replay_need as traced
+    """(need, reserved) of STEPS traced steps: memplan.replay.replay_need."""
+    from memplan.replay import replay_need as traced
     return traced(spec, setup, STEPS)
 
 

@@ -221,11 +221,11 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
     if comparison:
         row.append(f"{_gib(comparison['estimated_bytes'])} ({comparison['estimated_phase']})")
     t.add_row(*row, style="bold")
-    if result.peak_reserved_bytes is not None:
-        row = ["peak reserved (allocator replay)", _gib(result.peak_reserved_bytes)]
-        if comparison:
-            row.append(_gib(comparison["estimated_reserved_bytes"]))
-        t.add_row(*row)
+    for label, value, est in (("peak reserved (allocator replay)", result.peak_reserved_bytes, "estimated_reserved_bytes"),
+                              ("allocator need (smallest cap it fits)", result.allocator_need_bytes,
+                               "estimated_need_bytes")):
+        if value is not None:
+            t.add_row(label, _gib(value), *([_gib(comparison[est])] if comparison else []))
     console.print(t)
     console.print("phase peaks (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in result.phases.items()))
     if comparison:

@@ -26,6 +26,7 @@ from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import Setup
 from memplan.standins import StandIn8bitAdam
 from memplan.emulations import EMULATIONS, cuda_like
+from memplan.replay import _need
 from memplan.tracker import CATEGORIES, StorageTracker, _dispatch_mode, _pack, watch_blocks
 from memplan.steps import (build_model, cut_config, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
@@ -52,11 +53,13 @@ class TraceResult:
     paged_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     peak_reserved_bytes: int | None = None  # whole-model traces: the caching allocator's replay (memplan.allocator)
+    allocator_need_bytes: int | None = None  # ... and the smallest allocator limit it fits under (allocator.min_limit)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "setup": self.setup.to_dict(), "components": dict(self.components),
                 "phases": dict(self.phases), "peak_phase": self.peak_phase,
                 "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+                "allocator_need_bytes": self.allocator_need_bytes,
                 "device_total_bytes": None, "paged_optimizer_state": self.paged_bytes,
                 "params_total": self.params_total, "params_trainable": self.params_trainable,
                 "layers_traced": self.layers_traced, "layers_total": self.layers_total, "notes": list(self.notes)}
@@ -153,7 +156,8 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     if not layers or layers >= total_layers or skipping:
         t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = _result(spec, setup, t, None, total_layers)
-        result.peak_reserved_bytes = _replayed(t.events).peak_reserved
+        result.allocator_need_bytes, free = _need(t.events)
+        result.peak_reserved_bytes = free.peak_reserved
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
             result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
                                 "({}), so its blocks differ; traced whole".format(
@@ -249,52 +253,5 @@ def compare(result: TraceResult, est) -> dict:
     return {"traced_bytes": result.peak_allocated_bytes, "estimated_bytes": predicted,
             "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
             "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
-            "estimated_reserved_bytes": est.peak_reserved_bytes,
+            "estimated_reserved_bytes": est.peak_reserved_bytes, "estimated_need_bytes": est.allocator_need_bytes,
             "traced_components": dict(result.components), "estimated_components": cats}
-
-
-def cuda_workspaces() -> dict[str, int]:
-    """The cuBLAS workspace of forward's handle and of autograd's backward thread, allocated at each one's first
-    matmul (memory.overhead.cublas_workspace_bytes)."""
-    from memplan.memory.overhead import cublas_workspace_bytes
-    per_handle = cublas_workspace_bytes(True) // 2
-    return {"forward": per_handle, "backward": per_handle}
-
-
-def _replayed(events, limit: int | None = None):
-    """The caching allocator's replay of a training run's events, cuBLAS workspaces included."""
-    from memplan.allocator import replay
-    return replay(events, limit, cuda_workspaces())
-
-
-def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
-    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
-    model synthesized from a trace cut to a few blocks where that is exact (memplan.synth), else traced whole."""
-    from memplan.memory.context import resolve
-    from memplan.models import config_dict, load_spec
-
-    from memplan.synth import events as synthesized
-    spec = load_spec(model)
-    if setup.mode != "train":
-        raise BadInput("the allocator replay runs training steps; use --mode train")
-    resolve(spec, setup)
-    made = synthesized(spec, setup, steps) if synthesize else None
-    return made if made is not None else \
-        _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
-
-
-def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
-    """(the smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model
-    trace, the limit bisected over replays of it (memplan.allocator.min_limit; cuBLAS workspaces included) - the
-    exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes."""
-    from memplan.allocator import min_limit
-    events = traced_events(model, setup, steps)
-    free = _replayed(events)
-    return min_limit(events, cuda_workspaces(), uncapped=free), free.peak_reserved
-
-
-def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
-    """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
-    steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
-    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
-    return _replayed(traced_events(model, setup, steps), limit)

@@ -98,7 +98,7 @@ def test_replay_under_an_rtx3060_cap_matches_the_h200(model, batches):
     # data/measured/planner-check.csv (H200, 2026-11-26), both under an RTX 3060 cap (11.49 GiB): gpt2 full
     # bf16-mixed s1024 fitted b6 (11.07 GiB reserved) and ran out of memory at b7; bert-large-uncased full fp32 s512
     # fitted b7 (11.34 GiB reserved) and ran out at b8. Tolerance: 1% of the reserved peak.
-    from memplan.trace import replay_allocator
+    from memplan.replay import replay_allocator
     rows = [r for r in measured.read_rows("data/measured/planner-check.csv")
             if r["model"] == model and r["batch_size"] in batches]
     assert len(rows) == 2

@@ -9,7 +9,7 @@ from memplan.setup import Setup
 
 
 def _events(model, setup, synthesize):
-    from memplan.trace import traced_events
+    from memplan.replay import traced_events
     return traced_events(model, setup, 3, synthesize=synthesize)
 
 
@@ -21,7 +21,7 @@ def _events(model, setup, synthesize):
 def test_synthesized_gpt2_events_equal_the_whole_trace(fields):
     from memplan import synth
     from memplan.models import load_spec
-    from memplan.trace import _replayed
+    from memplan.replay import _replayed
 
     setup = Setup(**fields)
     made = synth.events(load_spec("openai-community/gpt2"), setup, 3)

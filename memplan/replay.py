@@ -1,0 +1,60 @@
+"""The caching-allocator replay (memplan.allocator) over a training run's allocation events: the events of the whole
+model (traced, or synthesized from a cut trace: memplan.synth), their replay with the cuBLAS workspaces, and the
+smallest allocator limit they fit under."""
+from __future__ import annotations
+
+from memplan.errors import BadInput
+from memplan.setup import Setup
+
+
+def cuda_workspaces() -> dict[str, int]:
+    """The cuBLAS workspace of forward's handle and of autograd's backward thread, allocated at each one's first
+    matmul (memory.overhead.cublas_workspace_bytes)."""
+    from memplan.memory.overhead import cublas_workspace_bytes
+    per_handle = cublas_workspace_bytes(True) // 2
+    return {"forward": per_handle, "backward": per_handle}
+
+
+def _replayed(events, limit: int | None = None):
+    """The caching allocator's replay of a training run's events, cuBLAS workspaces included."""
+    from memplan.allocator import replay
+    return replay(events, limit, cuda_workspaces())
+
+
+def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
+    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
+    model synthesized from a trace cut to a few blocks where that is exact (memplan.synth), else traced whole."""
+    from memplan.memory.context import resolve
+    from memplan.models import config_dict, load_spec
+    from memplan.synth import events as synthesized
+    from memplan.trace import _run
+    from memplan.tracker import StorageTracker
+    spec = load_spec(model)
+    if setup.mode != "train":
+        raise BadInput("the allocator replay runs training steps; use --mode train")
+    resolve(spec, setup)
+    made = synthesized(spec, setup, steps) if synthesize else None
+    return made if made is not None else \
+        _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
+
+
+def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
+    """(the smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model
+    trace, the limit bisected over replays of it (memplan.allocator.min_limit; cuBLAS workspaces included) - the
+    exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes."""
+    need, free = _need(traced_events(model, setup, steps))
+    return need, free.peak_reserved
+
+
+def _need(events):
+    """(the smallest allocator limit `events` fit under, their uncapped replay)."""
+    from memplan.allocator import min_limit
+    free = _replayed(events)
+    return min_limit(events, cuda_workspaces(), uncapped=free), free
+
+
+def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
+    """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
+    steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
+    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
+    return _replayed(traced_events(model, setup, steps), limit)
