@@ -161,6 +161,14 @@ def test_whole_model_trace_reports_the_replayed_reserved_peak():
     workspaces = 2 * 32 * 2**20  # cuBLAS, forward's handle and autograd's (memory/overhead.py)
     assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"] + workspaces
     assert d["peak_reserved_bytes"] % (512 * 1024) == 0  # whole segments: 2 MiB or 20 MiB or 2 MiB-rounded
+    # the need: a cap at it fits the replay, 2 MiB less does not (min_limit bisects to 2 MiB)
+    from memplan.allocator import replay
+    from memplan.replay import cuda_workspaces, traced_events
+    from memplan.setup import Setup
+    need = d["allocator_need_bytes"]
+    assert d["peak_allocated_bytes"] + workspaces <= need <= d["peak_reserved_bytes"]
+    events = traced_events("gpt2", Setup(batch_size=2, seq_len=64), 2)
+    assert not replay(events, need, cuda_workspaces()).oom and replay(events, need - 2**21, cuda_workspaces()).oom
     cut = CliRunner().invoke(main, ["trace", "gpt2", "--batch-size", "1", "--seq-len", "32", "--layers", "2", "--json"])
     assert json.loads(cut.output[cut.output.index("{"):])["peak_reserved_bytes"] is None
 
