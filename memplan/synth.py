@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from memplan.errors import MemplanError
 from memplan.synth_runs import cut_run, optimizer_run, Run
 
 CUT = 5
@@ -196,16 +197,16 @@ def events(spec, setup, steps: int) -> list | None:
     if (not depths or min(depths) <= VERIFY or (types and len(set(types)) > 1) or _verified.get(key) is False
             or any(p[-1:].isdigit() for p in spec.arch.media_parts)):
         return None
-    if key not in _optimizer_runs:
-        _optimizer_runs[key] = optimizer_run(spec, setup, d, None, steps)
-    cut = cut_run(spec, setup, d, CUT, steps)
-    try:
+    try:  # any failure here falls back to the whole-model trace, which reports its own
+        if key not in _optimizer_runs:
+            _optimizer_runs[key] = optimizer_run(spec, setup, d, None, steps)
+        cut = cut_run(spec, setup, d, CUT, steps)
         if key not in _verified:
             whole = cut_run(spec, setup, d, VERIFY, steps)
             _verified[key] = _kinds_alike(cut, _optimizer_runs[key]) and canonical(_through_last_step(
                 synthesize(cut, optimizer_run(spec, setup, d, VERIFY, steps)))) == canonical(
                 _through_last_step([e[:3] for e in whole.events]))
         return synthesize(cut, _optimizer_runs[key]) if _verified[key] else None
-    except _Mismatch:
+    except (_Mismatch, MemplanError, RuntimeError, ValueError, KeyError):
         _verified[key] = False
         return None

@@ -70,3 +70,16 @@ def test_a_broken_synthesis_is_caught_by_the_canonical_comparison():
     broken = [e for e in made if not (isinstance(e[0], tuple) and e[0][1:] == (5,))]
     assert len(broken) < len(made)
     assert synth.canonical(synth._through_last_step(broken)) != synth.canonical(synth._through_last_step(made))
+
+
+def test_a_failing_cut_trace_falls_back_to_the_whole_trace(monkeypatch):
+    from memplan import synth
+    from memplan.models import load_spec
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a cut the tracer cannot run")
+    monkeypatch.setattr(synth, "cut_run", broken)
+    monkeypatch.setattr(synth, "_verified", {})
+    setup = Setup(technique="lora", precision="bf16", batch_size=1, seq_len=32)
+    assert synth.events(load_spec("openai-community/gpt2"), setup, 3) is None
+    assert len(_events("openai-community/gpt2", setup, synthesize=True)) > 0  # traced whole instead
