@@ -118,25 +118,12 @@ def _cuda_shims():
     return Shims()
 
 
-@contextlib.contextmanager
-def _cuda_autocast(dtype):
-    import torch
-    torch.set_autocast_enabled("cuda", True)
-    torch.set_autocast_dtype("cuda", dtype)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        torch.autocast_decrement_nesting()
-        torch.clear_autocast_cache()
-        torch.set_autocast_enabled("cuda", False)
-
-
 def forward_ops(model_id: str, dev: str, layers: int, fields: dict | None = None) -> collections.Counter:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import memplan.emulations as E
+    from memplan.emulate_autocast import autocast_switched_on
     from memplan import steps as S
     from memplan.models import config_dict, load_spec
     from memplan.setup import Setup
@@ -156,7 +143,7 @@ def forward_ops(model_id: str, dev: str, layers: int, fields: dict | None = None
             for p in model.parameters():
                 p.requires_grad_(False)
             batch = S.make_batch(spec, setup, vocab, dev)
-            autocast = (_cuda_autocast(torch.bfloat16) if dev == "cuda"
+            autocast = (autocast_switched_on("cuda", torch.bfloat16) if dev == "cuda"
                         else torch.autocast("cpu", dtype=torch.bfloat16))
             with autocast, (_cuda_shims() if dev == "cuda" else contextlib.nullcontext()), log:
                 model(**batch)

@@ -22,6 +22,7 @@ CPU-only builds too, and they run on fake CUDA tensors (no autograd) with CUDA a
 """
 from __future__ import annotations
 
+import contextlib
 
 CUDA_LOWER_ONLY = {"einsum", "mv", "addmv", "addr", "chain_matmul", "linalg_multi_dot", "lstm_cell", "gru_cell",
                    "rnn_tanh_cell", "rnn_relu_cell"}
@@ -59,28 +60,16 @@ def _widest(dtypes):
     return widest[0] if len(widest) == 1 else torch.float32  # bf16 with fp16
 
 
-def _map(a, f):
-    import torch
-    if isinstance(a, torch.Tensor):
-        return f(a)
-    return type(a)(_map(x, f) for x in a) if isinstance(a, (list, tuple)) else a
-
-
-def _tensors(args, kwargs):
-    import torch
-    from torch.utils._pytree import tree_flatten
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-
-
 def cuda_autocast_fp32():
     """The torch-function mode applying CUDA autocast's policy while CPU autocast is on (module docstring)."""
     import torch
     from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten, tree_map_only
 
     half = _half()
 
-    def cast(args, kwargs, f):
-        return _map(args, f), {k: _map(v, f) for k, v in kwargs.items()}
+    def cast(args, kwargs, f):  # f on every tensor argument, nested in lists and tuples too
+        return tree_map_only(torch.Tensor, f, (args, kwargs))
 
     def up(t):
         return t.float() if t.dtype in half else t
@@ -105,7 +94,8 @@ def cuda_autocast_fp32():
                 low = torch.get_autocast_dtype("cpu")
                 args, kwargs = cast(args, kwargs, lambda t: t.to(low) if t.dtype == torch.float32 else t)
             elif name in CUDA_PROMOTE:
-                floats = [t.dtype for t in _tensors(args, kwargs) if t.is_floating_point()]
+                floats = [t.dtype for t in tree_flatten((args, kwargs))[0]
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()]
                 if len(set(floats)) > 1:
                     wide = _widest(floats)
                     args, kwargs = cast(args, kwargs, lambda t: t.to(wide) if t.is_floating_point() else t)
@@ -145,3 +135,20 @@ def checkpoint_kwargs() -> dict:
     import contextlib
 
     return {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), cuda_autocast_fp32())}
+
+
+@contextlib.contextmanager
+def autocast_switched_on(device: str, dtype):
+    """Autocast for `device` switched on directly, as torch.autocast does it: torch.autocast("cuda") refuses
+    without a GPU, but the AutocastCUDA kernels are registered in CPU-only builds too and apply to fake CUDA tensors -
+    the reference tests/test_cuda_parity.py and benchmarks/autocast_check.py hold the emulation to."""
+    import torch
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device, False)

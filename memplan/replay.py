@@ -42,11 +42,11 @@ def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
     """(the smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model
     trace, the limit bisected over replays of it (memplan.allocator.min_limit; cuBLAS workspaces included) - the
     exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes."""
-    need, free = _need(traced_events(model, setup, steps))
+    need, free = need_and_replay(traced_events(model, setup, steps))
     return need, free.peak_reserved
 
 
-def _need(events):
+def need_and_replay(events):
     """(the smallest allocator limit `events` fit under, their uncapped replay)."""
     from memplan.allocator import min_limit
     free = _replayed(events)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 from memplan.errors import MemplanError
 from memplan.synth_runs import cut_run, optimizer_run, Run
@@ -84,41 +85,35 @@ def synthesize(cut: Run, opt: Run) -> list[tuple]:
 
     out = [(("o", s), nbytes, phase) for s, nbytes, phase, _, _ in opt.events if phase == "setup"]
     batch = {s for s, nbytes, phase, _, _ in cut.events
-             if nbytes and phase in ("setup", "between") and s not in cut.weights}
+             if nbytes and phase in ("setup", "between") and s not in cut.weight_names}
     per_step = collections.defaultdict(list)
     for e in cut.events:
         if e[2] in ("forward", "backward") or (e[2] in ("setup", "between") and e[0] in batch):
             per_step[e[3]].append(e)
     for step, es in sorted(per_step.items()):
-        k = 0
-        while k < len(es):
-            s, nbytes, phase, _, seg = es[k]
+        for (seg, phase), run in itertools.groupby(es, key=lambda e: (e[4], e[2])):
             if seg[0] == "block" and seg[2] == TEMPLATE:  # the template's run: one copy per middle block
-                m = k
-                while m < len(es) and es[m][4] == seg and es[m][2] == phase:
-                    m += 1
-                order = copies(seg[1]) if phase == "forward" else reversed(copies(seg[1]))
-                for j in order:
-                    out += [((s2, j), nb, ph) if nb else (ref(s2, j, TEMPLATE, seg[1]), 0, ph)
-                            for s2, nb, ph, _, _ in es[k:m]]
-                k = m
+                run = list(run)
+                for j in copies(seg[1]) if phase == "forward" else reversed(copies(seg[1])):
+                    out += [((s, j), nbytes, phase) if nbytes else (ref(s, j, TEMPLATE, seg[1]), 0, phase)
+                            for s, nbytes, _, _, _ in run]
                 continue
-            if nbytes:
-                out.append((s, nbytes, phase))
-            elif seg[0] == "block":
-                out.append((ref(s, full_block(seg[1], seg[2]), seg[2], seg[1]), 0, phase))
-            else:  # outside the blocks: a free of a template allocation frees every copy's
-                b, w = born.get(s), cut.blocks.get(cut.weight_names.get(s))
-                if w is not None and w[1] == TEMPLATE:
-                    out += [(weight(s, j, TEMPLATE), 0, phase) for j in copies(w[0])]
-                elif s in cut.weight_names:
-                    out.append((weight(s, None, None), 0, phase))
-                elif b is not None and b[0] == "block" and b[2] == TEMPLATE:
-                    out += [((s, j), 0, phase) for j in copies(b[1])]
-                else:
-                    out.append((s, 0, phase))
-            k += 1
-        full_grads = _full_grads(cut, step, copies, full_block)
+            for s, nbytes, _, _, _ in run:
+                if nbytes:
+                    out.append((s, nbytes, phase))
+                elif seg[0] == "block":
+                    out.append((ref(s, full_block(seg[1], seg[2]), seg[2], seg[1]), 0, phase))
+                else:  # outside the blocks: a free of a template allocation frees every copy's
+                    b, w = born.get(s), cut.blocks.get(cut.weight_names.get(s))
+                    if w is not None and w[1] == TEMPLATE:
+                        out += [(weight(s, j, TEMPLATE), 0, phase) for j in copies(w[0])]
+                    elif s in cut.weight_names:
+                        out.append((weight(s, None, None), 0, phase))
+                    elif b is not None and b[0] == "block" and b[2] == TEMPLATE:
+                        out += [((s, j), 0, phase) for j in copies(b[1])]
+                    else:
+                        out.append((s, 0, phase))
+        full_grads = _full_grads(cut, born, step, copies, full_block)
         if set(opt.grads[step]) - set(full_grads):
             raise _Mismatch(f"no synthesized gradient for {sorted(set(opt.grads[step]) - set(full_grads))[:3]}")
         rename = {s: full_grads[name] for name, s in opt.grads[step].items()}
@@ -127,10 +122,10 @@ def synthesize(cut: Run, opt: Run) -> list[tuple]:
     return out
 
 
-def _full_grads(cut: Run, step: int, copies, full_block) -> dict:
-    """{full-depth parameter name: the synthesized serial of its gradient} for one step. A gradient belongs to the
-    run it was allocated in (AccumulateGrad may run in a neighbour's): its copies' parameters shift with them."""
-    born = {s: seg for s, nbytes, _, _, seg in cut.events if nbytes}
+def _full_grads(cut: Run, born: dict, step: int, copies, full_block) -> dict:
+    """{full-depth parameter name: the synthesized serial of its gradient} for one step (born: serial -> the segment
+    it was allocated in). A gradient belongs to the run it was allocated in (AccumulateGrad may run in a
+    neighbour's): its copies' parameters shift with them."""
     out = {}
     for name, s in cut.grads[step].items():
         where, seg = cut.blocks[name], born.get(s)

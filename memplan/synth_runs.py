@@ -47,25 +47,23 @@ class SegTracker(StorageTracker):
 @dataclasses.dataclass
 class Run:
     events: list  # SegTracker.seg_events
-    weights: set  # serials of parameters and buffers
     grads: list  # per step: {param name: gradient serial}
     blocks: dict  # parameter or buffer name -> (stack, block, name inside the block), None outside the blocks
     depth: dict  # stack -> blocks
     kinds: dict  # (stack, block) -> (parameters, trainable parameters)
-    weight_names: dict  # serial -> parameter or buffer name
+    weight_names: dict  # serial of each parameter and buffer -> its name
 
 
 def layout(model):
     """(parameter/buffer name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds,
     parameter then buffer names in the order _traced_run tags them)."""
-    from memplan.tracker import block_stacks
+    from memplan.tracker import block_kind, block_stacks
     where, kinds = {}, {}
     stacks = block_stacks(model)
     for stack, blocks in stacks.items():
         for i, block in enumerate(blocks):
-            params = list(block.named_parameters())
-            kinds[stack, i] = (sum(p.numel() for _, p in params), sum(p.numel() for _, p in params if p.requires_grad))
-            for name, t in params + list(block.named_buffers()):
+            kinds[stack, i] = block_kind(block)
+            for name, t in list(block.named_parameters()) + list(block.named_buffers()):
                 where[id(t)] = (stack, i, name)
     named = list(model.named_parameters()) + list(model.named_buffers())
     return ({n: where.get(id(t)) for n, t in named}, [n for n, t in named if getattr(t, "requires_grad", False)],
@@ -80,8 +78,8 @@ def cut_run(spec, setup, d: dict, layers: int, steps: int) -> Run:
     tracker = SegTracker()
     _run(spec, setup, cut, layers, steps, True, tracker=tracker)
     blocks, trainable, depth, kinds, names = layout(build_model(spec, setup, layers, cut))
-    return Run(tracker.seg_events, {s for s, c in tracker.tags.items() if c == "weights"},
-                tracker.step_grads(trainable), blocks, depth, kinds, dict(zip(tracker.weight_order, names)))
+    return Run(tracker.seg_events, tracker.step_grads(trainable), blocks, depth, kinds,
+               dict(zip(tracker.weight_order, names)))
 
 
 def optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> Run:
@@ -116,5 +114,5 @@ def optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> Run:
             tracker.phase = "zero_grad"
             opt.zero_grad(set_to_none=True)
             tracker.phase = "between"
-        return Run(list(tracker.seg_events), {s for s, c in tracker.tags.items() if c == "weights"},
-                    tracker.step_grads(trainable), blocks, depth, kinds, dict(zip(tracker.weight_order, names)))
+        return Run(list(tracker.seg_events), tracker.step_grads(trainable), blocks, depth, kinds,
+                   dict(zip(tracker.weight_order, names)))

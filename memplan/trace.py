@@ -26,7 +26,7 @@ from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import Setup
 from memplan.standins import StandIn8bitAdam
 from memplan.emulations import EMULATIONS, cuda_like
-from memplan.replay import _need
+from memplan.replay import need_and_replay
 from memplan.tracker import CATEGORIES, StorageTracker, _dispatch_mode, _pack, watch_blocks
 from memplan.steps import (build_model, cut_config, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
@@ -156,7 +156,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     if not layers or layers >= total_layers or skipping:
         t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = _result(spec, setup, t, None, total_layers)
-        result.allocator_need_bytes, free = _need(t.events)
+        result.allocator_need_bytes, free = need_and_replay(t.events)
         result.peak_reserved_bytes = free.peak_reserved
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
             result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "

@@ -190,6 +190,13 @@ def block_stacks(model) -> dict[str, list]:
     return stacks
 
 
+def block_kind(block) -> tuple[int, int]:
+    """A block's kind: its parameter count and trainable parameter count (freeze's trainable blocks and T5's first
+    block, which holds the position bias, are of their own kind)."""
+    params = list(block.parameters())
+    return sum(q.numel() for q in params), sum(q.numel() for q in params if q.requires_grad)
+
+
 def watch_blocks(model, tracker: StorageTracker) -> None:
     """Hooks that keep tracker.segment: forward hooks in the forward (not in checkpointing's recompute, which runs
     in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
@@ -208,9 +215,7 @@ def watch_blocks(model, tracker: StorageTracker) -> None:
     for stack, blocks in block_stacks(model).items():
         tracker.stack_depth[stack] = len(blocks)
         for i, block in enumerate(blocks):
-            params = list(block.parameters())
-            tracker.block_kinds[stack, i] = (sum(q.numel() for q in params),
-                                             sum(q.numel() for q in params if q.requires_grad))
+            tracker.block_kinds[stack, i] = block_kind(block)
 
             def pre(_module, args, kwargs, i=i, stack=stack):
                 if tracker.phase == "forward":

@@ -66,6 +66,7 @@ def _probe() -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
+    from memplan.emulate_autocast import autocast_switched_on
     from memplan.emulations import cuda_like
 
     class Log(TorchDispatchMode):
@@ -82,17 +83,9 @@ def _probe() -> dict:
 
     def run(dev, fn):
         log = Log()
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            torch.set_autocast_enabled(dev, True)
-            torch.set_autocast_dtype(dev, torch.bfloat16)
-            torch.autocast_increment_nesting()
-            try:
-                with (cuda_like() if dev == "cpu" else contextlib.nullcontext()):
-                    fn(dev, log)
-            finally:
-                torch.autocast_decrement_nesting()
-                torch.clear_autocast_cache()
-                torch.set_autocast_enabled(dev, False)
+        with FakeTensorMode(allow_non_fake_inputs=True), autocast_switched_on(dev, torch.bfloat16), \
+                (cuda_like() if dev == "cpu" else contextlib.nullcontext()):
+            fn(dev, log)
         return log.ops
 
     out = {"optimizers": {opt: {dev: _optimizer_allocations(dev, opt) for dev in ("cpu", "cuda")}
