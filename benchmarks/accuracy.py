@@ -5,7 +5,10 @@ release it ran under (memplan.libs.assume, as `memplan check` does); rows that h
 not bind are kept (device totals are only measured when a setup had the GPU to itself). Per technique group and overall: rows, median and p95
 |relative error| of peak allocated, peak reserved and device total (nvidia-smi), and the worst under-prediction of
 peak allocated (the error that causes OOMs). Rows marked gate=no are included (the table is the honest one). Training
-rows also compare each phase's peak (forward, backward, optimizer step).
+rows also compare each phase's peak (forward, backward, optimizer step). Training rows the allocator replay covers
+(benchmarks/results/allocator_replay.csv, `python benchmarks/allocator_replay.py`) add the replay's own errors and the
+bytes of the blocks it handed out unsplit at its allocated peak: torch.cuda.max_memory_allocated counts whole blocks
+while the closed form counts tensors.
 
     python benchmarks/accuracy.py [--data data/measured] [--out benchmarks/results]
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 QUANTITIES = (("allocated", "peak_allocated_bytes"), ("reserved", "peak_reserved_bytes"),
               ("device", "device_total_bytes"))
+REPLAY = ROOT / "benchmarks" / "results" / "allocator_replay.csv"
 
 
 def group_of(setup) -> str:
@@ -41,6 +45,7 @@ def measured_errors(data: Path) -> list[dict]:
     from memplan.measured import int_or_none, measured_files, read_rows, setup_from_row
 
     out = []
+    replayed = replay_rows()
     for path in measured_files([str(data)]):
         for row in read_rows(path):
             if row.get("device", "cuda") != "cuda" or row.get("status") != "ok":
@@ -54,8 +59,30 @@ def measured_errors(data: Path) -> list[dict]:
                 measured = int_or_none(row.get(f"measured_{name}_bytes"))
                 rec[name] = (getattr(est, attr) - measured) / measured if measured else None
             rec.update(phase_errors(row, est) if setup.mode == "train" else {})
+            rec.update(replay_errors(row, replayed.get((path.name, row.get("key")))))
             out.append(rec)
     return out
+
+
+def replay_rows() -> dict[tuple[str, str], dict]:
+    """The allocator replay's results by (measured file, row key) (rows it replayed to the end)."""
+    import csv
+    if not REPLAY.exists():
+        return {}
+    return {(r["file"], r["key"]): r for r in csv.DictReader(open(REPLAY)) if r["replay_status"] == "ok"}
+
+
+def replay_errors(row: dict, rep: dict | None) -> dict:
+    """The replay's relative error on allocated and reserved, and `unsplit`: the bytes of blocks handed out whole
+    to smaller requests at its allocated peak (allocated - requested), as a share of the measured allocated."""
+    from memplan.measured import int_or_none
+    allocated, reserved = (int_or_none(row.get(f"measured_{q}_bytes")) for q in ("allocated", "reserved"))
+    if rep is None or not allocated or not rep.get("replay_requested_bytes"):
+        return {"replay_allocated": None, "replay_reserved": None, "unsplit": None}
+    blocks, requested = int(rep["replay_allocated_bytes"]), int(rep["replay_requested_bytes"])
+    return {"replay_allocated": (blocks - allocated) / allocated,
+            "replay_reserved": (int(rep["replay_reserved_bytes"]) - reserved) / reserved if reserved else None,
+            "unsplit": (blocks - requested) / allocated}
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -126,13 +153,44 @@ def markdown(summary: list[dict], rows: list[dict], gpus: str) -> str:
             a = [abs(e) for e in errs]
             lines.append(f"| {name} | {len(errs)} | {_pct(statistics.median(a))} | {_pct(_p95(a))} | "
                          f"{_pct(min(min(errs), 0.0))} | {_pct(max(max(errs), 0.0))} |")
+    lines += replay_section(rows)
     worst = sorted(rows, key=lambda r: -abs(r["allocated"] or 0))[:15]
-    lines += ["", "Largest allocated errors:", "", "| model | setup | allocated | reserved | device | gated |",
-              "|---|---|---:|---:|---:|---|"]
+    lines += ["", "Largest allocated errors (unsplit: the replay's bytes of blocks handed out whole at its allocated "
+              "peak, a share of the measured; '-' where the row is not replayed):", "",
+              "| model | setup | allocated | unsplit | reserved | device | gated |",
+              "|---|---|---:|---:|---:|---:|---|"]
     for r in worst:
-        lines.append(f"| {r['model']} | {r['label']} | {_pct(r['allocated'])} | {_pct(r['reserved'])} | "
-                     f"{_pct(r['device'])} | {'yes' if r['gated'] else 'no'} |")
+        lines.append(f"| {r['model']} | {r['label']} | {_pct(r['allocated'])} | {_pct(r.get('unsplit'))} | "
+                     f"{_pct(r['reserved'])} | {_pct(r['device'])} | {'yes' if r['gated'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(errs: list[float]) -> str:
+    a = [abs(e) for e in errs]
+    return (f"{len(errs)} | {_pct(statistics.median(a))} | {_pct(_p95(a))} | {_pct(min(min(errs), 0.0))} | "
+            f"{_pct(max(max(errs), 0.0))}")
+
+
+def replay_section(rows: list[dict]) -> list[str]:
+    """The allocator replay's errors, the unsplit blocks it finds, and the closed form with those blocks added."""
+    rep = [r for r in rows if r.get("unsplit") is not None]
+    if not rep:
+        return []
+    top = max(rep, key=lambda r: r["unsplit"])
+    lines = ["", "The allocator replay (memplan/allocator.py over the whole model's traced events, under the row's "
+             "cap; training rows in benchmarks/results/allocator_replay.csv). Allocated as torch counts it: whole "
+             "blocks; a large-pool block whose remainder would be 1 MiB or less goes whole to a smaller request. "
+             "The closed form counts tensors; its last line adds the replay's unsplit bytes to it:", "",
+             "| quantity | rows | median | p95 | worst under-prediction | worst over-prediction |",
+             "|---|---:|---:|---:|---:|---:|",
+             f"| replay allocated | {_spread([r['replay_allocated'] for r in rep])} |",
+             f"| replay reserved | {_spread([r['replay_reserved'] for r in rep if r['replay_reserved'] is not None])} |",
+             f"| closed-form allocated (these rows) | {_spread([r['allocated'] for r in rep])} |",
+             f"| closed-form allocated + unsplit blocks | "
+             f"{_spread([r['allocated'] + r['unsplit'] for r in rep])} |",
+             "", f"Unsplit blocks at the replay's allocated peak: median {_pct(statistics.median(r['unsplit'] for r in rep))}"
+             f" of the measured peak, largest {_pct(top['unsplit'])} ({top['model']} {top['label']})."]
+    return lines
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "allocator_replay.csv"
 REPORT = RESULTS.with_suffix(".md")
 FIELDS = ["key", "file", "model", "setup", "transformers", "limit_bytes", "measured_status", "replay_status",
           "measured_reserved_bytes", "replay_reserved_bytes", "estimate_reserved_bytes", "measured_allocated_bytes",
-          "replay_allocated_bytes", "retries", "seconds"]
+          "replay_allocated_bytes", "replay_requested_bytes", "estimate_allocated_bytes", "retries", "seconds"]
 
 
 def describe(s) -> str:
@@ -39,13 +39,14 @@ def run(files: list[str]) -> None:
     from memplan.estimate import estimate
     from memplan.fileio import append_csv_row_atomic
     from memplan.replay import replay_allocator
-    done = {r["key"] for r in csv.DictReader(open(RESULTS))} if RESULTS.exists() else set()
+    # a row is its file's: keys name setups, and a setup measured under two releases sits in two files
+    done = {(r["file"], r["key"]) for r in csv.DictReader(open(RESULTS))} if RESULTS.exists() else set()
     skipped = 0
     for f in files:
         for r in measured.read_rows(f):
             if r["mode"] != "train" or r["status"] not in ("ok", "oom") or r["num_gpus"] not in ("", "1"):
                 continue
-            if r["key"] in done:
+            if (Path(f).name, r["key"]) in done:
                 continue
             if r["transformers"] != transformers.__version__:
                 skipped += 1
@@ -65,9 +66,10 @@ def run(files: list[str]) -> None:
                        replay_status="oom" if got.oom else "ok", measured_reserved_bytes=r["measured_reserved_bytes"],
                        replay_reserved_bytes=got.peak_reserved, estimate_reserved_bytes=est.peak_reserved_bytes,
                        measured_allocated_bytes=r["measured_allocated_bytes"],
-                       replay_allocated_bytes=got.peak_allocated, retries=got.retries, seconds=round(time.time() - t, 1))
+                       replay_allocated_bytes=got.peak_allocated, replay_requested_bytes=got.peak_requested,
+                       estimate_allocated_bytes=est.peak_allocated_bytes, retries=got.retries, seconds=round(time.time() - t, 1))
             append_csv_row_atomic(RESULTS, FIELDS, row)
-            done.add(r["key"])
+            done.add((Path(f).name, r["key"]))
             print(f"{row['measured_status']:3s} -> {row['replay_status']:3s}  {r['model']} {row['setup']}  "
                   f"reserved {_rel(row['replay_reserved_bytes'], row['measured_reserved_bytes'])}", flush=True)
     if skipped:

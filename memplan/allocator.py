@@ -55,15 +55,19 @@ class _Block:
     free: bool = True
     prev: "_Block | None" = None
     next: "_Block | None" = None
+    requested: int = 0  # the rounded request a live block serves (its size, unless the allocator left it unsplit)
 
 
 @dataclass
 class Replay:
     """What the replay found. reserved/allocated: peaks over the run after the build (as validate's meter resets
-    them there); phase_reserved: the reserved peak per phase;
+    them there); allocated counts whole blocks, as torch.cuda.max_memory_allocated does (a large-pool block whose
+    remainder would be <= 1 MiB is handed out unsplit), requested the requests they serve (rounded to 512 B: the
+    tensor bytes the closed-form estimate counts); phase_reserved: the reserved peak per phase;
     oom: the phase whose request found no room under the cap ('' when the run fits); oom_request: its size."""
     peak_reserved: int = 0
     peak_allocated: int = 0
+    peak_requested: int = 0
     phase_reserved: dict[str, int] = field(default_factory=dict)
     oom: str = ""
     oom_request: int = 0
@@ -78,6 +82,7 @@ class CachingAllocator:
         self.limit = limit
         self.reserved = 0
         self.allocated = 0
+        self.requested = 0
         self.retries = 0
         self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # small? -> (size, addr, b)
         self._segments: dict[int, _Block] = {}  # segment id -> its first block
@@ -107,12 +112,15 @@ class CachingAllocator:
             block.next, block.size = rest, size
             self._index(rest)
         block.free = False
+        block.requested = size
         self.allocated += block.size
+        self.requested += size
         return block
 
     def free(self, block: _Block) -> None:
         block.free = True
         self.allocated -= block.size
+        self.requested -= block.requested
         for other in (block.prev, block.next):  # try_merge_blocks
             if other is not None and other.free:
                 self._unindex(other)
@@ -202,6 +210,8 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
                 out.peak_reserved = alloc.reserved
             if alloc.allocated > out.peak_allocated:
                 out.peak_allocated = alloc.allocated
+            if alloc.requested > out.peak_requested:
+                out.peak_requested = alloc.requested
             if alloc.reserved > phase_reserved.get(phase, -1):
                 phase_reserved[phase] = alloc.reserved
     out.retries = alloc.retries

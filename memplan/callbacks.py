@@ -33,7 +33,7 @@ class MemoryCallback(_Base):
         self.model, self.setup, self.out, self.tolerance, self.source = model, setup, out, tolerance, source
         self.estimate = estimate(model, setup)
         self.card_bytes = card_bytes
-        self.peak_allocated = self.peak_reserved = self.peak_device = 0
+        self.peak_allocated = self.peak_requested = self.peak_reserved = self.peak_device = 0
         self.warned: set[str] = set()
         self.rows_written = 0
         self._nvml = None
@@ -60,6 +60,8 @@ class MemoryCallback(_Base):
         if self._cuda():
             import torch
             self.peak_allocated = max(self.peak_allocated, torch.cuda.max_memory_allocated())
+            # the tensors' own bytes (torch >= 2.1); allocated also counts blocks the allocator handed out unsplit
+            self.peak_requested = max(self.peak_requested, torch.cuda.memory_stats().get("requested_bytes.all.peak", 0))
             self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
             if self.card_bytes is None:
                 self.card_bytes = torch.cuda.get_device_properties(0).total_memory
@@ -107,6 +109,7 @@ class MemoryCallback(_Base):
         device = "cuda" if self.peak_allocated else "cpu"
         row = make_row(self.model, self.setup, status=status, error=error, device=device,
                        measured_allocated_bytes=self.peak_allocated or None,
+                       measured_requested_bytes=self.peak_requested or None,
                        measured_reserved_bytes=self.peak_reserved or None,
                        measured_device_bytes=self.peak_device or None, source=self.source,
                        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),

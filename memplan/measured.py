@@ -7,6 +7,8 @@ it was before that row, never half a row. `row_key` identifies a setup so a swee
 
 Measured quantities (bytes; empty when not measured):
   measured_allocated_bytes   torch.cuda.max_memory_allocated over the steady-state steps (tracer: live storages)
+  measured_requested_bytes   torch.cuda's requested_bytes.all.peak over the same steps: the bytes the tensors asked
+                             for; allocated counts whole blocks, a block handed out unsplit included (memplan.allocator)
   measured_reserved_bytes    torch.cuda.max_memory_reserved (the caching allocator's segments)
   measured_device_bytes      NVML used memory at its highest sample (CUDA context, reserved and paged memory)
   cuda_context_bytes         NVML used after CUDA init, before the first allocation
@@ -33,11 +35,11 @@ ENV_FIELDS = ("gpu", "gpu_memory_bytes", "driver", "cuda", "torch", "transformer
               "memplan", "python")
 COLUMNS: tuple[str, ...] = (
     "key", "model", *SETUP_FIELDS, "status", "error", "device", "steps",
-    "measured_allocated_bytes", "measured_reserved_bytes", "measured_device_bytes", "cuda_context_bytes",
-    "peak_phase", "phase_allocated", "alloc_retries", "num_ooms", "memory_fraction", "memory_limit_bytes",
+    "measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes", "measured_device_bytes",
+    "cuda_context_bytes", "peak_phase", "phase_allocated", "alloc_retries", "num_ooms", "memory_fraction", "memory_limit_bytes",
     *ENV_FIELDS, "measured_at", "source", "tolerance", "gate", "trust", "notes",
 )
-_INT_COLUMNS = ("measured_allocated_bytes", "measured_reserved_bytes", "measured_device_bytes", "cuda_context_bytes",
+_INT_COLUMNS = ("measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes", "measured_device_bytes", "cuda_context_bytes",
                 "alloc_retries", "num_ooms", "memory_limit_bytes", "gpu_memory_bytes", "steps")
 
 

@@ -17,6 +17,7 @@ class Measurement:
     device: str
     steps: int
     allocated_bytes: int | None = None
+    requested_bytes: int | None = None
     reserved_bytes: int | None = None
     device_bytes: int | None = None
     cuda_context_bytes: int | None = None
@@ -32,7 +33,8 @@ class Measurement:
     def row_values(self) -> dict:
         """The measured-row columns (memplan.measured.COLUMNS) this measurement fills."""
         return {"status": self.status, "error": self.error, "device": self.device, "steps": self.steps,
-                "measured_allocated_bytes": self.allocated_bytes, "measured_reserved_bytes": self.reserved_bytes,
+                "measured_allocated_bytes": self.allocated_bytes, "measured_requested_bytes": self.requested_bytes,
+                "measured_reserved_bytes": self.reserved_bytes,
                 "measured_device_bytes": self.device_bytes, "cuda_context_bytes": self.cuda_context_bytes,
                 "peak_phase": self.peak_phase, "phase_allocated": self.phase_allocated or None,
                 "alloc_retries": self.alloc_retries, "num_ooms": self.num_ooms,
@@ -67,6 +69,7 @@ class CudaMeter:
             torch.cuda.set_per_process_memory_fraction(self.fraction, 0)
         self.phase = "setup"
         self.phase_peaks: dict[str, int] = {}
+        self.requested_peak: int | None = None  # requested_bytes.all.peak (torch >= 2.1) over the phases
         self.reserved_peak = 0
         self.device_peak = 0
 
@@ -86,6 +89,9 @@ class CudaMeter:
         cuda = self.torch.cuda
         if self.phase not in ("setup", "between"):
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), cuda.max_memory_allocated())
+            requested = cuda.memory_stats().get("requested_bytes.all.peak")
+            if requested is not None:
+                self.requested_peak = max(self.requested_peak or 0, requested)
         self.reserved_peak = max(self.reserved_peak, cuda.max_memory_reserved())
         used = self._nvml_used()
         if used is not None and self.baseline is not None:
@@ -99,6 +105,7 @@ class CudaMeter:
         peak_phase = max(self.phase_peaks, key=self.phase_peaks.get) if self.phase_peaks else ""
         return Measurement(status=status, device="cuda", steps=steps,
                            allocated_bytes=max(self.phase_peaks.values(), default=None),
+                           requested_bytes=self.requested_peak,
                            reserved_bytes=self.reserved_peak, device_bytes=self.device_peak or None,
                            cuda_context_bytes=self.context, phase_allocated=dict(self.phase_peaks),
                            peak_phase=peak_phase, alloc_retries=stats.get("num_alloc_retries"),

@@ -221,7 +221,9 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
     if comparison:
         row.append(f"{_gib(comparison['estimated_bytes'])} ({comparison['estimated_phase']})")
     t.add_row(*row, style="bold")
-    for label, value, est in (("peak reserved (allocator replay)", result.peak_reserved_bytes, "estimated_reserved_bytes"),
+    for label, value, est in (("max_memory_allocated (allocator replay)", result.allocated_blocks_bytes,
+                               "estimated_allocated_bytes"),
+                              ("peak reserved (allocator replay)", result.peak_reserved_bytes, "estimated_reserved_bytes"),
                               ("allocator need (smallest cap it fits)", result.allocator_need_bytes,
                                "estimated_need_bytes")):
         if value is not None:

@@ -54,12 +54,13 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     peak_reserved_bytes: int | None = None  # whole-model traces: the caching allocator's replay (memplan.allocator)
     allocator_need_bytes: int | None = None  # ... and the smallest allocator limit it fits under (allocator.min_limit)
+    allocated_blocks_bytes: int | None = None  # ... and its allocated peak as torch counts it: whole blocks, workspaces
 
     def to_dict(self) -> dict:
         return {"model": self.model, "setup": self.setup.to_dict(), "components": dict(self.components),
                 "phases": dict(self.phases), "peak_phase": self.peak_phase,
                 "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
-                "allocator_need_bytes": self.allocator_need_bytes,
+                "allocator_need_bytes": self.allocator_need_bytes, "allocated_blocks_bytes": self.allocated_blocks_bytes,
                 "device_total_bytes": None, "paged_optimizer_state": self.paged_bytes,
                 "params_total": self.params_total, "params_trainable": self.params_trainable,
                 "layers_traced": self.layers_traced, "layers_total": self.layers_total, "notes": list(self.notes)}
@@ -157,7 +158,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
         t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = _result(spec, setup, t, None, total_layers)
         result.allocator_need_bytes, free = need_and_replay(t.events)
-        result.peak_reserved_bytes = free.peak_reserved
+        result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
             result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
                                 "({}), so its blocks differ; traced whole".format(
@@ -254,4 +255,5 @@ def compare(result: TraceResult, est) -> dict:
             "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
             "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
             "estimated_reserved_bytes": est.peak_reserved_bytes, "estimated_need_bytes": est.allocator_need_bytes,
+            "estimated_allocated_bytes": est.peak_allocated_bytes,
             "traced_components": dict(result.components), "estimated_components": cats}

@@ -92,3 +92,4 @@ def test_cuda_run_measures(tiny, tmp_path):
         cb.step()
     row = cb.finish()
     assert int(row["measured_allocated_bytes"]) > 0
+    assert 0 < int(row["measured_requested_bytes"]) <= int(row["measured_allocated_bytes"])

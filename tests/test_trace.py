@@ -161,6 +161,9 @@ def test_whole_model_trace_reports_the_replayed_reserved_peak():
     workspaces = 2 * 32 * 2**20  # cuBLAS, forward's handle and autograd's (memory/overhead.py)
     assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"] + workspaces
     assert d["peak_reserved_bytes"] % (512 * 1024) == 0  # whole segments: 2 MiB or 20 MiB or 2 MiB-rounded
+    # what torch.cuda.max_memory_allocated would say: the live tensors, the workspaces, and the blocks handed out
+    # unsplit to smaller requests (at most 1 MiB more each)
+    assert d["peak_allocated_bytes"] + workspaces <= d["allocated_blocks_bytes"] <= d["peak_reserved_bytes"]
     # the need: a cap at it fits the replay, 2 MiB less does not (min_limit bisects to 2 MiB)
     from memplan.allocator import replay
     from memplan.replay import cuda_workspaces, traced_events

@@ -99,6 +99,8 @@ def test_cuda_validate_measures_all_quantities():
     assert m.status == "ok", m.error
     assert m.allocated_bytes <= m.reserved_bytes <= m.device_bytes
     assert m.cuda_context_bytes > 0
+    # requested_bytes (torch >= 2.1): the tensors' own bytes; allocated adds what blocks handed out unsplit hold
+    assert 0 < m.requested_bytes <= m.allocated_bytes
 
 
 # ---------------------------------------------------------------------------------------------------- rows
