@@ -58,6 +58,10 @@ def measured_errors(data: Path) -> list[dict]:
             for name, attr in QUANTITIES:
                 measured = int_or_none(row.get(f"measured_{name}_bytes"))
                 rec[name] = (getattr(est, attr) - measured) / measured if measured else None
+            requested = int_or_none(row.get("measured_requested_bytes"))
+            rec["requested"] = (est.peak_allocated_bytes - requested) / requested if requested else None
+            allocated = int_or_none(row.get("measured_allocated_bytes"))
+            rec["measured_unsplit"] = (allocated - requested) / allocated if requested and allocated else None
             rec.update(phase_errors(row, est) if setup.mode == "train" else {})
             rec.update(replay_errors(row, replayed.get((path.name, row.get("key")))))
             out.append(rec)
@@ -153,7 +157,7 @@ def markdown(summary: list[dict], rows: list[dict], gpus: str) -> str:
             a = [abs(e) for e in errs]
             lines.append(f"| {name} | {len(errs)} | {_pct(statistics.median(a))} | {_pct(_p95(a))} | "
                          f"{_pct(min(min(errs), 0.0))} | {_pct(max(max(errs), 0.0))} |")
-    lines += replay_section(rows)
+    lines += replay_section(rows) + requested_section(rows)
     worst = sorted(rows, key=lambda r: -abs(r["allocated"] or 0))[:15]
     lines += ["", "Largest allocated errors (unsplit: the replay's bytes of blocks handed out whole at its allocated "
               "peak, a share of the measured; '-' where the row is not replayed):", "",
@@ -191,6 +195,20 @@ def replay_section(rows: list[dict]) -> list[str]:
              "", f"Unsplit blocks at the replay's allocated peak: median {_pct(statistics.median(r['unsplit'] for r in rep))}"
              f" of the measured peak, largest {_pct(top['unsplit'])} ({top['model']} {top['label']})."]
     return lines
+
+
+def requested_section(rows: list[dict]) -> list[str]:
+    """Rows that measured torch's requested_bytes (the tensors' bytes, the closed form's own quantity)."""
+    got = [r for r in rows if r.get("requested") is not None]
+    if not got:
+        return []
+    return ["", "Rows that measured requested_bytes.all.peak (the tensors' own bytes: what the closed form counts):", "",
+            "| quantity | rows | median | p95 | worst under-prediction | worst over-prediction |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| closed form vs requested | {_spread([r['requested'] for r in got])} |", "",
+            f"Unsplit blocks measured ((allocated - requested) / allocated): median "
+            f"{_pct(statistics.median(r['measured_unsplit'] for r in got))}, largest "
+            f"{_pct(max(r['measured_unsplit'] for r in got))}."]
 
 
 def main(argv=None) -> int:
