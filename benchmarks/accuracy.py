@@ -83,10 +83,17 @@ def replay_errors(row: dict, rep: dict | None) -> dict:
     allocated, reserved = (int_or_none(row.get(f"measured_{q}_bytes")) for q in ("allocated", "reserved"))
     if rep is None or not allocated or not rep.get("replay_requested_bytes"):
         return {"replay_allocated": None, "replay_reserved": None, "unsplit": None}
+    import json
     blocks, requested = int(rep["replay_allocated_bytes"]), int(rep["replay_requested_bytes"])
-    return {"replay_allocated": (blocks - allocated) / allocated,
-            "replay_reserved": (int(rep["replay_reserved_bytes"]) - reserved) / reserved if reserved else None,
-            "unsplit": (blocks - requested) / allocated}
+    out = {"replay_allocated": (blocks - allocated) / allocated,
+           "replay_reserved": (int(rep["replay_reserved_bytes"]) - reserved) / reserved if reserved else None,
+           "unsplit": (blocks - requested) / allocated}
+    measured = json.loads(row.get("phase_allocated") or "{}")
+    pa, pq = (json.loads(rep.get(f"replay_phase_{q}") or "{}") for q in ("allocated", "requested"))
+    for name in PHASES:  # each phase's unsplit blocks at the replay's peak of that phase
+        if measured.get(name) and name in pa and name in pq:
+            out[f"phase_{name}_unsplit"] = (pa[name] - pq[name]) / measured[name]
+    return out
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -154,9 +161,12 @@ def markdown(summary: list[dict], rows: list[dict], gpus: str) -> str:
     for name in PHASES:
         errs = [r[f"phase_{name}"] for r in rows if r.get(f"phase_{name}") is not None]
         if errs:
-            a = [abs(e) for e in errs]
-            lines.append(f"| {name} | {len(errs)} | {_pct(statistics.median(a))} | {_pct(_p95(a))} | "
-                         f"{_pct(min(min(errs), 0.0))} | {_pct(max(max(errs), 0.0))} |")
+            lines.append(f"| {name} | {_spread(errs)} |")
+    for name in PHASES:  # the same phases with the replay's unsplit blocks of that phase added to the closed form
+        errs = [r[f"phase_{name}"] + r[f"phase_{name}_unsplit"] for r in rows
+                if r.get(f"phase_{name}") is not None and r.get(f"phase_{name}_unsplit") is not None]
+        if errs:
+            lines.append(f"| {name} + unsplit blocks (replayed rows) | {_spread(errs)} |")
     lines += replay_section(rows) + requested_section(rows)
     worst = sorted(rows, key=lambda r: -abs(r["allocated"] or 0))[:15]
     lines += ["", "Largest allocated errors (unsplit: the replay's bytes of blocks handed out whole at its allocated "

@@ -13,6 +13,7 @@ was fitted to these rows: the policy is PyTorch's (see memplan/allocator.py)."""
 from __future__ import annotations
 
 import csv
+import json
 import statistics
 import sys
 import time
@@ -23,7 +24,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "allocator_replay.csv"
 REPORT = RESULTS.with_suffix(".md")
 FIELDS = ["key", "file", "model", "setup", "transformers", "limit_bytes", "measured_status", "replay_status",
           "measured_reserved_bytes", "replay_reserved_bytes", "estimate_reserved_bytes", "measured_allocated_bytes",
-          "replay_allocated_bytes", "replay_requested_bytes", "estimate_allocated_bytes", "retries", "seconds"]
+          "replay_allocated_bytes", "replay_requested_bytes", "estimate_allocated_bytes", "replay_phase_allocated",
+          "replay_phase_requested", "retries", "seconds"]
 
 
 def describe(s) -> str:
@@ -67,7 +69,9 @@ def run(files: list[str]) -> None:
                        replay_reserved_bytes=got.peak_reserved, estimate_reserved_bytes=est.peak_reserved_bytes,
                        measured_allocated_bytes=r["measured_allocated_bytes"],
                        replay_allocated_bytes=got.peak_allocated, replay_requested_bytes=got.peak_requested,
-                       estimate_allocated_bytes=est.peak_allocated_bytes, retries=got.retries, seconds=round(time.time() - t, 1))
+                       estimate_allocated_bytes=est.peak_allocated_bytes,
+                       replay_phase_allocated=json.dumps(got.phase_allocated, sort_keys=True),
+                       replay_phase_requested=json.dumps(got.phase_requested, sort_keys=True), retries=got.retries, seconds=round(time.time() - t, 1))
             append_csv_row_atomic(RESULTS, FIELDS, row)
             done.add((Path(f).name, r["key"]))
             print(f"{row['measured_status']:3s} -> {row['replay_status']:3s}  {r['model']} {row['setup']}  "

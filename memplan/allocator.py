@@ -63,16 +63,20 @@ class Replay:
     """What the replay found. reserved/allocated: peaks over the run after the build (as validate's meter resets
     them there); allocated counts whole blocks, as torch.cuda.max_memory_allocated does (a large-pool block whose
     remainder would be <= 1 MiB is handed out unsplit), requested the requests they serve (rounded to 512 B: the
-    tensor bytes the closed-form estimate counts); phase_reserved: the reserved peak per phase;
+    tensor bytes the closed-form estimate counts); phase_reserved/phase_allocated/phase_requested: those peaks per
+    phase, each from what is live as the phase starts (validate's meter resets the peaks at each phase);
     oom: the phase whose request found no room under the cap ('' when the run fits); oom_request: its size."""
     peak_reserved: int = 0
     peak_allocated: int = 0
     peak_requested: int = 0
     phase_reserved: dict[str, int] = field(default_factory=dict)
+    phase_allocated: dict[str, int] = field(default_factory=dict)
+    phase_requested: dict[str, int] = field(default_factory=dict)
     oom: str = ""
     oom_request: int = 0
     retries: int = 0
     segments: list[tuple[str, int]] = field(default_factory=list)  # (phase, bytes) of each cudaMalloc, in order
+    run_reserved: int = 0  # the reserved peak over the whole run, the build included
 
 
 class CachingAllocator:
@@ -83,6 +87,7 @@ class CachingAllocator:
         self.reserved = 0
         self.allocated = 0
         self.requested = 0
+        self.max_reserved = 0  # over the whole run, the build included
         self.retries = 0
         self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # small? -> (size, addr, b)
         self._segments: dict[int, _Block] = {}  # segment id -> its first block
@@ -154,6 +159,7 @@ class CachingAllocator:
         self._next_addr += n
         self._segments[seg] = block
         self.reserved += n
+        self.max_reserved = max(self.max_reserved, self.reserved)
         self.segment_log.append(n)
         self._index(block)
         return block
@@ -184,11 +190,18 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
     pending = dict(workspaces or {})
     started = False
     log = alloc.segment_log
-    phase_reserved = out.phase_reserved
+    peaks = (out.phase_reserved, out.phase_allocated, out.phase_requested)
+    current = None
+    res = alo = req = 0  # the current phase's peaks, kept in locals (the loop runs once per storage event)
     for serial, nbytes, phase in events:
         if not started and phase not in ("setup", "between"):
             alloc.release_cached()
             started = True
+        if started and phase != current:  # the meter's reset: the new phase's peaks start from what is live
+            if current is not None:
+                _keep(peaks, current, res, alo, req)
+            current = phase
+            res, alo, req = alloc.reserved, alloc.allocated, alloc.requested
         logged = len(log)
         if nbytes:
             if phase in pending:
@@ -206,16 +219,24 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
         if started:  # the peaks validate's meter reports: from its reset after the build on
             if len(log) != logged:
                 out.segments += [(phase, n) for n in log[logged:]]
-            if alloc.reserved > out.peak_reserved:
-                out.peak_reserved = alloc.reserved
-            if alloc.allocated > out.peak_allocated:
-                out.peak_allocated = alloc.allocated
-            if alloc.requested > out.peak_requested:
-                out.peak_requested = alloc.requested
-            if alloc.reserved > phase_reserved.get(phase, -1):
-                phase_reserved[phase] = alloc.reserved
-    out.retries = alloc.retries
+            if alloc.reserved > res:
+                res = alloc.reserved
+            if alloc.allocated > alo:
+                alo = alloc.allocated
+            if alloc.requested > req:
+                req = alloc.requested
+    if current is not None:
+        _keep(peaks, current, res, alo, req)
+    out.peak_reserved, out.peak_allocated, out.peak_requested = (max(d.values(), default=0) for d in peaks)
+    out.retries, out.run_reserved = alloc.retries, alloc.max_reserved
     return out
+
+
+def _keep(peaks, phase: str, *values: int) -> None:
+    """A phase's peaks, into the per-phase dicts (a phase met again keeps its larger peak)."""
+    for d, value in zip(peaks, values):
+        if value > d.get(phase, -1):
+            d[phase] = value
 
 
 def min_limit(events, workspaces: dict[str, int] | None = None, step: int = ROUND_LARGE,
@@ -223,10 +244,12 @@ def min_limit(events, workspaces: dict[str, int] | None = None, step: int = ROUN
     """The smallest allocator limit (to `step`) under which replaying `events` does not run out of memory: what a
     card must leave the allocator for the run. Bisection between the live peak and the uncapped reserved peak
     (`uncapped`: the events' replay without a limit, when the caller has it); each probe replays the events (a
-    fraction of a second for a 7B model's 3 steps)."""
+    fraction of a second for a 7B model's 3 steps). A probe that fits under a cap never reserved more than its
+    run_reserved, so a cap there replays the same run: the upper end drops to it, not just to the probe."""
     free = uncapped or replay(events, None, workspaces)
-    lo, hi = free.peak_allocated - 1, free.peak_reserved  # lo does not fit (below the live peak); hi fits
+    lo, hi = free.peak_allocated - 1, free.run_reserved  # lo does not fit (below the live peak); hi fits
     while hi - lo > step:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if not replay(events, mid, workspaces).oom else (mid, hi)
+        probe = replay(events, mid, workspaces)
+        lo, hi = (mid, hi) if probe.oom else (lo, probe.run_reserved)
     return hi

@@ -101,6 +101,17 @@ def test_replay_releases_the_build_cache_and_adds_workspaces():
     assert replay(events, limit=40 * MiB, workspaces={"forward": 32 * MiB}).oom == "forward"
 
 
+def test_phase_peaks_start_from_what_is_live_as_the_phase_starts():
+    # validate's meter resets the peaks at each phase: a phase whose first event frees still reports what was live
+    events = [(0, 6 * MiB, "forward"), (1, 3 * MiB, "forward"), (0, 0, "backward"), (2, 1 * MiB + 512, "backward"),
+              (1, 0, "optimizer"), (2, 0, "optimizer")]
+    r = replay(events)
+    assert r.phase_allocated == {"forward": 9 * MiB, "backward": 9 * MiB, "optimizer": 4 * MiB + 512}
+    # the 1 MiB + 512 request takes the freed 6 MiB block's front (split: 4.99 MiB would remain)
+    assert r.phase_requested["backward"] == 9 * MiB and r.peak_requested == r.peak_allocated == 9 * MiB
+    assert r.phase_reserved == {"forward": 20 * MiB, "backward": 20 * MiB, "optimizer": 20 * MiB}
+
+
 def test_min_limit_is_the_smallest_limit_that_fits():
     from memplan.allocator import min_limit
     # a 24 MiB tensor freed, a 2 MiB one carved from its cached segment (pinning it), then 23 MiB more: uncapped
