@@ -5,7 +5,7 @@ release it ran under (memplan.libs.assume, as `memplan check` does); rows that h
 not bind are kept (device totals are only measured when a setup had the GPU to itself). Per technique group and overall: rows, median and p95
 |relative error| of peak allocated, peak reserved and device total (nvidia-smi), and the worst under-prediction of
 peak allocated (the error that causes OOMs). Rows marked gate=no are included (the table is the honest one). Training
-rows also compare each phase's peak (forward, backward, optimizer step). Training rows the allocator replay covers
+rows also compare each phase's peak (forward, backward, optimizer step). Rows the allocator replay covers
 (benchmarks/results/allocator_replay.csv, `python benchmarks/allocator_replay.py`) add the replay's own errors and the
 bytes of the blocks it handed out unsplit at its allocated peak: torch.cuda.max_memory_allocated counts whole blocks
 while the closed form counts tensors.
@@ -192,7 +192,7 @@ def replay_section(rows: list[dict]) -> list[str]:
         return []
     top = max(rep, key=lambda r: r["unsplit"])
     lines = ["", "The allocator replay (memplan/allocator.py over the whole model's traced events, under the row's "
-             "cap; training rows in benchmarks/results/allocator_replay.csv). Allocated as torch counts it: whole "
+             "cap; training and inference rows in benchmarks/results/allocator_replay.csv). Allocated as torch counts it: whole "
              "blocks; a large-pool block whose remainder would be 1 MiB or less goes whole to a smaller request. "
              "The closed form counts tensors; its last line adds the replay's unsplit bytes to it:", "",
              "| quantity | rows | median | p95 | worst under-prediction | worst over-prediction |",

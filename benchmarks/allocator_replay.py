@@ -1,5 +1,6 @@
-"""The caching-allocator replay (memplan/allocator.py) against the GPU: for each measured training row, trace the
-whole model's steps on the CPU, replay them through the allocator under the row's cap, and compare
+"""The caching-allocator replay (memplan/allocator.py) against the GPU: for each measured row, trace the whole
+model's steps (training) or its prefill and generate() (inference: memplan/trace_infer.py) on the CPU, replay them
+through the allocator under the row's cap, and compare
 
   fit / OOM          capped rows (planner check runs: the H100/H200 capped to a card's memory)
   reserved peak      every ok row, beside the closed-form estimate's peak_reserved_bytes
@@ -46,7 +47,7 @@ def run(files: list[str]) -> None:
     skipped = 0
     for f in files:
         for r in measured.read_rows(f):
-            if r["mode"] != "train" or r["status"] not in ("ok", "oom") or r["num_gpus"] not in ("", "1"):
+            if r["status"] not in ("ok", "oom") or r["num_gpus"] not in ("", "1"):
                 continue
             if (Path(f).name, r["key"]) in done:
                 continue

@@ -3,36 +3,37 @@ model (traced, or synthesized from a cut trace: memplan.synth), their replay wit
 smallest allocator limit they fit under."""
 from __future__ import annotations
 
-from memplan.errors import BadInput
 from memplan.setup import Setup
 
 
-def cuda_workspaces() -> dict[str, int]:
-    """The cuBLAS workspace of forward's handle and of autograd's backward thread, allocated at each one's first
-    matmul (memory.overhead.cublas_workspace_bytes)."""
+def cuda_workspaces(mode: str = "train") -> dict[str, int]:
+    """The cuBLAS workspace of each handle, allocated at its first matmul (memory.overhead.cublas_workspace_bytes):
+    training, forward's and autograd's backward thread's; inference, the prefill's (generate() runs on its thread)."""
     from memplan.memory.overhead import cublas_workspace_bytes
     per_handle = cublas_workspace_bytes(True) // 2
-    return {"forward": per_handle, "backward": per_handle}
+    return {"forward": per_handle, "backward": per_handle} if mode == "train" else {"prefill": per_handle}
 
 
-def _replayed(events, limit: int | None = None):
-    """The caching allocator's replay of a training run's events, cuBLAS workspaces included."""
+def _replayed(events, limit: int | None = None, mode: str = "train"):
+    """The caching allocator's replay of a run's events, cuBLAS workspaces included."""
     from memplan.allocator import replay
-    return replay(events, limit, cuda_workspaces())
+    return replay(events, limit, cuda_workspaces(mode))
 
 
 def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
     """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
-    model synthesized from a trace cut to a few blocks where that is exact (memplan.synth), else traced whole."""
+    model synthesized from a trace cut to a few blocks where that is exact (memplan.synth), else traced whole.
+    Inference setups: validate's prefill and generate() (memplan.trace_infer; `steps` does not apply)."""
     from memplan.memory.context import resolve
     from memplan.models import config_dict, load_spec
     from memplan.synth import events as synthesized
     from memplan.trace import _run
     from memplan.tracker import StorageTracker
     spec = load_spec(model)
-    if setup.mode != "train":
-        raise BadInput("the allocator replay runs training steps; use --mode train")
     resolve(spec, setup)
+    if setup.mode != "train":
+        from memplan.trace_infer import inference_events
+        return inference_events(spec, setup)
     made = synthesized(spec, setup, steps) if synthesize else None
     return made if made is not None else \
         _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
@@ -56,5 +57,6 @@ def need_and_replay(events):
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
     """The caching allocator's replay (memplan.allocator) over a traced run of the whole model: `steps` training
     steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
-    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward."""
-    return _replayed(traced_events(model, setup, steps), limit)
+    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward.
+    Inference setups replay validate's prefill and generate()."""
+    return _replayed(traced_events(model, setup, steps), limit, setup.mode)

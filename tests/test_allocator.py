@@ -250,3 +250,22 @@ def test_plan_cli_replay_flag(monkeypatch):
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--replay", "--headroom",
                                   "5%", "--technique", "full", "--grad-accum", "1", "--json"])
     assert json.loads(r.output)["headroom"] == 0.05
+
+
+def test_inference_replays_prefill_and_generate_on_fake_tensors():
+    # memplan/trace_infer.py: validate's prefill and generate() traced on fake tensors (the stop decision and the
+    # right-padding check answered from what validate's batches hold), then replayed like training
+    from transformers.generation.utils import StopCheck
+
+    from memplan.replay import replay_allocator
+    from memplan.setup import Setup
+    stop = StopCheck.__call__
+    short, long = (replay_allocator("gpt2", Setup(mode="infer", precision="bf16", batch_size=2, seq_len=32,
+                                                  new_tokens=n, attn_impl="sdpa")) for n in (40, 100))
+    assert StopCheck.__call__ is stop  # restored
+    for r in (short, long):
+        assert not r.oom and set(r.phase_allocated) >= {"prefill", "decode"}
+        assert r.peak_requested <= r.peak_allocated <= r.peak_reserved
+    # the KV cache grows with every generated token: 60 more tokens x 12 layers x K and V x batch 2 x 768 x bf16
+    grown = 60 * 12 * 2 * 2 * 768 * 2
+    assert grown <= long.phase_requested["decode"] - short.phase_requested["decode"] <= grown + 2**20

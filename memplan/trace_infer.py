@@ -1,0 +1,91 @@
+"""Inference traced on fake tensors, for the allocator replay: the prefill and generate() that `memplan validate` runs
+(memplan.steps.inference_loop), every storage born and freed in order (StorageTracker.events).
+
+Two host-side decisions inside generate() read a value from the device, which fake tensors do not hold; both are
+known without it, so they are answered and nothing else is:
+- the right-padding warning (`torch.any(attention_mask[:, -1] == 0).item()`, decoder-only models): validate's
+  batches never end in padding (decoders pad on the left: steps.inference_loop), so False;
+- the stop decision (generation.utils.StopCheck, `unfinished_sequences.max() == 0`): no end-of-sequence token is
+  set, so generation stops exactly at the max length, `length >= prompt + new tokens`.
+Any other read of a device value still raises (TraceFailed names the tracer's limit)."""
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+from memplan.errors import MemplanError, TraceFailed
+from memplan.setup import Setup
+
+
+def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
+    """(serial, bytes, phase) of every storage event of validate's inference run: 'setup' (the build), 'prefill',
+    'decode' (generate(), whose own prefill comes first), 'between'."""
+    try:
+        return _traced(spec, setup)
+    except MemplanError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TraceFailed(f"the traced inference of {spec.model_id} failed inside torch/transformers: "
+                          f"{type(e).__name__}: {first}\nA limit of the tracer (fake tensors on the CPU read no "
+                          "device values); `memplan estimate` does not run the model and is unaffected.") from e
+
+
+def _traced(spec, setup: Setup) -> list[tuple[int, int, str]]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.generation import utils as generation
+
+    from memplan.emulations import cuda_like
+    from memplan.models import config_dict
+    from memplan.steps import build_model, inference_loop, materialize
+    from memplan.tracker import StorageTracker, _dispatch_mode
+
+    if not hasattr(generation, "StopCheck"):
+        raise TraceFailed("this transformers release decides generate()'s stop inside its loop on the device; the "
+                          "inference replay needs generation.utils.StopCheck (transformers 5.17 has it)")
+    tracker = StorageTracker(events=True)
+    model = build_model(spec, setup, None, config_dict(spec))
+    length = (setup.prompt_len or setup.seq_len) + (setup.new_tokens if setup.new_tokens is not None else 128)
+
+    def enter(phase: str) -> None:
+        tracker.phase = phase
+
+    with _stop_at(generation.StopCheck, length), FakeTensorMode(allow_non_fake_inputs=True), _host_reads(), \
+            _dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+        materialize(model, fake=True)
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.tag(t, "weights")
+        with contextlib.suppress(AttributeError):
+            model.generation_config.eos_token_id = None
+        inference_loop(model, spec, setup, "cpu", enter)
+    return tracker.events
+
+
+@contextlib.contextmanager
+def _stop_at(stop_check, length: int):
+    """StopCheck answers from the sequence length (no end-of-sequence token: generation runs to the max length)."""
+    original = stop_check.__call__
+    stop_check.__call__ = lambda self, unfinished, tokens, current: current >= length
+    try:
+        yield
+    finally:
+        stop_check.__call__ = original
+
+
+def _generate_frame() -> bool:
+    return any(f.name == "generate" and f.filename.replace("\\", "/").endswith("generation/utils.py")
+               for f in traceback.extract_stack(limit=30))
+
+
+def _host_reads():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import torch
+
+    class HostReads(TorchDispatchMode):
+        """generate()'s own scalar reads (the right-padding check): False, what validate's batches hold."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and _generate_frame():
+                return False
+            return func(*args, **(kwargs or {}))
+    return HostReads()
