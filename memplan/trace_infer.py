@@ -6,7 +6,8 @@ known without it, so they are answered and nothing else is:
 - the right-padding warning (`torch.any(attention_mask[:, -1] == 0).item()`, decoder-only models): validate's
   batches never end in padding (decoders pad on the left: steps.inference_loop), so False;
 - the stop decision (generation.utils.StopCheck, `unfinished_sequences.max() == 0`): no end-of-sequence token is
-  set, so generation stops exactly at the max length, `length >= prompt + new tokens`.
+  set, so generation stops exactly at the max length: the prompt and the new tokens (an encoder-decoder's decoder:
+  its start token and the new tokens).
 Any other read of a device value still raises (TraceFailed names the tracer's limit)."""
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def _traced(spec, setup: Setup) -> list[tuple[int, int, str]]:
                           "inference replay needs generation.utils.StopCheck (transformers 5.17 has it)")
     tracker = StorageTracker(events=True)
     model = build_model(spec, setup, None, config_dict(spec))
-    length = (setup.prompt_len or setup.seq_len) + (setup.new_tokens if setup.new_tokens is not None else 128)
+    # generate()'s sequence: the prompt and the new tokens; an encoder-decoder's is the decoder's, from its start token
+    start = 1 if spec.arch.kind == "seq2seq" else (setup.prompt_len or setup.seq_len)
+    length = start + (setup.new_tokens if setup.new_tokens is not None else 128)
 
     def enter(phase: str) -> None:
         tracker.phase = phase

@@ -269,3 +269,22 @@ def test_inference_replays_prefill_and_generate_on_fake_tensors():
     # the KV cache grows with every generated token: 60 more tokens x 12 layers x K and V x batch 2 x 768 x bf16
     grown = 60 * 12 * 2 * 2 * 768 * 2
     assert grown <= long.phase_requested["decode"] - short.phase_requested["decode"] <= grown + 2**20
+
+
+def test_inference_trace_generates_exactly_the_new_tokens(monkeypatch):
+    # the stop decision is answered from the length: an encoder-decoder's sequence is its decoder's (start token +
+    # new tokens), not the prompt's; validate's generate() makes new_tokens decoder passes after its prefill's one
+    import memplan.steps as steps
+    from memplan.models import load_spec
+    from memplan.setup import Setup
+    from memplan.trace_infer import inference_events
+    calls = []
+    loop = steps.inference_loop
+
+    def counting(model, *args):
+        model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
+        return loop(model, *args)
+    monkeypatch.setattr(steps, "inference_loop", counting)
+    events = inference_events(load_spec("google-t5/t5-small"), Setup(mode="infer", batch_size=1, seq_len=16,
+                                                                     new_tokens=3))
+    assert len(calls) == 1 + 3 and {p for _, _, p in events} >= {"prefill", "decode"}
