@@ -32,7 +32,7 @@ FIELDS = ["key", "file", "model", "setup", "transformers", "limit_bytes", "measu
 def describe(s) -> str:
     if s.mode == "infer":
         parts = ["infer", s.precision, f"b{s.batch_size}", f"prompt {s.prompt_len or s.seq_len}",
-                 f"new {s.new_tokens if s.new_tokens is not None else 128}", s.attn_impl or "",
+                 f"new {s.new_tokens}" if s.new_tokens is not None else "", s.attn_impl or "",
                  "padded" if s.padded else ""]
         return " ".join(p for p in parts if p)
     parts = [s.technique, s.precision, s.optimizer, f"b{s.batch_size}", f"s{s.seq_len}", s.attn_impl or "",
