@@ -3,8 +3,8 @@ torch.cuda.max_memory_allocated counts them), its requested bytes (the tensors',
 its reserved peak, beside the closed-form estimate, for every setup of a sweep that no GPU has run yet. The file is
 committed before the sweep runs; `report` then sets each prediction against the row the GPU wrote.
 
-    python benchmarks/allocator_predict.py predict benchmarks/sweeps/gpu-unsplit.yaml   # results/allocator_predictions.csv
-    python benchmarks/allocator_predict.py report                                      # results/allocator_predictions.md
+    python benchmarks/allocator_predict.py predict benchmarks/sweeps/gpu-unsplit-*.yaml   # allocator_predictions.csv
+    python benchmarks/allocator_predict.py report                                        # allocator_predictions.md
 
 Each setup is replayed uncapped under the transformers installed here (the row records it); the sweep's rows run
 side by side under memory-fraction caps that leave each run room (benchmarks/gpu_pool.py), and `report` flags a row
@@ -103,7 +103,7 @@ def report() -> int:
                      f"{_rel(p['replay_allocated_bytes'], meas)} | {_rel(p['estimate_allocated_bytes'], meas)} | "
                      f"{share} | {req} | {'yes' if (r.get('alloc_retries') or '0') != '0' else 'no'} |")
     if errs:
-        lines[5:5] = [f"Measured {len(errs)} of {len(preds)}: the replay's allocated |error| median "
+        lines[4:4] = [f"Measured {len(errs)} of {len(preds)}: the replay's allocated |error| median "
                       f"{100 * statistics.median(abs(e) for e in errs):.2f}%, worst {100 * min(errs):+.2f}% / "
                       f"{100 * max(errs):+.2f}%.", ""]
     write_text_atomic(REPORT, "\n".join(lines) + "\n")

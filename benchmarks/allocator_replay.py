@@ -77,7 +77,8 @@ def run(files: list[str]) -> None:
                        replay_allocated_bytes=got.peak_allocated, replay_requested_bytes=got.peak_requested,
                        estimate_allocated_bytes=est.peak_allocated_bytes,
                        replay_phase_allocated=json.dumps(got.phase_allocated, sort_keys=True),
-                       replay_phase_requested=json.dumps(got.phase_requested, sort_keys=True), retries=got.retries, seconds=round(time.time() - t, 1))
+                       replay_phase_requested=json.dumps(got.phase_requested, sort_keys=True), retries=got.retries,
+                       seconds=round(time.time() - t, 1))
             append_csv_row_atomic(RESULTS, FIELDS, row)
             done.add((Path(f).name, r["key"]))
             print(f"{row['measured_status']:3s} -> {row['replay_status']:3s}  {r['model']} {row['setup']}  "

@@ -61,7 +61,8 @@ class MemoryCallback(_Base):
             import torch
             self.peak_allocated = max(self.peak_allocated, torch.cuda.max_memory_allocated())
             # the tensors' own bytes (torch >= 2.1); allocated also counts blocks the allocator handed out unsplit
-            self.peak_requested = max(self.peak_requested, torch.cuda.memory_stats().get("requested_bytes.all.peak", 0))
+            requested = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)
+            self.peak_requested = max(self.peak_requested, requested)
             self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
             if self.card_bytes is None:
                 self.card_bytes = torch.cuda.get_device_properties(0).total_memory

@@ -36,11 +36,12 @@ ENV_FIELDS = ("gpu", "gpu_memory_bytes", "driver", "cuda", "torch", "transformer
 COLUMNS: tuple[str, ...] = (
     "key", "model", *SETUP_FIELDS, "status", "error", "device", "steps",
     "measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes", "measured_device_bytes",
-    "cuda_context_bytes", "peak_phase", "phase_allocated", "alloc_retries", "num_ooms", "memory_fraction", "memory_limit_bytes",
+    "cuda_context_bytes", "peak_phase", "phase_allocated", "alloc_retries", "num_ooms", "memory_fraction",
+    "memory_limit_bytes",
     *ENV_FIELDS, "measured_at", "source", "tolerance", "gate", "trust", "notes",
 )
-_INT_COLUMNS = ("measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes", "measured_device_bytes", "cuda_context_bytes",
-                "alloc_retries", "num_ooms", "memory_limit_bytes", "gpu_memory_bytes", "steps")
+_INT_COLUMNS = ("measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes",
+                "measured_device_bytes", "cuda_context_bytes", "alloc_retries", "num_ooms", "memory_limit_bytes", "gpu_memory_bytes", "steps")
 
 
 def _cell(value) -> str:
