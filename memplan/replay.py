@@ -47,11 +47,11 @@ def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
     return need, free.peak_reserved
 
 
-def need_and_replay(events):
+def need_and_replay(events, mode: str = "train"):
     """(the smallest allocator limit `events` fit under, their uncapped replay)."""
     from memplan.allocator import min_limit
-    free = _replayed(events)
-    return min_limit(events, cuda_workspaces(), uncapped=free), free
+    free = _replayed(events, None, mode)
+    return min_limit(events, cuda_workspaces(mode), uncapped=free), free
 
 
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):

@@ -204,7 +204,8 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
     """Traced categories at the peak and per-phase peaks; with the estimate beside them when compared."""
     console = console or Console()
     s = result.setup
-    t = Table(title=f"trace: {result.model} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
+    t = Table(title=f"trace: {result.model} · {'infer' if s.mode == 'infer' else s.technique} · {s.precision}"
+              + (f" · {s.quant}" if s.quant else "")
               + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""),
               title_justify="left")
     t.add_column("at the peak")

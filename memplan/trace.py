@@ -146,7 +146,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     spec = load_spec(model)
     setup = setup or Setup(**fields)
     if setup.mode != "train":
-        raise BadInput("trace runs training steps; use --mode train")
+        return _inference(spec, setup, layers)
     if steps < 2:
         raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
     resolve(spec, setup)  # model-dependent setup problems, with their messages
@@ -169,6 +169,20 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     if layers != asked:
         result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
                             "(which may differ, as T5's computes the position bias), and with freeze a frozen block")
+    return result
+
+
+def _inference(spec, setup: Setup, layers: int | None) -> TraceResult:
+    """validate's prefill and generate() traced whole on fake tensors (memplan.trace_infer), and replayed."""
+    from memplan.memory.context import resolve
+    from memplan.trace_infer import inference_trace
+    resolve(spec, setup)
+    t = inference_trace(spec, setup)
+    result = _result(spec, setup, t, None, max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers))
+    result.allocator_need_bytes, free = need_and_replay(t.events, "infer")
+    result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
+    if layers:
+        result.notes.append(f"--layers {layers} ignored: inference is traced whole")
     return result
 
 

@@ -21,6 +21,11 @@ from memplan.setup import Setup
 def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
     """(serial, bytes, phase) of every storage event of validate's inference run: 'setup' (the build), 'prefill',
     'decode' (generate(), whose own prefill comes first), 'between'."""
+    return inference_trace(spec, setup).events
+
+
+def inference_trace(spec, setup: Setup):
+    """The StorageTracker of validate's inference run (peaks per phase, weights tagged, every event kept)."""
     try:
         return _traced(spec, setup)
     except MemplanError:
@@ -32,7 +37,7 @@ def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
                           "device values); `memplan estimate` does not run the model and is unaffected.") from e
 
 
-def _traced(spec, setup: Setup) -> list[tuple[int, int, str]]:
+def _traced(spec, setup: Setup):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.generation import utils as generation
 
@@ -61,7 +66,8 @@ def _traced(spec, setup: Setup) -> list[tuple[int, int, str]]:
         with contextlib.suppress(AttributeError):
             model.generation_config.eos_token_id = None
         inference_loop(model, spec, setup, "cpu", enter)
-    return tracker.events
+    tracker.trainable, tracker.total = 0, sum(p.numel() for p in model.parameters())
+    return tracker
 
 
 @contextlib.contextmanager

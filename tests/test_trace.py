@@ -177,8 +177,23 @@ def test_whole_model_trace_reports_the_replayed_reserved_peak():
 
 
 def test_cli_trace_bad_input_exit_2():
-    r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer"])
-    assert r.exit_code == 2 and "training" in r.output
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--seq-len", "4096"])  # past GPT-2's 1024 positions
+    assert r.exit_code == 2 and "max_position_embeddings" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer", "--seq-len", "4096"])
+    assert r.exit_code == 2 and "max_position_embeddings" in r.output
+
+
+def test_cli_trace_inference_replays_prefill_and_generate():
+    # memplan/trace_infer.py: validate's inference run on fake tensors, with the allocator replay's figures
+    r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer", "--precision", "bf16", "--batch-size", "2",
+                                  "--seq-len", "64", "--new-tokens", "8", "--layers", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    assert set(d["phases"]) >= {"prefill", "decode"} and d["components"]["gradients"] == 0
+    workspace = 32 * 2**20  # one cuBLAS handle: generate() runs on the prefill's thread
+    assert d["peak_allocated_bytes"] + workspace <= d["allocated_blocks_bytes"] <= d["peak_reserved_bytes"]
+    assert d["allocated_blocks_bytes"] <= d["allocator_need_bytes"] <= d["peak_reserved_bytes"]
+    assert any("--layers 2 ignored" in n for n in d["notes"])
 
 
 @pytest.mark.parametrize("error", [RuntimeError, AttributeError])  # AttributeError: peft on PhiMoE's router
