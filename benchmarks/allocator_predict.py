@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from allocator_replay import describe  # noqa: E402
+from allocator_replay import _rel, describe  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "allocator_predictions.csv"
 REPORT = RESULTS.with_suffix(".md")
@@ -63,11 +63,7 @@ def predict(sweeps: list[str]) -> None:
             unsplit = got.peak_allocated - got.peak_requested
             print(f"{job.model} {row['setup']}: allocated {got.peak_allocated / 2**30:.3f} GiB, unsplit "
                   f"{100 * unsplit / got.peak_allocated:.2f}%, closed form "
-                  f"{_rel(est.peak_allocated_bytes, got.peak_allocated)} of it", flush=True)
-
-
-def _rel(pred, meas) -> str:
-    return f"{100 * (int(pred) - int(meas)) / int(meas):+.2f}%" if meas not in ("", "0", 0, None) else "-"
+                  f"{_rel(est.peak_allocated_bytes, got.peak_allocated, 2)} of it", flush=True)
 
 
 def report() -> int:
@@ -98,9 +94,9 @@ def report() -> int:
             continue
         meas = int(r["measured_allocated_bytes"])
         errs.append((int(p["replay_allocated_bytes"]) - meas) / meas)
-        req = _rel(p["replay_requested_bytes"], r["measured_requested_bytes"]) if r.get("measured_requested_bytes") else "-"
+        req = _rel(p["replay_requested_bytes"], r["measured_requested_bytes"], 2) if r.get("measured_requested_bytes") else "-"
         lines.append(f"| {p['model']} | {p['setup']} | {p['predicted_at'][:10]} | {meas / 2**30:.3f} | "
-                     f"{_rel(p['replay_allocated_bytes'], meas)} | {_rel(p['estimate_allocated_bytes'], meas)} | "
+                     f"{_rel(p['replay_allocated_bytes'], meas, 2)} | {_rel(p['estimate_allocated_bytes'], meas, 2)} | "
                      f"{share} | {req} | {'yes' if (r.get('alloc_retries') or '0') != '0' else 'no'} |")
     if errs:
         lines[4:4] = [f"Measured {len(errs)} of {len(preds)}: the replay's allocated |error| median "

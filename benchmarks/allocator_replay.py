@@ -87,8 +87,8 @@ def run(files: list[str]) -> None:
         print(f"{skipped} row(s) measured under another transformers than {transformers.__version__}: skipped")
 
 
-def _rel(pred, meas) -> str:
-    return f"{100 * (int(pred) - int(meas)) / int(meas):+.1f}%" if meas not in ("", "0", 0, None) else "-"
+def _rel(pred, meas, digits: int = 1) -> str:
+    return f"{100 * (int(pred) - int(meas)) / int(meas):+.{digits}f}%" if meas not in ("", "0", 0, None) else "-"
 
 
 def report() -> int:

@@ -73,17 +73,26 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
     """One traced run. shard(model): applies data-parallel sharding to the meta model and returns a context the
     run happens in (memplan.trace_sharded); the sharded model is then materialised with to_empty. An error raised
     inside torch/transformers/peft becomes TraceFailed: one message, not a traceback."""
-    try:
+    # RuntimeError from torch; AttributeError/TypeError from peft on a module it cannot wrap (peft's LoRA Linear on
+    # PhiMoE's router, which returns a tuple)
+    with library_failures(f"the traced training step of {spec.model_id}",
+                          "Either a limit of the tracer (fake tensors on the CPU) or a failure the libraries would hit "
+                          "on a GPU too (peft cannot wrap every module all-linear names)"):
         return _traced_run(spec, setup, d, layers, steps, fake, on_step_end, tracker, shard)
+
+
+@contextlib.contextmanager
+def library_failures(what: str, why: str):
+    """An error raised inside torch/transformers/peft while `what` runs, as one TraceFailed message (its first line
+    and `why`), not a traceback; memplan's own errors pass through."""
+    try:
+        yield
     except MemplanError:
         raise
-    except Exception as e:  # RuntimeError from torch; AttributeError/TypeError from peft on a module it cannot wrap
-        # (peft's LoRA Linear on PhiMoE's router, which returns a tuple)
+    except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
-        raise TraceFailed(f"the traced training step of {spec.model_id} failed inside torch/transformers/peft: "
-                          f"{type(e).__name__}: {first}\nEither a limit of the tracer (fake tensors on the CPU) or a failure "
-                          f"the libraries would hit on a GPU too (peft cannot wrap every module all-linear names); "
-                          f"`memplan estimate` does not run the model and is unaffected.") from e
+        raise TraceFailed(f"{what} failed inside torch/transformers/peft: {type(e).__name__}: {first}\n{why}; "
+                          "`memplan estimate` does not run the model and is unaffected.") from e
 
 
 def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
@@ -145,13 +154,13 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
 
     spec = load_spec(model)
     setup = setup or Setup(**fields)
+    total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
     if setup.mode != "train":
-        return _inference(spec, setup, layers)
+        return _inference(spec, setup, layers, total_layers)
     if steps < 2:
         raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
     resolve(spec, setup)  # model-dependent setup problems, with their messages
     d = config_dict(spec)
-    total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
     asked, layers = layers, layers and min_layers(setup, layers)
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
     if not layers or layers >= total_layers or skipping:
@@ -172,13 +181,13 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     return result
 
 
-def _inference(spec, setup: Setup, layers: int | None) -> TraceResult:
+def _inference(spec, setup: Setup, layers: int | None, total_layers: int) -> TraceResult:
     """validate's prefill and generate() traced whole on fake tensors (memplan.trace_infer), and replayed."""
     from memplan.memory.context import resolve
     from memplan.trace_infer import inference_trace
     resolve(spec, setup)
     t = inference_trace(spec, setup)
-    result = _result(spec, setup, t, None, max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers))
+    result = _result(spec, setup, t, None, total_layers)
     result.allocator_need_bytes, free = need_and_replay(t.events, "infer")
     result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
     if layers:

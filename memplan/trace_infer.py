@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 
-from memplan.errors import MemplanError, TraceFailed
+from memplan.errors import TraceFailed
 from memplan.setup import Setup
 
 
@@ -26,15 +26,10 @@ def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
 
 def inference_trace(spec, setup: Setup):
     """The StorageTracker of validate's inference run (peaks per phase, weights tagged, every event kept)."""
-    try:
+    from memplan.trace import library_failures
+    with library_failures(f"the traced inference of {spec.model_id}",
+                          "A limit of the tracer (fake tensors on the CPU read no device values)"):
         return _traced(spec, setup)
-    except MemplanError:
-        raise
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise TraceFailed(f"the traced inference of {spec.model_id} failed inside torch/transformers: "
-                          f"{type(e).__name__}: {first}\nA limit of the tracer (fake tensors on the CPU read no "
-                          "device values); `memplan estimate` does not run the model and is unaffected.") from e
 
 
 def _traced(spec, setup: Setup):
