@@ -30,11 +30,12 @@ def cuda_picks_math(query, key, value, attn_mask, enable_gqa: bool, dtype=None) 
 
 def math_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """aten _scaled_dot_product_attention_math as CUDA runs it (a composite op: the same aten calls on every device,
-    read from torch 2.13's dispatcher): 16-bit q, k, v upcast to fp32; q and k^T each scaled by sqrt(scale) and saved
-    by QK^T; the mask added in place; _safe_softmax's output saved; dropout through at::dropout, which on CUDA is
-    native_dropout (a bool mask saved - the CPU's at::dropout saves a float noise tensor instead); the weights cast
-    back (the kernel's second output, dropped by sdpa); PV saves the probabilities and fp32 v. A boolean mask is
-    first made additive in the query's dtype (scaled_dot_product_attention: convert_boolean_attn_mask)."""
+    read from torch 2.13's dispatcher and attention.cpp): 16-bit q, k, v upcast to fp32, each kept to the end; q and
+    k^T each scaled by sqrt(scale) and saved by QK^T; the mask added in place; _safe_softmax's output saved (its bool
+    mask transient); dropout through at::dropout, which on CUDA is native_dropout (a bool mask saved - the CPU's
+    at::dropout saves a float noise tensor instead); the weights cast back (the kernel's second output, dropped by
+    sdpa); PV saves the probabilities and fp32 v. A boolean mask is first made additive in the query's dtype
+    (scaled_dot_product_attention: convert_boolean_attn_mask)."""
     import torch
 
     with torch.autocast("cpu", enabled=False):  # autocast's sdpa entry casts, then excludes autocast inside
@@ -49,7 +50,7 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if dtype in (torch.bfloat16, torch.float16):
         query, key, value = query.float(), key.float(), value.float()
     root = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.size(-1)))
-    query = query * root
+    query_acc, query = query, query * root  # aten keeps its fp32 upcast (query_acc) named beside the scaled query
     if is_causal:
         n_q, n_k = query.size(-2), key.size(-2)
         attn_mask = torch.where(torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(), 0.0,
@@ -59,12 +60,31 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     attn = torch.matmul(query, key.transpose(-2, -1) * root)
     if attn_mask is not None:  # in place on CUDA; out of place only for tensor subclasses or under a dispatch mode
         attn.add_(attn_mask)  # (at::areAnyTensorSubclassLike) - as the tracer's own mode would make it
-    attn = torch.ops.aten._safe_softmax(attn, -1)
+    attn = _safe_softmax(attn)
     if dropout_p > 0.0:
         attn = torch.native_dropout(attn, dropout_p, True)[0]
+    # `return make_tuple(matmul(attn, v).to(dtype), attn.to(dtype))`: GCC evaluates the arguments right to left, so
+    # the weights (the kernel's second output, dropped by sdpa) are made first and live through PV
     weights = attn.to(dtype)
-    del weights
-    return torch.matmul(attn, value).to(dtype)
+    out = torch.matmul(attn, value).to(dtype)
+    del weights, query_acc
+    return out
+
+
+def _safe_softmax(scores):
+    """aten _safe_softmax as CUDA runs it (CompositeExplicitAutograd: the same calls on every device, attention.cpp):
+    the softmax, a bool mask of the scores' -inf elements (isneginf) and its all() per row, then where() zeroes the
+    fully masked rows into the softmax's own output. Called as one op, the fake mode's meta kernel makes the output
+    alone; the mask, one byte per score beside the scores and the output until the op returns, is made here. Found on
+    an H100: t5-base bf16 b8 s512 inference held 24 MiB ([8, 12, 512, 512] bool) more than the trace at its
+    encoder's softmax."""
+    import torch
+
+    out = torch.ops.aten._safe_softmax(scores, -1)
+    masked = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    rows = torch.empty((*scores.shape[:-1], 1), dtype=torch.bool, device=scores.device)
+    del masked, rows
+    return out
 
 
 def _additive(mask, dtype):

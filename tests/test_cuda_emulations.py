@@ -83,6 +83,65 @@ def test_math_kernel_equals_torch_and_saves_what_it_saves(dtype):
     assert ((2, 4, 32, 32), torch.float32) in ours_saved  # the fp32 softmax output, whatever the input dtype
 
 
+def _peaks(fn, *inputs, safe_softmax_mask: bool = False) -> tuple[int, int]:
+    """(forward, backward) peak live bytes above the inputs while fn runs under the tracer's storage accounting;
+    safe_softmax_mask: each aten._safe_softmax the mode sees also makes the bool mask torch's composite makes inside
+    it (test_safe_softmax_allocates_its_output_and_a_bool_mask), after its output."""
+    from memplan.tracker import StorageTracker, _dispatch_mode
+
+    tracker = StorageTracker()
+    tracker.phase = "forward"
+    for t in inputs:
+        tracker.serial_of(t)
+    base = tracker.current
+
+    def compute(func, args, kwargs):
+        out = func(*args, **kwargs)
+        if safe_softmax_mask and func is torch.ops.aten._safe_softmax.default:
+            tracker.serial_of(out)
+            masks = (torch.empty(out.shape, dtype=torch.bool), torch.empty((*out.shape[:-1], 1), dtype=torch.bool))
+            for m in masks:
+                tracker.serial_of(m)
+        return out
+    with _dispatch_mode(tracker, compute):
+        out = fn()
+        if out.requires_grad:
+            tracker.phase = "backward"
+            out.sum().backward()
+        del out
+    return tracker.phase_peaks["forward"] - base, tracker.phase_peaks.get("backward", base) - base
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_math_kernel_holds_what_torchs_holds(causal, grad):
+    """The stand-in keeps aten's tensors alive as long as attention.cpp names them: the fp32 upcast of q
+    (query_acc) beside the scaled q to the end, and the cast-back weights (the second output: GCC builds the
+    return's tuple right to left) through PV. T5's layout (transposed q/k/v, a permuted bias) in bf16; without
+    them the trace of t5-base inference held 12 MiB less per call at b8 s512. aten's _safe_softmax is one op to the
+    mode, as to the fake mode: its transient mask (next test) is added to torch's timeline."""
+    q, k, v = (torch.randn(2, 64, 4, 16, dtype=torch.bfloat16).transpose(1, 2).requires_grad_(grad) for _ in "qkv")
+    mask = None if causal else _permuted_bias(s=64, dtype=torch.bfloat16)
+    ref = _peaks(lambda: torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, causal)[0],
+                 q, k, v, mask, safe_softmax_mask=True)
+    assert _peaks(lambda: math_kernel(q, k, v, mask, is_causal=causal), q, k, v, mask) == ref
+
+
+def test_safe_softmax_allocates_its_output_and_a_bool_mask():
+    """What the stand-in's _safe_softmax assumes of torch's composite (the same calls on CUDA): inside the op the
+    softmax's output and a bool mask of the scores (isneginf), the rows' all(), and where() writes into the output
+    (no second score-sized tensor). Real CPU tensors, torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 4, 64, 64)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.ops.aten._safe_softmax(x, -1)
+    made = {e.name: e.cpu_memory_usage for e in prof.events() if e.name != "aten::_safe_softmax"}
+    assert made["aten::softmax"] == x.nbytes
+    assert made["aten::isneginf"] == x.numel()  # one byte per score
+    assert made["aten::where"] == 0
+
+
 def test_math_kernel_dropout_saves_cudas_bool_mask():
     """CUDA's at::dropout is native_dropout: a bool mask and the dropped fp32 probabilities are saved (the CPU's
     at::dropout would save a float noise tensor)."""
