@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from memplan.memory.attention import QK_FP32, attention_kernel, heads_broadcast, kernel_bytes, softmax_out_bytes
 from memplan.memory.context import Ctx
+from memplan.memory.inference import MATH_SCORE_BYTES
 
 
 def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
     """(bytes per [b, heads, q, k] element alive at once inside one checkpointed attention's forward, bytes per element
     of the probabilities it returns to its layer - 0 for sdpa's kernels, which return none), for the eager code as
     the family writes it (Arch.eager_held, attnfacts.eager_held) and aten's math kernel
-    (_scaled_dot_product_attention_math: fp32 scores, the mask added in place, the softmax a new tensor). masked: the
+    (_scaled_dot_product_attention_math: fp32 scores, the mask added in place, the softmax a new tensor beside
+    _safe_softmax's bool mask: inference.MATH_SCORE_BYTES). masked: the
     attention adds a float mask (causal self-attention; an unpadded encoder's and cross-attention get none).
 
     Eager, per element: the scores (kb: the matmul's dtype, fp32 for QK_FP32 families outside autocast) scaled into a
@@ -33,8 +35,8 @@ def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
     (Arch.returns_attn_probs) keeps the previous layer's alive through the whole moment."""
     a = ctx.spec.arch
     drop = a.attn_dropout > 0
-    if kernel == "math":
-        return 4 + 4 + (1 if drop else 0), 0
+    if kernel == "math":  # at the softmax: the fp32 scores, its output and its bool mask; at a dropout, the scores
+        return MATH_SCORE_BYTES, 0  # gone: the softmax's output, native_dropout's output and bool mask - as many
     if kernel != "eager":
         return 0, 0
     held_scores, held_sum, cast_back = a.eager_held

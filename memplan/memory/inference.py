@@ -144,10 +144,16 @@ def kv_growth_bytes(ctx: Ctx) -> int:
 PREFILL_HIDDEN = 4
 HOLDS_ATTN_OUTPUT = {"gpt2"}
 
-#: fp32 copies of q-sized tensors PyTorch's math SDPA kernel holds beside its fp32 scores and softmax: q, k, v
-#: upcast, the scaled q and the contiguous k and v it multiplies. Measured: t5-base bf16 b8 s512 inference held
-#: 0.2579 GiB at sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + 6 x [8, 512, 768] fp32.
-MATH_QSIZED_FP32 = 6
+#: What PyTorch's math SDPA kernel holds at its softmax (aten _scaled_dot_product_attention_math, attention.cpp):
+#: four fp32 q-sized tensors (q, k and v upcast, kept named to the end, and the scaled q) and per score element the
+#: fp32 scores, the softmax's fp32 output and _safe_softmax's bool mask of the scores (its composite's isneginf,
+#: freed when it returns): 9 bytes. Measured: t5-base bf16 b8 s512 inference held 0.2579 GiB at
+#: sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + [8, 12, 512, 512] bool + 4 x [8, 512, 768] fp32, which the
+#: tracer's stand-in reproduces block for block (memplan.emulate_sdpa; the replay's allocated peak equals the GPU's).
+#: Inside QK^T's matmul the kernel holds more q-sized tensors (the scaled k^T and bmm's contiguous copies of q and k:
+#: 7) but one score tensor: the softmax's moment is the larger from a sequence of about 2.4 head sizes on.
+MATH_QSIZED_FP32 = 4
+MATH_SCORE_BYTES = 9
 
 #: Intermediate-sized tensors live at the MLP peak. Gated (down(act(gate(x)) * up(x))): gate(x) dies when act
 #: returns, so act, up and their product: 3. Plain: fc1's output and the activation's output: 2, plus the
@@ -166,7 +172,8 @@ def mlp_live(a) -> int:
 def prefill_working_bytes(ctx: Ctx) -> int:
     """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad):
     the hidden states and q/k/v/out, then the hidden states and the MLP intermediates (PREFILL_HIDDEN,
-    mlp_live); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast, the math kernel fp32 copies."""
+    mlp_live); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast, the math kernel its fp32 copies,
+    scores, softmax and mask (MATH_SCORE_BYTES)."""
     a = ctx.spec.arch
     c = ctx.compute_bytes
     t = ctx.setup.batch_size * ctx.src_len
@@ -176,8 +183,9 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     kernel = attention_kernel(ctx, relative_bias=True)
     if kernel == "eager":
         attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)
-    elif kernel == "math":  # fp32 q/k/v copies, fp32 scores and their softmax (attention.attention_kernel)
-        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * 8 + MATH_QSIZED_FP32 * q_dim * 4 * t
+    elif kernel == "math":  # fp32 q/k/v copies, fp32 scores, their softmax and its mask (attention.attention_kernel)
+        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * MATH_SCORE_BYTES + \
+            MATH_QSIZED_FP32 * q_dim * 4 * t
     masks = 0
     if kernel == "fused" and (padded_masks(ctx) or windowed(ctx)):
         # the boolean mask for the whole forward, and per call its float bias and the K/V repeated to every head
