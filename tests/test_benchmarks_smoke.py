@@ -83,11 +83,11 @@ def test_accuracy_replay_tier_and_requested_bytes():
     rep = [r for r in rows if r["replay_allocated"] is not None]
     assert len(rep) == len(rows) >= 170
     # benchmarks/results/allocator_replay.csv against the H100/H200 rows: the replay's allocated peak (whole blocks)
-    # within 0.0% median; training rows worst -0.4% / +0.6%, held to 1%
-    assert max(abs(r["replay_allocated"]) for r in rep if r["group"] != "inference") <= 0.01
-    # inference too, but for the one open miss (README: t5-base's default attention under 5.17, -4.6%)
-    missed = [(r["model"], r["label"]) for r in rep if r["group"] == "inference" and abs(r["replay_allocated"]) > 0.01]
-    assert missed == [("google-t5/t5-base", "infer full bf16 b8 s512")]
+    # within 0.0% median, worst -0.5% / +0.6%, training and inference rows alike, held to 1% (t5-base inference under
+    # 5.17's math kernel was -4.6% before the stand-in kept aten's upcast q and _safe_softmax's mask: emulate_sdpa)
+    assert max(abs(r["replay_allocated"]) for r in rep) <= 0.01
+    t5 = next(r for r in rep if r["model"] == "google-t5/t5-base" and r["label"] == "infer full bf16 b8 s512")
+    assert abs(t5["replay_allocated"]) < 0.001
     # t5-base eager bf16-mixed b16 s128 (data/measured/gpu-h100.csv): the closed form's -3.0% is the 2.8% of blocks
     # the allocator handed out unsplit (its tensors are within 0.5%)
     t5 = next(r for r in rep if r["model"] == "google-t5/t5-base" and r["label"].endswith("b16 s128 eager"))
