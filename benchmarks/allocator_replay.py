@@ -6,6 +6,7 @@ through the allocator under the row's cap, and compare
   reserved peak      every ok row, beside the closed-form estimate's peak_reserved_bytes
 
     python benchmarks/allocator_replay.py run data/measured/planner-check.csv ...   # appends results/allocator_replay.csv
+    python benchmarks/allocator_replay.py estimates                                 # the closed-form columns, anew
     python benchmarks/allocator_replay.py report                                    # results/allocator_replay.md
 
 The trace runs the transformers installed here: rows measured under another release are skipped (run again from
@@ -14,6 +15,7 @@ was fitted to these rows: the policy is PyTorch's (see memplan/allocator.py)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import statistics
 import sys
@@ -87,6 +89,27 @@ def run(files: list[str]) -> None:
         print(f"{skipped} row(s) measured under another transformers than {transformers.__version__}: skipped")
 
 
+def refresh_estimates() -> None:
+    """Recompute the closed-form columns of every stored row with today's estimator (each under its row's
+    transformers release, memplan.libs.assume): the replays stay, the estimate beside them moves with the model."""
+    from memplan import libs, measured
+    from memplan.estimate import estimate
+    from memplan.fileio import write_text_atomic
+    rows = list(csv.DictReader(open(RESULTS)))
+    measured_rows = {(Path(f).name, r["key"]): r for f in {r["file"] for r in rows}
+                     for r in measured.read_rows(ROOT / "data" / "measured" / f)}
+    for row in rows:
+        r = measured_rows[row["file"], row["key"]]
+        with libs.assume(transformers=r["transformers"]):
+            est = estimate(r["model"], measured.setup_from_row(r))
+        row["estimate_allocated_bytes"], row["estimate_reserved_bytes"] = est.peak_allocated_bytes, est.peak_reserved_bytes
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, FIELDS, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    write_text_atomic(RESULTS, buf.getvalue())
+
+
 def _rel(pred, meas, digits: int = 1) -> str:
     return f"{100 * (int(pred) - int(meas)) / int(meas):+.{digits}f}%" if meas not in ("", "0", 0, None) else "-"
 
@@ -137,5 +160,7 @@ def report() -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
         run(sys.argv[2:])
+    elif sys.argv[1:2] == ["estimates"]:
+        refresh_estimates()
     else:
         sys.exit(report())

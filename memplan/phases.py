@@ -273,8 +273,11 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     # an encoder-decoder's prompt call also runs its first decoder step (memplan.steps.inference_loop, as generate
     # does): the encoder output and the cross-attention cache of every layer, after the encoder's working set is gone
     first_step = {**res, "kv_cache": inf.cross_cache_bytes(ctx), "activations": inf.encoder_output_bytes(ctx)}
+    steps = {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx),
+             "activations": inf.encoder_output_bytes(ctx)}
+    # generate() runs its own prompt pass first (validate measures it in its decode phase), with batch-sized positions
+    generated = {**prompt, "activations": prompt["activations"] + inf.generate_position_bytes(ctx)}
     return {
         "prefill": max(prompt, first_step, key=lambda d: sum(d.values())),
-        "decode": {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx),
-                   "activations": inf.encoder_output_bytes(ctx)},
+        "decode": max(steps, generated, key=lambda d: sum(d.values())) if ctx.spec.arch.kind == "causal" else steps,
     }

@@ -201,6 +201,23 @@ def test_prefill_mlp_working_set_gpt2_gelu_new():
     assert prefill_working_bytes(ctx) == (5 * 768 + 4 * 3072) * 2 * 8 * 512
 
 
+def test_generate_prompt_pass_holds_batch_sized_positions():
+    """generate() passes [b, s] position_ids (made from the attention mask), so GPT-2's wpe returns [b, s, hidden] in
+    its prompt pass, which validate measures in the decode phase (H100 gpt2 bf16 b8 s512: 5.57 MB above the plain
+    prefill, [7, 512, 768] bf16 = 5.5 MB); rotary models (Llama) and encoder-decoders add nothing, nor a run without
+    new tokens."""
+    from memplan.estimate import estimate
+    from memplan.memory.inference import generate_position_bytes
+    fields = dict(mode="infer", precision="bf16", batch_size=8, prompt_len=512, attn_impl="sdpa")
+    ctx = _ctx("openai-community/gpt2", **fields)
+    assert generate_position_bytes(ctx) == 8 * 512 * 768 * 2
+    assert generate_position_bytes(_ctx("openai-community/gpt2", **{**fields, "new_tokens": 0})) == 0
+    assert generate_position_bytes(_ctx("meta-llama/Llama-3.2-1B", **fields)) == 0
+    assert generate_position_bytes(_ctx("google-t5/t5-base", **fields)) == 0
+    e = estimate("openai-community/gpt2", Setup(**fields))
+    assert e.peak_phase == "decode" and e.phases["decode"] - e.phases["prefill"] == 8 * 512 * 768 * 2
+
+
 def test_seq2seq_prompt_pass_caches_nothing():
     from memplan.memory.inference import kv_cache_bytes, prompt_cache_bytes
     t5 = _ctx("google-t5/t5-base", mode="infer", precision="bf16", batch_size=8, seq_len=512)
