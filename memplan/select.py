@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from memplan import libs
 from memplan.errors import BadInput, not_found
 from memplan.spec import Linear, ModelSpec, Param
 
@@ -26,7 +27,7 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
         if not targets:
             raise BadInput(f"peft has no default LoRA target modules for model type {spec.arch.model_type!r}; "
                            "pass --lora-targets (module names, or all-linear)")
-    moved = dict(pair.split(":", 1) for pair in spec.arch.lora_expert_targets)
+    moved = _moved_targets(spec, isinstance(targets, str) and targets.lower() == "all-linear")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         # peft resolves all-linear to leaf names plus every old name, then moves the old names (a shared expert's or a
         # dense block's gate_proj is left unadapted: a dots1-shaped config, 104,448 adapter parameters fewer)
@@ -59,6 +60,32 @@ def media_lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())
     return tuple(m for m in spec.media_linears if any(_matches(m.name, t) for t in targets))
+
+
+#: peft moves LoRA targets onto transformers-5 fused experts and routers (utils/transformers_weight_conversion.py)
+#: from 0.19 on; 0.18.1 has no such module and adapts the attention's Linears alone (Mixtral LoRA all-linear under
+#: transformers 5.8.1, traced: 91.7 GB with 0.18.1, 181.4 GB with 0.21.0). 0.19.x fails on all-linear for those
+#: families (its conversion reads the string as a set of names: "Target modules {'a', 'l', 'i', ...} not found",
+#: traced under 5.8.1 and 5.17); 0.20.0 adapts them.
+PEFT_MOE_CONVERSION_SINCE = (0, 19)
+PEFT_MOE_ALL_LINEAR_SINCE = (0, 20)
+
+
+def _moved_targets(spec: ModelSpec, all_linear: bool) -> dict[str, str]:
+    """The target names peft moves to fused experts and routers (Arch.lora_expert_targets, read from the peft the
+    inventory was built with) as the peft installed (or assumed: memplan.libs) does: none before 0.19, all-linear
+    refused by 0.19.x."""
+    moved = dict(pair.split(":", 1) for pair in spec.arch.lora_expert_targets)
+    peft = libs.version("peft")
+    if not moved or peft is None:
+        return moved
+    if peft < PEFT_MOE_CONVERSION_SINCE:
+        return {}
+    if all_linear and peft < PEFT_MOE_ALL_LINEAR_SINCE:
+        raise BadInput(f"peft {libs.dotted(peft)} fails on --lora-targets all-linear for {spec.model_id} (its "
+                       "fused-expert conversion reads the string as a set of module names): upgrade peft to 0.20 "
+                       "or later, or name the target modules")
+    return moved
 
 
 def _check_fused(spec: ModelSpec, moved: dict[str, str], old: set[str]) -> None:

@@ -136,3 +136,31 @@ def test_part_of_a_fused_expert_tensor_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **_MOE, "num_experts": 4}))
     with pytest.raises(BadInput, match="gate_proj and up_proj"):
         lora_linears(load_spec(path), ("q_proj", "gate_proj"))
+
+
+def test_fused_expert_targets_follow_the_peft_release():
+    """peft moves LoRA targets onto transformers-5 fused experts from 0.19 (select.PEFT_MOE_CONVERSION_SINCE): under
+    0.18.1 all-linear adapts Mixtral's attention alone (traced under transformers 5.8.1: 91,653 MiB, the estimate
+    91,652; with 0.21.0 181,434 MiB), 0.19.x fails on all-linear there, and the memoized estimate terms are keyed by
+    the release (an estimate under one assumed peft does not answer for another)."""
+    from memplan import libs
+    from memplan.estimate import estimate
+
+    spec = load_spec("mistralai/Mixtral-8x7B-v0.1")
+    with libs.assume(peft="0.18.1"):
+        old = lora_linears(spec, "all-linear")
+        assert {m.short_name for m in old} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    with libs.assume(peft="0.19.1"):
+        with pytest.raises(BadInput, match="upgrade peft to 0.20"):
+            lora_linears(spec, "all-linear")
+        assert {m.kind for m in lora_linears(spec, "q_proj,gate")} == {"linear", "router"}
+    with libs.assume(peft="0.21.0"):
+        new = lora_linears(spec, "all-linear")
+        assert {m.kind for m in new} == {"linear", "router", "expert"}
+    setup = Setup(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=128)
+    peaks = {}
+    for v in ("0.21.0", "0.18.1", "0.21.0"):
+        with libs.assume(peft=v):
+            peaks.setdefault(v, set()).add(estimate(spec.model_id, setup).peak_allocated_bytes)
+    assert len(peaks["0.21.0"]) == 1 and peaks["0.18.1"] != peaks["0.21.0"]
+    assert next(iter(peaks["0.21.0"])) > 1.9 * next(iter(peaks["0.18.1"]))

@@ -131,7 +131,7 @@ def _memo_get(key: tuple, spec: ModelSpec, compute: Callable[[], T]) -> T:
 
 def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]]:
     """Memoize a term f(ctx) per model, per the selection fields, the Ctx's resolved dtypes and kernel, the transformers
-    release estimated for (memplan.libs.assume: `memplan check` mixes rows of several releases), and the other
+    and peft releases estimated for (memplan.libs.assume: `memplan check` mixes rows of several releases), and the other
     Setup `fields` it reads (src_len/tgt_len come from seq_len, target_len, prompt_len: name those). The value is
     shared: return immutable values (frozensets, tuples, numbers)."""
     names = SELECTION_FIELDS + fields
@@ -143,7 +143,7 @@ def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]
             if (ctx.trainable, ctx.lora, ctx.quantized) != _selection(ctx.spec, s):
                 return f(ctx)  # a Ctx with hand-made sets (dataclasses.replace): not what the key stands for
             key = (f, id(ctx.spec), ctx.weight_bytes, ctx.compute_bytes, ctx.act_bytes, ctx.residual_bytes,
-                   ctx.attn_impl, ctx.vocab, ctx.autocast_16bit, libs.version("transformers")) + \
+                   ctx.attn_impl, ctx.vocab, ctx.autocast_16bit, *_releases()) + \
                 tuple(getattr(s, n) for n in names)
             return _memo_get(key, ctx.spec, lambda: f(ctx))
         return cached
@@ -154,6 +154,12 @@ def clear_memo() -> None:
     _MEMO.clear()
 
 
+def _releases() -> tuple:
+    """The library releases a memoized term depends on: transformers' code paths, peft's LoRA targets on fused experts
+    (select.PEFT_MOE_CONVERSION_SINCE); as installed or assumed (memplan.libs.assume)."""
+    return libs.version("transformers"), libs.version("peft")
+
+
 def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:
     """(trainable base parameter names, LoRA-targeted Linears, quantized Linear names), once per selection."""
     def compute():
@@ -162,7 +168,7 @@ def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Lin
         lora = select.lora_linears(spec, setup.lora_targets) if setup.uses_lora else ()
         quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
         return trainable, lora, quantized
-    key = ("selection", id(spec)) + tuple(getattr(setup, n) for n in SELECTION_FIELDS)
+    key = ("selection", id(spec), *_releases()) + tuple(getattr(setup, n) for n in SELECTION_FIELDS)
     return _memo_get(key, spec, compute)
 
 
