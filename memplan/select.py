@@ -66,7 +66,8 @@ def media_lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
 #: from 0.19 on; 0.18.1 has no such module and adapts the attention's Linears alone (Mixtral LoRA all-linear under
 #: transformers 5.8.1, traced: 91.7 GB with 0.18.1, 181.4 GB with 0.21.0). 0.19.x fails on all-linear for those
 #: families (its conversion reads the string as a set of names: "Target modules {'a', 'l', 'i', ...} not found",
-#: traced under 5.8.1 and 5.17); 0.20.0 adapts them.
+#: traced under 5.8.1 and 5.17) but converts named targets (traced under 5.8.1, Mixtral b2 s128: q_proj,gate -0.07%;
+#: q_proj,w1,w3 with the experts' optimizer state equal); 0.20.0 adapts them under all-linear too.
 PEFT_MOE_CONVERSION_SINCE = (0, 19)
 PEFT_MOE_ALL_LINEAR_SINCE = (0, 20)
 
