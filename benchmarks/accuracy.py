@@ -39,9 +39,7 @@ def group_of(setup) -> str:
 
 def measured_errors(data: Path) -> list[dict]:
     """One dict per usable GPU row: model, label, group, gated, and the relative error of each quantity."""
-    from memplan import libs
-    from memplan.check import _label
-    from memplan.estimate import estimate
+    from memplan.check import _label, estimate_row
     from memplan.measured import int_or_none, measured_files, read_rows, setup_from_row
 
     out = []
@@ -51,8 +49,7 @@ def measured_errors(data: Path) -> list[dict]:
             if row.get("device", "cuda") != "cuda" or row.get("status") != "ok":
                 continue
             setup = setup_from_row(row)
-            with libs.assume(transformers=row.get("transformers")):
-                est = estimate(row["model"], setup)
+            est = estimate_row(row)
             rec = {"model": row["model"], "label": _label(row), "group": group_of(setup),
                    "gated": (row.get("gate") or "yes").lower() not in ("no", "false", "0")}
             for name, attr in QUANTITIES:

@@ -45,8 +45,8 @@ def describe(s) -> str:
 def run(files: list[str]) -> None:
     import transformers
 
-    from memplan import libs, measured
-    from memplan.estimate import estimate
+    from memplan import measured
+    from memplan.check import estimate_row
     from memplan.fileio import append_csv_row_atomic
     from memplan.replay import replay_allocator
     # a row is its file's: keys name setups, and a setup measured under two releases sits in two files
@@ -69,8 +69,7 @@ def run(files: list[str]) -> None:
             except Exception as e:  # a tracer limit (memplan trace says which): recorded, not fatal
                 print(f"skip {r['model']} {describe(s)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 continue
-            with libs.assume(transformers=r["transformers"]):
-                est = estimate(r["model"], s)
+            est = estimate_row(r)
             row = dict(key=r["key"], file=Path(f).name, model=r["model"], setup=describe(s),
                        transformers=r["transformers"], limit_bytes=limit or "", measured_status=r["status"],
                        replay_status="oom" if got.oom else "ok", measured_reserved_bytes=r["measured_reserved_bytes"],
@@ -91,18 +90,16 @@ def run(files: list[str]) -> None:
 
 def refresh_estimates() -> None:
     """Recompute the closed-form columns of every stored row with today's estimator (each under its row's
-    transformers release, memplan.libs.assume): the replays stay, the estimate beside them moves with the model."""
-    from memplan import libs, measured
-    from memplan.estimate import estimate
+    releases and GPU, memplan.check.estimate_row): the replays stay, the estimate beside them moves with the model."""
+    from memplan import measured
+    from memplan.check import estimate_row
     from memplan.fileio import write_text_atomic
     rows = list(csv.DictReader(open(RESULTS)))
     measured_rows = {(Path(f).name, r["key"]): r for f in {r["file"] for r in rows}
                      for r in measured.read_rows(ROOT / "data" / "measured" / f)}
     for row in rows:
-        r = measured_rows[row["file"], row["key"]]
-        with libs.assume(transformers=r["transformers"]):
-            est = estimate(r["model"], measured.setup_from_row(r))
-        row["estimate_allocated_bytes"], row["estimate_reserved_bytes"] = est.peak_allocated_bytes, est.peak_reserved_bytes
+        est = estimate_row(measured_rows[row["file"], row["key"]])
+        row.update(estimate_allocated_bytes=est.peak_allocated_bytes, estimate_reserved_bytes=est.peak_reserved_bytes)
     buf = io.StringIO()
     w = csv.DictWriter(buf, FIELDS, lineterminator="\n")
     w.writeheader()

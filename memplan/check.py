@@ -89,6 +89,16 @@ def _predicted(est, quantity: str, device: str) -> int:
     return est.peak_reserved_bytes if quantity == "reserved" else est.device_total_bytes
 
 
+def estimate_row(row: dict, estimator=None):
+    """The estimate of a stored row's setup as it ran: under the transformers and peft releases and the GPU it
+    recorded (memplan.libs.assume, gpus.assume_gpu), so rows of several releases stay comparable. estimator: the
+    function to call (memplan.estimate.estimate by default)."""
+    if estimator is None:
+        from memplan.estimate import estimate as estimator
+    with libs.assume(transformers=row.get("transformers"), peft=row.get("peft")), assume_gpu(row.get("gpu") or None):
+        return estimator(row["model"], setup_from_row(row))
+
+
 def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -> CheckRow:
     """The verdict on one stored row."""
     gated = (row.get("gate") or "yes").strip().lower() not in ("no", "false", "0")
@@ -97,9 +107,7 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
     base = dict(file=file, key=row.get("key", ""), model=row["model"], status=status, tolerance=tol, gated=gated)
     try:
         label = _label(row)
-        # the transformers release and the GPU the row ran with (memplan.libs)
-        with libs.assume(transformers=row.get("transformers")), assume_gpu(row.get("gpu") or None):
-            est = estimator(row["model"], setup_from_row(row))
+        est = estimate_row(row, estimator)
     except MemplanError as e:
         return CheckRow(label=row.get("technique", ""), quantity="", measured_bytes=None, predicted_bytes=None,
                         verdict="fail" if gated else "info", reason=f"cannot estimate: {str(e).splitlines()[0]}",

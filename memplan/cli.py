@@ -135,8 +135,9 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
 @handle_errors
 def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **options):
     """Run the real training step on fake tensors (no GPU) and report the measured peak: ground truth for the
-    estimate. With --mode infer: the prefill and generate() that `memplan validate` runs, traced whole. With --sharding fsdp-full-shard|fsdp-shard-grad-op|zero1|zero2|zero3 --num-gpus N: rank 0 of real
-    FSDP2 / DeepSpeed ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
+    estimate. With --mode infer: the prefill and generate() that `memplan validate` runs, traced whole. With
+    --sharding fsdp-full-shard|fsdp-shard-grad-op|zero1|zero2|zero3 --num-gpus N: rank 0 of real FSDP2 / DeepSpeed
+    ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
     from memplan.models import load_spec
     from memplan.trace import compare as compare_fn
     from memplan.trace import trace

@@ -41,7 +41,8 @@ COLUMNS: tuple[str, ...] = (
     *ENV_FIELDS, "measured_at", "source", "tolerance", "gate", "trust", "notes",
 )
 _INT_COLUMNS = ("measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes",
-                "measured_device_bytes", "cuda_context_bytes", "alloc_retries", "num_ooms", "memory_limit_bytes", "gpu_memory_bytes", "steps")
+                "measured_device_bytes", "cuda_context_bytes", "alloc_retries", "num_ooms", "memory_limit_bytes",
+                "gpu_memory_bytes", "steps")
 
 
 def _cell(value) -> str:

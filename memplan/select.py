@@ -27,8 +27,9 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
         if not targets:
             raise BadInput(f"peft has no default LoRA target modules for model type {spec.arch.model_type!r}; "
                            "pass --lora-targets (module names, or all-linear)")
-    moved = _moved_targets(spec, isinstance(targets, str) and targets.lower() == "all-linear")
-    if isinstance(targets, str) and targets.lower() == "all-linear":
+    all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
+    moved = _moved_targets(spec, all_linear)
+    if all_linear:
         # peft resolves all-linear to leaf names plus every old name, then moves the old names (a shared expert's or a
         # dense block's gate_proj is left unadapted: a dots1-shaped config, 104,448 adapter parameters fewer)
         return tuple(m for m in spec.linears if not m.is_output and m.short_name not in moved) + \

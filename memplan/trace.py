@@ -166,8 +166,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     if not layers or layers >= total_layers or skipping:
         t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = _result(spec, setup, t, None, total_layers)
-        result.allocator_need_bytes, free = need_and_replay(t.events)
-        result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
+        _add_replay(result, t.events)
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
             result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
                                 "({}), so its blocks differ; traced whole".format(
@@ -188,11 +187,17 @@ def _inference(spec, setup: Setup, layers: int | None, total_layers: int) -> Tra
     resolve(spec, setup)
     t = inference_trace(spec, setup)
     result = _result(spec, setup, t, None, total_layers)
-    result.allocator_need_bytes, free = need_and_replay(t.events, "infer")
-    result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
+    _add_replay(result, t.events, "infer")
     if layers:
         result.notes.append(f"--layers {layers} ignored: inference is traced whole")
     return result
+
+
+def _add_replay(result: TraceResult, events, mode: str = "train") -> None:
+    """A whole-model trace's allocator figures (memplan.replay): the smallest cap it fits under, the uncapped
+    reserved peak and max_memory_allocated as torch counts it (whole blocks)."""
+    result.allocator_need_bytes, free = need_and_replay(events, mode)
+    result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
 
 
 def min_layers(setup: Setup, layers: int) -> int:
