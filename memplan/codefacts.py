@@ -224,3 +224,60 @@ def peft_expert_targets(model_type: str) -> tuple[str, ...]:
             or conv.get_checkpoint_conversion_mapping(model_type) is None):
         return ()
     return tuple(sorted(f"{old}:{new}" for old, new in mapping.items()))
+
+
+def mlp_dropout(model, linears) -> float:
+    """The rate of a Dropout module the MLP runs between its first projection and its output projection (T5's
+    T5DenseActDense / T5DenseGatedActDense: `self.dropout` before `wo`, in every family copied from it), found by
+    running the module that holds the first block's output projection on meta and recording the order its children
+    run in. GPT-2's MLP runs its Dropout after c_proj (the residual dropout, not this one). 0.0 where there is none or
+    the module does not run on its hidden state alone (BART's layer applies activation_dropout functionally; its config
+    names it: configfacts.act_dropout). A list of families ({t5, mt5}) missed UMT5's: a UMT5-shaped config, full bf16
+    b2 s512, -1.9% (12 [b, s, d_ff] dropout masks)."""
+    import torch
+    from torch import nn
+
+    from memplan.memory.layout import slot
+
+    out = next((m for m in linears if m.block == 0 and slot(m) == "mlp_out"), None)
+    if out is None or "." not in out.name:
+        return 0.0
+    try:
+        mlp = model.get_submodule(out.name.rsplit(".", 1)[0])
+    except AttributeError:
+        return 0.0
+    order: list[nn.Module] = []
+    handles = [child.register_forward_hook(lambda mod, *_: order.append(mod)) for child in mlp.children()]
+    try:
+        with torch.no_grad():
+            mlp(torch.empty(1, 2, out.out_features, device="meta"))
+    except Exception:  # needs more than its hidden state (a whole decoder layer): the config's rate
+        return 0.0
+    finally:
+        for h in handles:
+            h.remove()
+    projection = mlp.get_submodule(out.short_name)
+    last = order.index(projection) if projection in order else -1
+    return max((m.p for m in order[1:last] if isinstance(m, nn.Dropout)), default=0.0)
+
+
+def norm_centres(model, hidden: int) -> bool | None:
+    """Whether the model's normalisation layer subtracts the mean (LayerNorm) or not (RMSNorm, T5's and every copy's
+    *LayerNorm*): run on the CPU with unit parameters, a centring norm gives the same output for x and x + 3. None
+    where the norm does not run on its input alone (the class name decides: memplan.inventory)."""
+    import copy
+
+    import torch
+
+    module = _block_norm(model, hidden)
+    if module is None:
+        return None
+    try:
+        mod = copy.deepcopy(module).to_empty(device="cpu").float()
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.fill_(1.0)
+            x = torch.linspace(-2.0, 5.0, 2 * hidden).reshape(2, hidden)
+            return bool(torch.allclose(mod(x), mod(x + 3.0), atol=1e-4))
+    except Exception:
+        return None

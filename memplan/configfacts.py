@@ -62,15 +62,9 @@ def mla_dims(config) -> tuple[int, int] | None:
     return qk, int(first(config, "v_head_dim", default=qk))
 
 
-#: families whose MLP applies the model's one dropout rate between the activation and the output projection
-#: (modeling_t5 T5DenseActDense / T5DenseGatedActDense: `hidden_states = self.dropout(hidden_states)` before `wo`)
-MLP_DROPOUT_IS_DROPOUT_RATE = {"t5", "mt5"}
-
-
 def act_dropout(config) -> float:
-    """Dropout on the MLP activation's output: BART-style configs name it activation_dropout; T5 reuses dropout_rate."""
-    if config.model_type in MLP_DROPOUT_IS_DROPOUT_RATE:
-        return float(getattr(config, "dropout_rate", 0.0) or 0.0)
+    """Dropout on the MLP activation's output as BART-style configs name it (activation_dropout, applied functionally
+    by the layer); an MLP's own Dropout module (T5's) is read from the model: codefacts.mlp_dropout."""
     return float(first(config, "activation_dropout", default=0.0) or 0.0)
 
 

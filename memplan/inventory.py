@@ -195,6 +195,15 @@ def _block_runs(linears, layers: int) -> int:
     return layers // found if found and layers > found and layers % found == 0 else 1
 
 
+def _norm_kind(body, hidden: int, norms: set[str]) -> str:
+    """"rmsnorm" | "layernorm": whether the block's norm centres its input (codefacts.norm_centres), else its class
+    name (RMS*; a list {T5LayerNorm, MT5LayerNorm} called UMT5's RMS norm a LayerNorm)."""
+    centres = codefacts.norm_centres(body, hidden)
+    if centres is None:
+        return "rmsnorm" if any("RMS" in n for n in norms) else "layernorm"
+    return "layernorm" if centres else "rmsnorm"
+
+
 def _head_tied(model, tied) -> bool:
     """The output embedding shares the input embedding's weight (after _honour_untied_file: T5/mT5 checkpoints
     with their own lm_head are untied)."""
@@ -235,7 +244,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         or bool(getattr(config, "is_gated_act", False))
         or bool(getattr(config, "num_local_experts", 0)),
         hidden_act=configfacts.activation(config),
-        norm="rmsnorm" if any("RMS" in n or n in ("T5LayerNorm", "MT5LayerNorm") for n in norms) else "layernorm",
+        norm=_norm_kind(body, hidden, norms),
         max_positions=configfacts.max_positions(config),
         tie_word_embeddings=_head_tied(model, tied),
         num_experts=int(configfacts.first(config, "num_local_experts", "num_experts", default=0) or 0),
@@ -246,7 +255,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
                                   "dropout_rate", default=0.0) or 0.0),
         hidden_dropout=float(configfacts.first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                                     "dropout_rate", default=0.0) or 0.0),
-        act_dropout=configfacts.act_dropout(config),
+        act_dropout=codefacts.mlp_dropout(model, linears) or configfacts.act_dropout(config),
         embed_dropout=configfacts.first(config, "embd_pdrop"),  # None: the hidden dropout (stacks.embed_dropout)
         sliding_window=configfacts.first(config, "sliding_window"),
         final_logit_softcap=configfacts.first(config, "final_logit_softcapping"),

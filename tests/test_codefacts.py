@@ -33,6 +33,34 @@ def test_norm_saves_per_family(model, expected):
     assert load_spec(model).arch.norm_saves == expected
 
 
+@pytest.mark.parametrize("model, norm, act_dropout", [
+    # T5DenseGatedActDense (modeling_t5.py): wi_0, act, wi_1, `self.dropout`, wo - dropout_rate 0.1 between the
+    # projections; T5LayerNorm scales by rsqrt without centring
+    ("google-t5/t5-base", "rmsnorm", 0.1),
+    (str(SHAPES / "umt5" / "config.json"), "rmsnorm", 0.1),  # UMT5's copies of both (the family lists missed them)
+    ("openai-community/gpt2", "layernorm", 0.0),  # GPT2MLP's Dropout runs after c_proj: the residual dropout
+    ("facebook/bart-large", "layernorm", 0.1),  # BART applies config.activation_dropout functionally
+    ("meta-llama/Llama-2-7b-hf", "rmsnorm", 0.0),
+    (str(SHAPES / "olmo" / "config.json"), "layernorm", 0.0),  # OlmoLayerNorm: no parameters, centres
+])
+def test_norm_kind_and_mlp_dropout_read_from_the_model(model, norm, act_dropout):
+    arch = load_spec(model).arch
+    assert (arch.norm, arch.act_dropout) == (norm, act_dropout)
+
+
+def test_umt5_saves_its_mlp_dropout_mask():
+    # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
+    # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)
+    from memplan.estimate import estimate
+    from memplan.setup import Setup
+    from memplan.trace import comparable_estimate_bytes, trace
+
+    setup = Setup(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512)
+    model = str(SHAPES / "umt5" / "config.json")
+    traced = trace(model, setup).peak_allocated_bytes
+    assert comparable_estimate_bytes(estimate(model, setup)) == pytest.approx(traced, rel=0.01)
+
+
 @pytest.mark.parametrize("act, expected", [
     ("silu", (2, 4, 2, 4) * 2),  # one ATen op: its input
     # gelu_new (activations.py NewGELUActivation): pow saves x, tanh its output, the product 0.5x and 1 + tanh; under
