@@ -2,8 +2,8 @@
 view under data parallelism. memplan.estimate takes the largest phase as the peak."""
 from __future__ import annotations
 
-from memplan.attention_phases import (attention_backward_phase, first_attention_backward_phase, in_forward_phases,
-                                      indexer_backward_phase)
+from memplan.attention_phases import (attention_backward_phase, encoder_backward_phase,
+                                      first_attention_backward_phase, in_forward_phases, indexer_backward_phase)
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
@@ -79,6 +79,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
                                          int(outside - after), deq),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
+        **encoder_backward_phase(ctx, res, grads, held_grads, blocks, int(outside - after), back, temps),
         **indexer_backward_phase(ctx, grads - _late_grad_bytes(ctx), ends, int(outside - after), in_blocks,
                                  {**back, **block_casts}),
         **_frozen_backward_phase(ctx, res, grads, blocks),
@@ -173,8 +174,7 @@ def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks,
         return {}
     enc = [full if not ctx.setup.grad_ckpt else ck
            for (full, ck), blk in zip(blocks, layout.blocks(ctx.spec)) if blk.stack == "encoder"]
-    enc_grads = sum(p.numel for p in ctx.spec.params if p.stack == "encoder" and p.name in ctx.trainable)
-    later = 0 if held else enc_grads * ctx.weight_bytes  # the encoder's gradients do not exist yet
+    later = 0 if held else weights.stack_trainable_bytes(ctx).get("encoder", 0)  # the encoder's do not exist yet
     summed = tied if ctx.spec.arch.tie_word_embeddings else 0
     return {"decoder_embedding_backward": {**res, "gradients": grads - later, "activations": int(sum(enc)),
                                            "autocast_weight_copies": quant.autocast_copy_bytes(ctx, stack="encoder"),
@@ -205,6 +205,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
                 "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
                 "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
                 "first_attention_backward": rs.gathered_backward_end, "backward_indexer": rs.gathered_backward,
+                "encoder_backward": rs.gathered_backward,
                 "optimizer_step": 0}
     out = {}
     for name, parts in phases.items():

@@ -94,6 +94,25 @@ def test_per_gpu_memory_never_grows_with_more_gpus(sharding):
     assert totals[0] > totals[1] > totals[2]
 
 
+@pytest.mark.parametrize("model, fields", [
+    ("google-t5/t5-base", dict(technique="lora", lora_targets="all-linear", precision="bf16", attn_impl="eager",
+                               grad_ckpt=True, seq_len=256, target_len=64)),
+    ("tiiuae/falcon-7b", dict(technique="full", precision="bf16-mixed", grad_ckpt=True, seq_len=1024)),
+    ("google-t5/t5-small", dict(technique="full", precision="bf16-mixed", attn_impl="eager", seq_len=128)),
+])
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp-full-shard", "ddp"])
+def test_every_single_gpu_phase_has_a_per_rank_view(model, fields, sharding):
+    """Each phase training_phases makes (the encoder's backward, the softmax moments, the decoder embedding's) gets
+    its gathered parameters and gradients under data parallelism: a phase missing from the map was a KeyError."""
+    from memplan.memory.context import resolve
+    from memplan.phases import training_phases
+
+    spec = load_spec(model)
+    setup = Setup(sharding=sharding, num_gpus=2, batch_size=2, **fields)
+    single = training_phases(resolve(spec, Setup(batch_size=2, **fields)))
+    assert set(estimate(spec, setup).phases) == set(single)
+
+
 def test_fsdp_keeps_fp32_shards_and_gathers_16bit_units():
     spec = load_spec(LLAMA7)
     e = estimate(spec, Setup(technique="full", precision="bf16-mixed", sharding="fsdp-full-shard", num_gpus=8,

@@ -46,6 +46,16 @@ def recording(ctx: Ctx, sizes: list[tuple[float, float]]) -> list[EndBlock]:
     return rows
 
 
+def stack_last(ctx: Ctx, sizes: list[tuple[float, float]], stack: str) -> EndBlock | None:
+    """The last recording block of `stack` (an encoder-decoder's "encoder": the first of its blocks the backward
+    reaches), None without one; sizes: activations.per_block_bytes(ctx)."""
+    found = None
+    for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), sizes):
+        if shape is not None and blk.stack == stack:
+            found = (blk, trained, starts, full, ck)
+    return _end(ctx, *found, act._lora_names(ctx)) if found else None
+
+
 def _end(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, full: float, ck: float, lora) -> EndBlock:
     tokens = act.stack_tokens(ctx, blk.stack)[0]
     return EndBlock(blk, trained, full, ck, tokens, _recompute_bytes(ctx, blk, trained, starts, full, tokens),

@@ -1,6 +1,8 @@
 """Resident model state: base weights, quantization metadata, LoRA adapters."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import math
 
 from memplan import libs, select
@@ -170,3 +172,16 @@ def trainable_bytes(ctx: Ctx) -> int:
     """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
     base = sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable)
     return base * ctx.weight_bytes + trained_lora_numel(ctx) * 4
+
+
+@per_model("added_tokens", "lora_r")
+def stack_trainable_bytes(ctx: Ctx) -> MappingProxyType:
+    """stack ("encoder" | "decoder") -> trainable_bytes of the parameters and adapters inside that stack's blocks."""
+    out: dict[str, int] = {}
+    for p in ctx.spec.params:
+        if p.stack and p.name in ctx.trainable:
+            out[p.stack] = out.get(p.stack, 0) + numel(ctx, p) * ctx.weight_bytes
+    for m in trained_lora(ctx):
+        if m.stack:
+            out[m.stack] = out.get(m.stack, 0) + adapter_numel(ctx, [m]) * 4
+    return MappingProxyType(out)
