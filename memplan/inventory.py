@@ -9,7 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from memplan import cachefacts, codefacts, configfacts, linfacts
+from memplan import blockfacts, cachefacts, codefacts, configfacts, linfacts
 from memplan.modelclass import (auto_class, check_flat, check_remote_code, check_uniform, is_composite, skipped_layers,
                                 split_media, text_body)
 from memplan.errors import BadInput
@@ -196,9 +196,9 @@ def _block_runs(linears, layers: int) -> int:
 
 
 def _norm_kind(body, hidden: int, norms: set[str]) -> str:
-    """"rmsnorm" | "layernorm": whether the block's norm centres its input (codefacts.norm_centres), else its class
+    """"rmsnorm" | "layernorm": whether the block's norm centres its input (blockfacts.norm_centres), else its class
     name (RMS*; a list {T5LayerNorm, MT5LayerNorm} called UMT5's RMS norm a LayerNorm)."""
-    centres = codefacts.norm_centres(body, hidden)
+    centres = blockfacts.norm_centres(body, hidden)
     if centres is None:
         return "rmsnorm" if any("RMS" in n for n in norms) else "layernorm"
     return "layernorm" if centres else "rmsnorm"
@@ -255,7 +255,8 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
                                   "dropout_rate", default=0.0) or 0.0),
         hidden_dropout=float(configfacts.first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                                     "dropout_rate", default=0.0) or 0.0),
-        act_dropout=codefacts.mlp_dropout(model, linears) or configfacts.act_dropout(config),
+        act_dropout=blockfacts.mlp_dropout(model, linears) or configfacts.act_dropout(config),
+        router_copy=blockfacts.router_copy(body, hidden),
         embed_dropout=configfacts.first(config, "embd_pdrop"),  # None: the hidden dropout (stacks.embed_dropout)
         sliding_window=configfacts.first(config, "sliding_window"),
         final_logit_softcap=configfacts.first(config, "final_logit_softcapping"),

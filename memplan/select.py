@@ -111,14 +111,24 @@ def _moe_targets(spec: ModelSpec, new_names: set[str]) -> tuple[Linear, ...]:
     out = []
     for p in spec.params:
         leaf = p.name.rsplit(".", 1)[-1]
-        if (p.role == "other" and "gate.weight" in new_names and p.name.endswith(".gate.weight")
-                and p.shape[0] == spec.arch.num_experts):
-            out.append(Linear(p.name.removesuffix(".weight"), p.shape[1], p.shape[0], False, p.block, p.stack,
-                              "router"))
+        router = router_linear(spec, p)
+        if router and "gate.weight" in new_names and p.name.endswith(".gate.weight"):
+            out.append(router)
         elif p.role == "expert" and len(p.shape) == 3 and leaf in new_names:
             mult = p.shape[0] * (2 if leaf == "gate_up_proj" else 1)
             out.append(Linear(p.name, p.shape[2], p.shape[1], False, p.block, p.stack, "expert", False, mult))
     return tuple(out)
+
+
+def router_linear(spec: ModelSpec, p: Param) -> Linear | None:
+    """A transformers-5 MoE router's weight as the Linear it acts as, kind "router": an [experts, hidden] parameter of
+    a block's router module, which applies it with F.linear (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS: a
+    TopKRouter, not an nn.Linear); None for any other parameter."""
+    a = spec.arch
+    if (p.role == "other" and p.block is not None and a.num_experts and p.name.endswith(".weight")
+            and tuple(p.shape) == (a.num_experts, a.hidden_size)):
+        return Linear(p.name.removesuffix(".weight"), p.shape[1], p.shape[0], False, p.block, p.stack, "router")
+    return None
 
 
 def lora_params(spec: ModelSpec, targets, r: int) -> int:

@@ -143,6 +143,9 @@ class Arch:
     plain_cross_entropy: bool = False
     #: what the experts' own gating saves per gated element, 16-bit and fp32 (codefacts.expert_gate_saves: GPT-OSS)
     expert_gate_saves: tuple[float, ...] = ()
+    #: bytes per hidden element a MoE router saves as its own copy of a 16-bit input (blockfacts.router_copy:
+    #: DeepSeek-V3's fp32 upcast 4.0); 0.0 where it saves the input itself
+    router_copy: float = 0.0
     #: config.layer_types whose token mixer is not attention and is not modelled (configfacts.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
     #: DeepSeek-V3.2's lightning indexer in every attention: (heads, head size, rotary size) from config

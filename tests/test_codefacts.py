@@ -48,6 +48,17 @@ def test_norm_kind_and_mlp_dropout_read_from_the_model(model, norm, act_dropout)
     assert (arch.norm, arch.act_dropout) == (norm, act_dropout)
 
 
+@pytest.mark.parametrize("shape, copy", [
+    ("deepseek_v3", 4.0),  # DeepseekV3TopkRouter: F.linear(hidden_states.type(torch.float32), ...)
+    ("dots1", 4.0),
+    ("qwen3_moe", 0.0),  # Qwen3MoeTopKRouter: F.linear(hidden_states, self.weight) saves the input itself
+    ("olmoe", 0.0),
+    ("qwen3", 0.0),  # no router
+])
+def test_router_copy_is_measured_on_the_family_router(shape, copy):
+    assert load_spec(str(SHAPES / shape / "config.json")).arch.router_copy == copy
+
+
 def test_umt5_saves_its_mlp_dropout_mask():
     # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
     # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)

@@ -562,3 +562,22 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
     assert est.params_trainable == traced.params_trainable == spec.numel_total - 2 * 4096 * 512
     c = T.compare(traced, est)
     assert abs(c["rel_error"]) < 0.01, c
+
+
+@pytest.mark.parametrize("shape, fields, before", [
+    # a transformers-5 router (a TopKRouter module, F.linear with an [experts, hidden] weight) saves the normed input
+    # when it trains (moe.routers in the MLP's reader group)
+    ("qwen3_moe", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.86),
+    # DeepSeek-V3's router upcasts a 16-bit input to fp32 first: its own copy (Arch.router_copy, measured)
+    ("deepseek_v3", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.46),
+    # an ungated shared expert keeps no sigmoid product (dots1, DeepSeek-V3; Qwen2-MoE's shared_expert_gate does);
+    # a q/k norm reads its projection's compute-dtype output under autocast
+    ("dots1", dict(technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256), +0.37),
+])
+def test_moe_blocks_found_by_the_tracer(shape, fields, before):
+    """Whole-model traces of small family shapes (benchmarks/shapes) against the estimate; `before`: the error (%)
+    before these effects were modelled."""
+    from memplan.estimate import estimate
+    setup = Setup(**fields)
+    c = T.compare(T.trace(_shape(shape), setup), estimate(_shape(shape), setup))
+    assert abs(c["rel_error"]) < 0.002 < abs(before) / 100, c

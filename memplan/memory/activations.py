@@ -47,7 +47,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     per_tok = norms * norm_bytes(ctx, h, block_trains)
     # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
     # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
-    per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim) for w in blk.qk_norm_widths)
+    per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim, c) for w in blk.qk_norm_widths)
     # norms over another width (found by the tracer: a BitNet-shaped config counted its ffn_sub_norm over the
     # intermediate size as a hidden-size norm, -3.6% full bf16)
     per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.other_norm_widths)

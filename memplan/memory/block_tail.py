@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from memplan.memory.context import Ctx
 from memplan.memory.layout import BlockLayout
-from memplan.memory.moe import expert_params, moe_bytes
+from memplan.memory.moe import expert_params, moe_bytes, routers
 from memplan.memory.saves import (SAVES_OUTPUT, act_out_bytes, act_saved_bytes, input_saves, lora_saves, norm_bytes,
                                   weight_trains)
 
@@ -43,7 +43,14 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     eager = kernel != "fused"  # the attention's output is not saved by the kernel: o-proj saves its own input
     per_tok = norms_after_attention(ctx, blk) * norm_bytes(ctx, h, block_trains)
     if not (a.parallel_block and blk.norms == 1):
-        per_tok += input_saves(ctx, mlp_readers(by_slot), h, ctx.residual_bytes, lora_names)
+        # a transformers-5 router's F.linear reads the same normed input (found by the tracer: a Qwen3-MoE-shaped
+        # config, full bf16 b2 s512 -0.86%, its [tokens, hidden] input uncounted in every block)
+        group = routers(ctx, blk)
+        own = a.router_copy if ctx.residual_bytes == 2 and not ctx.autocast else 0.0
+        if own:  # a router that upcasts a 16-bit input saves that copy, not the shared input (DeepSeek-V3)
+            per_tok += own * h * sum(1 for m in group if weight_trains(ctx, m.name) or m.name in lora_names)
+            group = []
+        per_tok += input_saves(ctx, mlp_readers(by_slot) + group, h, ctx.residual_bytes, lora_names)
     for m in by_slot.get("attn_out", []):
         saved_input = eager and weight_trains(ctx, m.name)
         per_tok += m.in_features * c if saved_input else 0  # the attention's output (MLA: heads x v_head_dim)
@@ -53,8 +60,11 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
             per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
     experts = expert_params(ctx, blk)
     per_tok += moe_bytes(ctx, experts, lora_names) if experts else mlp_bytes(ctx, by_slot, lora_names)
-    if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE), gated by a sigmoid
-        per_tok += mlp_bytes(ctx, by_slot, lora_names, shared=True) + a.hidden_size * c
+    if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE, DeepSeek-V3)
+        per_tok += mlp_bytes(ctx, by_slot, lora_names, shared=True)
+        # Qwen2-MoE gates it by a sigmoid (shared_expert_gate): the product keeps the shared expert's output; DeepSeek-V3
+        # and dots1 add it ungated (found by the tracer: a DeepSeek-V3-shaped config, full bf16-mixed, +0.5 MiB per block)
+        per_tok += a.hidden_size * c if by_slot.get("mlp_gate") else 0
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     return per_tok

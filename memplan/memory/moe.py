@@ -13,6 +13,16 @@ def expert_params(ctx: Ctx, blk: BlockLayout) -> list:
     return [p for p in ctx.spec.params if p.role == "expert" and p.block == blk.index and p.stack == blk.stack]
 
 
+def routers(ctx: Ctx, blk: BlockLayout) -> list:
+    """The block's transformers-5 routers as Linears (select.router_linear): they read the MLP's normed input."""
+    from memplan import select
+
+    if not ctx.spec.arch.num_experts:
+        return []
+    found = (select.router_linear(ctx.spec, p) for p in ctx.spec.params if p.block == blk.index and p.stack == blk.stack)
+    return [r for r in found if r is not None]
+
+
 def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     """Fused experts (transformers integrations/moe.py grouped_mm_experts_forward): each token visits k experts;
     the matmuls run in the experts' weight dtype - _grouped_mm casts its input to weight.dtype and aten::_grouped_mm

@@ -37,14 +37,16 @@ def weight_trains(ctx: Ctx, name: str) -> bool:
 
 def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
     """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements: the trained
-    Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA branch."""
+    Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA branch. A
+    transformers-5 router peft adapts (kind "router": its ParamWrapper makes W + BA, which F.linear then applies)
+    saves its input as a trained one does, with no branch of its own."""
     c = ctx.act_bytes
     cast = in_bytes != c
-    trained = sum(1 for m in members if weight_trains(ctx, m.name))
+    trained = sum(1 for m in members if weight_trains(ctx, m.name) or m.kind == "router" and m.name in lora_names)
     shared_saved = trained > 0 and not cast
     saved = (trained * in_dim * c if cast else in_dim * c) if trained else 0.0
     for m in members:
-        if m.name in lora_names:
+        if m.name in lora_names and m.kind != "router":
             branch, shares_input = lora_saves(ctx, in_dim, in_bytes)
             saved += branch
             if shares_input and not shared_saved:
@@ -88,15 +90,17 @@ def adapter_compute_bytes(ctx: Ctx) -> int:
     return ctx.compute_bytes if ctx.setup.engine in ("fsdp", "deepspeed") else 4
 
 
-def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1) -> float:
+def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | None = None) -> float:
     """Bytes per token a normalisation layer of width h saves for backward (rows: how many normalised rows a token
     has, the heads of a per-head q/k norm): measured on the family's own norm when its inventory was built
     (Arch.norm_saves, codefacts.norm_saves), indexed by the residual stream's dtype and whether the weight trains.
     Without a measurement (a hand-built spec): Llama's RMSNorm for an RMSNorm (an fp32 copy, rsqrt's fp32 output per
     row, the normalised tensor in the stream's dtype when the weight trains), else ATen native_layer_norm's (its input
-    plus fp32 mean and rstd per row)."""
+    plus fp32 mean and rstd per row). in_bytes: the input's dtype where it is not the residual stream's (a q/k norm
+    reads its projection's output, in the compute dtype under autocast: a Qwen3-MoE-shaped config, bf16-mixed, counted
+    an fp32 input and its fp32 normalised copy, 0.6 MiB too many per block at b2 s256)."""
 
-    r = ctx.residual_bytes
+    r = ctx.residual_bytes if in_bytes is None else in_bytes
     table = ctx.spec.arch.norm_saves
     if not table:
         if ctx.spec.arch.norm == "rmsnorm":

@@ -1,0 +1,101 @@
+"""Facts about a model's blocks read by running their modules (memplan.inventory): the order an MLP runs its children
+in (its own Dropout between the projections), whether the norm centres, what a MoE router saves for its weight's
+gradient. Like memplan.codefacts, they follow the installed transformers and cover families no hand-kept list names."""
+from __future__ import annotations
+
+from memplan.codefacts import _block_norm
+
+
+def mlp_dropout(model, linears) -> float:
+    """The rate of a Dropout module the MLP runs between its first projection and its output projection (T5's
+    T5DenseActDense / T5DenseGatedActDense: `self.dropout` before `wo`, in every family copied from it), found by
+    running the module that holds the first block's output projection on meta and recording the order its children
+    run in. GPT-2's MLP runs its Dropout after c_proj (the residual dropout, not this one). 0.0 where there is none or
+    the module does not run on its hidden state alone (BART's layer applies activation_dropout functionally; its config
+    names it: configfacts.act_dropout). A list of families ({t5, mt5}) missed UMT5's: a UMT5-shaped config, full bf16
+    b2 s512, -1.9% (12 [b, s, d_ff] dropout masks)."""
+    import torch
+    from torch import nn
+
+    from memplan.memory.layout import slot
+
+    out = next((m for m in linears if m.block == 0 and slot(m) == "mlp_out"), None)
+    if out is None or "." not in out.name:
+        return 0.0
+    try:
+        mlp = model.get_submodule(out.name.rsplit(".", 1)[0])
+    except AttributeError:
+        return 0.0
+    order: list[nn.Module] = []
+    handles = [child.register_forward_hook(lambda mod, *_: order.append(mod)) for child in mlp.children()]
+    try:
+        with torch.no_grad():
+            mlp(torch.empty(1, 2, out.out_features, device="meta"))
+    except Exception:  # needs more than its hidden state (a whole decoder layer): the config's rate
+        return 0.0
+    finally:
+        for h in handles:
+            h.remove()
+    projection = mlp.get_submodule(out.short_name)
+    last = order.index(projection) if projection in order else -1
+    return max((m.p for m in order[1:last] if isinstance(m, nn.Dropout)), default=0.0)
+
+
+def norm_centres(model, hidden: int) -> bool | None:
+    """Whether the model's normalisation layer subtracts the mean (LayerNorm) or not (RMSNorm, T5's and every copy's
+    *LayerNorm*): run on the CPU with unit parameters, a centring norm gives the same output for x and x + 3. None
+    where the norm does not run on its input alone (the class name decides: memplan.inventory)."""
+    import copy
+
+    import torch
+
+    module = _block_norm(model, hidden)
+    if module is None:
+        return None
+    try:
+        mod = copy.deepcopy(module).to_empty(device="cpu").float()
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.fill_(1.0)
+            x = torch.linspace(-2.0, 5.0, 2 * hidden).reshape(2, hidden)
+            return bool(torch.allclose(mod(x), mod(x + 3.0), atol=1e-4))
+    except Exception:
+        return None
+
+
+def router_copy(model, hidden: int) -> float:
+    """Bytes per hidden element a MoE router module (a *Router with an [experts, hidden] weight applied by F.linear,
+    transformers 5) saves for its weight's gradient as a copy of its own, given a 16-bit input without autocast: run
+    once on meta with the weight and the input requiring grad. 0.0 where it saves the input itself (Qwen3-MoE, Mixtral,
+    OLMoE: `F.linear(hidden_states, self.weight)`), 4.0 where it upcasts first (DeepSeek-V3, dots1:
+    `F.linear(hidden_states.type(torch.float32), ...)`; found by the tracer: a DeepSeek-V3-shaped config, full bf16 b2
+    s512, 2 MiB per block uncounted). 0.0 without a router or where it does not run on meta."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    router = next((m for m in model.modules() if "router" in type(m).__name__.lower() and not isinstance(m, nn.Linear)
+                   and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2
+                   and m.weight.shape[1] == hidden), None)
+    if router is None:
+        return 0.0
+    rows = 8
+    mod = copy.deepcopy(router).to(device="meta", dtype=torch.bfloat16)  # the inventory keeps buffers on the CPU
+    mod.weight.requires_grad_(True)
+    x = torch.empty(rows, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    own, params = x.untyped_storage()._cdata, {p.untyped_storage()._cdata for p in mod.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params and key != own and t.dim() == 2 and tuple(t.shape) == (rows, hidden):
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mod(x)
+    except Exception:  # a router that needs more than its input: it saves the input itself
+        return 0.0
+    return sum(saved.values()) / (rows * hidden)
