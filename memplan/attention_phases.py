@@ -13,6 +13,11 @@ from memplan.memory.context import Ctx
 from memplan.memory.masks import checkpointed_mask_bytes, mask_bytes
 
 
+def largest(*moments: dict[str, int]) -> dict[str, int]:
+    """The moment with the most bytes alive (components summed): a phase's peak among the moments it may be."""
+    return max(moments, key=lambda parts: sum(parts.values()))
+
+
 def in_forward_phases(ctx: Ctx, common: dict, before_head: int, blocks: list) -> dict:
     """Moments inside the blocks' forward, each with what the blocks before it saved and the embeddings' saves
     (`before_head`: the head's side comes later), the blocks' autocast copies (not yet the head's) and the masks:
@@ -102,7 +107,7 @@ def indexer_backward_phase(ctx: Ctx, grads: int, ends, embeds: int, in_blocks: i
             "backward_temporaries": work}
     early = {**back, "gradients": grads - block_ends.block_grad_bytes(ctx, first),
              "activations": int(embeds + first.checkpointed), "backward_temporaries": work}
-    return {"backward_indexer": max(last, early, key=lambda parts: sum(parts.values()))}
+    return {"backward_indexer": largest(last, early)}
 
 
 
@@ -140,4 +145,4 @@ def encoder_backward_phase(ctx: Ctx, res: dict, grads: int, held: int, sizes: li
         stream = 2 * last.tokens * ctx.spec.arch.hidden_size * ctx.residual_bytes
         moments.append({**at, "activations": int(saved - (0 if ckpt else freed)),
                         "backward_temporaries": int(own - (freed if ckpt else 0) + stream + scores)})
-    return {"encoder_backward": max(moments, key=lambda parts: sum(parts.values()))}
+    return {"encoder_backward": largest(*moments)}

@@ -3,7 +3,8 @@ view under data parallelism. memplan.estimate takes the largest phase as the pea
 from __future__ import annotations
 
 from memplan.attention_phases import (attention_backward_phase, encoder_backward_phase,
-                                      first_attention_backward_phase, in_forward_phases, indexer_backward_phase)
+                                      first_attention_backward_phase, in_forward_phases, indexer_backward_phase,
+                                      largest)
 from memplan.memory import activations as act
 from memplan.memory import distributed as dist
 from memplan.memory import inference as inf
@@ -70,8 +71,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
         **in_forward_phases(ctx, common, int(saved - after), blocks),
-        "backward_start": max(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
-                              key=lambda parts: sum(parts.values())),
+        "backward_start": largest(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows)),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq, int(outside - after)),
@@ -279,6 +279,6 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     # generate() runs its own prompt pass first (validate measures it in its decode phase), with batch-sized positions
     generated = {**prompt, "activations": prompt["activations"] + inf.generate_position_bytes(ctx)}
     return {
-        "prefill": max(prompt, first_step, key=lambda d: sum(d.values())),
-        "decode": max(steps, generated, key=lambda d: sum(d.values())) if ctx.spec.arch.kind == "causal" else steps,
+        "prefill": largest(prompt, first_step),
+        "decode": largest(steps, generated) if ctx.spec.arch.kind == "causal" else steps,
     }
