@@ -99,3 +99,21 @@ def router_copy(model, hidden: int) -> float:
     except Exception:  # a router that needs more than its input: it saves the input itself
         return 0.0
     return sum(saved.values()) / (rows * hidden)
+
+
+def single_norm_block(model, hidden: int) -> bool:
+    """A block that normalises its input once for both its attention and its MLP, which then read one normed tensor
+    (parallel attention and MLP: GPT-J, Phi, CodeGen, Cohere, Cohere2): one hidden-size norm module in the model's
+    second block (the first may leave one out: ModernBERT's first attn_norm is an Identity); sequential blocks hold
+    two or more (parameter-free ones counted). A list of families (phi, gptj, cohere) missed Cohere2: a Cohere2-shaped
+    config LoRA q,v bf16 eager b2 s512 +1.4% with its first block's MLP counted (it records nothing there)."""
+    from torch import nn
+
+    from memplan.codefacts import block_module
+
+    block = block_module(model, 1) or block_module(model, 0)
+    if block is None:
+        return False
+    norms = [m for m in block.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
+             and all(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False))]
+    return len(norms) == 1

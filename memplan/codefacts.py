@@ -158,7 +158,10 @@ def relative_bias_layers(model) -> int:
 def block_module(model, index: int = 0):
     """The model's block `index` (the first module named like `layers.0`, `h.0`, `block.0`), None without one."""
     pattern = re.compile(rf"(^|\.)(layers|layer|h|block|blocks)\.{index}$")
-    return next((module for name, module in model.named_modules() if pattern.search(name)), None)
+    # the outermost match: T5's `encoder.block.0.layer.1` (a sublayer) comes before `encoder.block.1`
+    found = [(name.count("."), i, module) for i, (name, module) in enumerate(model.named_modules())
+             if pattern.search(name)]
+    return min(found, key=lambda f: f[:2])[2] if found else None
 
 
 def weightless_norms(model) -> int:

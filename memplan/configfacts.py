@@ -17,12 +17,14 @@ def activation(config) -> str:
 
 
 def parallel(config) -> bool:
+    """Parallel attention and MLP where the config says so over two norms (Falcon's new decoder architecture, GPT-NeoX's
+    use_parallel_residual); a block with one norm for both is read from the model (blockfacts.single_norm_block)."""
     mt = config.model_type
     if mt == "falcon":
         return bool(getattr(config, "parallel_attn", True) or getattr(config, "new_decoder_architecture", False))
     if mt == "gpt_neox":
         return bool(getattr(config, "use_parallel_residual", True))
-    return mt in ("phi", "gptj", "cohere")
+    return False
 
 
 #: config.layer_types values memplan models: attention over the whole sequence, a window or chunks; anything else

@@ -249,7 +249,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         tie_word_embeddings=_head_tied(model, tied),
         num_experts=int(configfacts.first(config, "num_local_experts", "num_experts", default=0) or 0),
         experts_per_token=int(configfacts.first(config, "num_experts_per_tok", default=0) or 0),
-        parallel_block=configfacts.parallel(config),
+        parallel_block=configfacts.parallel(config) or blockfacts.single_norm_block(body, hidden),
         post_norm=config.model_type in POST_NORM or getattr(config, "do_layer_norm_before", True) is False,
         attn_dropout=float(configfacts.first(config, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
                                   "dropout_rate", default=0.0) or 0.0),

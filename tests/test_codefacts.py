@@ -59,6 +59,21 @@ def test_router_copy_is_measured_on_the_family_router(shape, copy):
     assert load_spec(str(SHAPES / shape / "config.json")).arch.router_copy == copy
 
 
+@pytest.mark.parametrize("model, parallel", [
+    (str(SHAPES / "cohere2" / "config.json"), True),  # one input_layernorm for attention and MLP (a list missed it)
+    (str(SHAPES / "cohere" / "config.json"), True),
+    (str(SHAPES / "gptj" / "config.json"), True),
+    ("microsoft/phi-2", True),
+    ("tiiuae/falcon-7b", True),  # config: parallel_attn
+    ("EleutherAI/pythia-1b", True),  # config: use_parallel_residual over two norms
+    ("google-t5/t5-base", False),  # two norms per block, in sublayers named layer.0 / layer.1
+    (str(SHAPES / "modernbert" / "config.json"), False),  # its first block's attn_norm is an Identity
+    ("meta-llama/Llama-2-7b-hf", False),
+])
+def test_parallel_blocks_are_read_from_the_model(model, parallel):
+    assert load_spec(model).arch.parallel_block is parallel
+
+
 def test_umt5_saves_its_mlp_dropout_mask():
     # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
     # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)

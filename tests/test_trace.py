@@ -573,8 +573,11 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
     # an ungated shared expert keeps no sigmoid product (dots1, DeepSeek-V3; Qwen2-MoE's shared_expert_gate does);
     # a q/k norm reads its projection's compute-dtype output under autocast
     ("dots1", dict(technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256), +0.37),
+    # Cohere2's blocks are parallel (one norm for attention and MLP): the first LoRA block's MLP records nothing
+    ("cohere2", dict(technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager",
+                     lora_targets="q_proj,v_proj"), +1.41),
 ])
-def test_moe_blocks_found_by_the_tracer(shape, fields, before):
+def test_block_structure_found_by_the_tracer(shape, fields, before):
     """Whole-model traces of small family shapes (benchmarks/shapes) against the estimate; `before`: the error (%)
     before these effects were modelled."""
     from memplan.estimate import estimate
