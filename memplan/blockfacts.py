@@ -117,3 +117,57 @@ def single_norm_block(model, hidden: int) -> bool:
     norms = [m for m in block.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
              and all(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False))]
     return len(norms) == 1
+
+
+
+class _Seen(Exception):
+    """Raised by a spy once it has seen what it waits for."""
+
+
+def attention_output_copied(model, hidden: int) -> bool:
+    """Whether the fused kernel's output comes out heads-first, so that sdpa_attention_forward's
+    `transpose(1, 2).contiguous()` copies it (a trained output projection then saves that copy beside the kernel's
+    own): the kernels lay their output out like q, and q reaches them as a new heads-first tensor where the attention
+    concatenates a rotated part with the rest (GPT-NeoX, StableLM, Phi, Phi-3: `torch.cat((query_rot, query_pass))`)
+    or MLA's parts (DeepSeek-V2/V3), not where Llama's elementwise rotation keeps the projection's sequence-first
+    layout. Read by running the first block's attention on meta up to the attention function (a spy in place of
+    sdpa's, which reads q's layout); False where it does not run so. Found by the tracer: GPT-NeoX- and
+    StableLM-shaped configs, full bf16 b2 s512 -0.8%, one [tokens, hidden] copy per block."""
+    import copy
+
+    import torch
+    from transformers import modeling_utils
+
+    from memplan.codefacts import block_module
+
+    block = block_module(model, 0)
+    attn = next((m for m in block.modules() if "Attention" in type(m).__name__), None) if block is not None else None
+    rotary = next((m for m in model.modules() if "Rotary" in type(m).__name__), None)
+    functions = getattr(modeling_utils, "ALL_ATTENTION_FUNCTIONS", None)
+    if attn is None or functions is None or "sdpa" not in functions:
+        return False
+    seen: dict[str, bool] = {}
+
+    def spy(module, query, *args, **kwargs):
+        seen["heads_first"] = query.is_contiguous()
+        raise _Seen
+
+    attn = copy.deepcopy(attn).to("meta")
+    config = getattr(attn, "config", None)
+    before, original = getattr(config, "_attn_implementation", None), functions["sdpa"]
+    x = torch.empty(2, 3, hidden, device="meta")
+    try:
+        if config is not None:
+            config._attn_implementation = "sdpa"
+        functions["sdpa"] = spy
+        positions = None
+        if rotary is not None:
+            positions = copy.deepcopy(rotary).to("meta")(x, torch.arange(3, device="meta").expand(2, 3))
+        attn(hidden_states=x, attention_mask=None, position_embeddings=positions)
+    except Exception:  # _Seen, or an attention that needs more than this
+        pass
+    finally:
+        functions["sdpa"] = original
+        if config is not None:
+            config._attn_implementation = before
+    return seen.get("heads_first", False)

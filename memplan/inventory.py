@@ -257,6 +257,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
                                     "dropout_rate", default=0.0) or 0.0),
         act_dropout=blockfacts.mlp_dropout(model, linears) or configfacts.act_dropout(config),
         router_copy=blockfacts.router_copy(body, hidden),
+        attn_out_copy=blockfacts.attention_output_copied(body, hidden),
         embed_dropout=configfacts.first(config, "embd_pdrop"),  # None: the hidden dropout (stacks.embed_dropout)
         sliding_window=configfacts.first(config, "sliding_window"),
         final_logit_softcap=configfacts.first(config, "final_logit_softcapping"),

@@ -146,6 +146,9 @@ class Arch:
     #: bytes per hidden element a MoE router saves as its own copy of a 16-bit input (blockfacts.router_copy:
     #: DeepSeek-V3's fp32 upcast 4.0); 0.0 where it saves the input itself
     router_copy: float = 0.0
+    #: the fused attention kernel's output comes out heads-first and sdpa_attention_forward copies it, which a trained
+    #: output projection saves (blockfacts.attention_output_copied: GPT-NeoX, StableLM, Phi-3, DeepSeek-V3)
+    attn_out_copy: bool = False
     #: config.layer_types whose token mixer is not attention and is not modelled (configfacts.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
     #: DeepSeek-V3.2's lightning indexer in every attention: (heads, head size, rotary size) from config

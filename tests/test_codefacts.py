@@ -74,6 +74,27 @@ def test_parallel_blocks_are_read_from_the_model(model, parallel):
     assert load_spec(model).arch.parallel_block is parallel
 
 
+@pytest.mark.parametrize("model, flag, copied", [
+    (str(SHAPES / "gpt_neox" / "config.json"), True, True),  # torch.cat((query_rot, query_pass)): heads-first q
+    (str(SHAPES / "stablelm" / "config.json"), True, True),  # the same cat, in the attention's forward
+    ("microsoft/Phi-3-mini-4k-instruct", True, True),  # its apply_rotary_pos_emb concatenates (an empty pass part)
+    ("meta-llama/Llama-2-7b-hf", False, False),  # elementwise rotation keeps the sequence-first layout
+    (str(SHAPES / "qwen3" / "config.json"), False, False),
+    # MLA's q is a cat too, but its values' other head size runs CUDA's efficient kernel, which writes [b, s, h, d]
+    (str(SHAPES / "deepseek_v3" / "config.json"), True, False),
+])
+def test_heads_first_attention_output_is_read_from_the_model(model, flag, copied):
+    from memplan.memory.block_tail import fused_output_copied
+    from memplan.memory.context import resolve
+    from memplan.setup import Setup
+
+    spec = load_spec(model)
+    assert spec.arch.attn_out_copy is flag
+    ctx = resolve(spec, Setup(technique="full", precision="bf16", attn_impl="sdpa"))
+    assert fused_output_copied(ctx) is copied
+    assert not fused_output_copied(resolve(spec, Setup(technique="full", precision="fp32", attn_impl="sdpa")))
+
+
 def test_umt5_saves_its_mlp_dropout_mask():
     # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
     # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)

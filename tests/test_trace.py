@@ -576,6 +576,10 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
     # Cohere2's blocks are parallel (one norm for attention and MLP): the first LoRA block's MLP records nothing
     ("cohere2", dict(technique="lora", precision="bf16", batch_size=2, seq_len=512, attn_impl="eager",
                      lora_targets="q_proj,v_proj"), +1.41),
+    # a concatenated partial rotary makes q heads-first: the flash kernel's output follows, and the integration's
+    # transpose(1, 2).contiguous() copies it for the trained output projection (Arch.attn_out_copy)
+    ("gpt_neox", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.79),
+    ("stablelm", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.77),
 ])
 def test_block_structure_found_by_the_tracer(shape, fields, before):
     """Whole-model traces of small family shapes (benchmarks/shapes) against the estimate; `before`: the error (%)

@@ -5,6 +5,7 @@ engine runs nodes in reverse creation order), which the attention's backward pea
 attention_backward, block_ends.attention_backward_freed_bytes)."""
 from __future__ import annotations
 
+from memplan.memory.attention import kernel_bytes, padded_masks
 from memplan.memory.context import Ctx
 from memplan.memory.layout import BlockLayout
 from memplan.memory.moe import expert_params, moe_bytes, routers
@@ -40,7 +41,7 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     by_slot: dict[str, list] = {}
     for sl, m in blk.linears:
         by_slot.setdefault(sl, []).append(m)
-    eager = kernel != "fused"  # the attention's output is not saved by the kernel: o-proj saves its own input
+    eager = kernel != "fused" or fused_output_copied(ctx)  # the attention's output is not the kernel's saved one
     per_tok = norms_after_attention(ctx, blk) * norm_bytes(ctx, h, block_trains)
     if not (a.parallel_block and blk.norms == 1):
         # a transformers-5 router's F.linear reads the same normed input (found by the tracer: a Qwen3-MoE-shaped
@@ -68,6 +69,17 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     if a.hidden_dropout > 0:
         per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
     return per_tok
+
+
+def fused_output_copied(ctx: Ctx) -> bool:
+    """The flash kernel's output comes out heads-first, laid out like q, where q reaches it as a new heads-first
+    tensor (Arch.attn_out_copy: a concatenated partial rotary), and sdpa_attention_forward's `transpose(1, 2)
+    .contiguous()` copies it: the output projection reads (and, trained, saves) that copy, not the kernel's saved
+    output. CUDA runs flash for 16-bit q/k/v of one head size without an explicit mask; the efficient kernel it runs
+    otherwise (MLA's other value size, fp32, padded batches) writes [b, s, h, d] whatever q's layout, so its output
+    transposes back contiguous (a DeepSeek-V3-shaped config full bf16 traced no copy: +0.5% with it)."""
+    a = ctx.spec.arch
+    return a.attn_out_copy and a.v_ratio == 1 and kernel_bytes(ctx) == 2 and not padded_masks(ctx)
 
 
 def mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> float:
