@@ -136,15 +136,14 @@ class Arch:
     act_saves: tuple[float, ...] = ()
     #: bytes per element the MLP activation returns, per actfacts.ACT_CASES (actfacts.act_out_bytes)
     act_out: tuple[float, ...] = ()
-    #: parameter-free norm layers per block (codefacts.weightless_norms: OLMo)
+    #: parameter-free norm layers per block, and after the last block (codefacts.weightless_norms: OLMo's)
     weightless_norms: int = 0
-    #: the head's loss is torch CrossEntropyLoss on the logits as they are, no fp32 upcast
-    #: (codefacts.plain_cross_entropy)
+    weightless_final_norms: int = 0
+    #: the head's loss is torch CrossEntropyLoss on the logits as they are (codefacts.plain_cross_entropy)
     plain_cross_entropy: bool = False
     #: what the experts' own gating saves per gated element, 16-bit and fp32 (codefacts.expert_gate_saves: GPT-OSS)
     expert_gate_saves: tuple[float, ...] = ()
-    #: bytes per hidden element a MoE router saves as its own copy of a 16-bit input (blockfacts.router_copy:
-    #: DeepSeek-V3's fp32 upcast 4.0); 0.0 where it saves the input itself
+    #: bytes per hidden element a MoE router saves as its own copy of a 16-bit input (blockfacts.router_copy)
     router_copy: float = 0.0
     #: the fused attention kernel's output comes out heads-first and sdpa_attention_forward copies it, which a trained
     #: output projection saves (blockfacts.attention_output_copied: GPT-NeoX, StableLM, Phi-3, DeepSeek-V3)

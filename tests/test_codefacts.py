@@ -95,6 +95,20 @@ def test_heads_first_attention_output_is_read_from_the_model(model, flag, copied
     assert not fused_output_copied(resolve(spec, Setup(technique="full", precision="fp32", attn_impl="sdpa")))
 
 
+def test_olmo_counts_its_parameter_free_final_norm():
+    assert load_spec(str(SHAPES / "olmo" / "config.json")).arch.weightless_final_norms == 1
+    assert load_spec(str(SHAPES / "olmo2" / "config.json")).arch.weightless_final_norms == 0  # its norm has a weight
+
+
+def test_seed_oss_residual_dropout_is_the_hidden_dropout(tmp_path):
+    # modeling_seed_oss.py drops the attention and MLP outputs with config.residual_dropout
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "seed_oss", "architectures": ["SeedOssForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1000, "residual_dropout": 0.1}))
+    assert load_spec(str(tmp_path / "config.json")).arch.hidden_dropout == 0.1
+
+
 def test_umt5_saves_its_mlp_dropout_mask():
     # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
     # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)

@@ -257,6 +257,8 @@ def _outside_saves(ctx: Ctx) -> tuple[float, float]:
             before += n
         else:
             after += n
+    # parameter-free final norms (OLMo's), which no parameter names
+    after += a.weightless_final_norms * norm_bytes(ctx, h, False) * ctx.setup.batch_size * ctx.tgt_len
     tied = dict(ctx.spec.tied)
     lora_names = {m.name for m in ctx.lora}
     for m in ctx.spec.linears:
