@@ -131,14 +131,14 @@ for _shape in ("qwen3", "olmo2", "starcoder2", "stablelm", "gptj", "cohere", "ge
                "granite", "phimoe", "gpt_neox", "qwen3_moe", "olmoe", "dots1", "cohere2", "olmo",
                "apertus", "roberta", "xlm-roberta", "mbart", "gpt_oss", "distilbert",
                "modernbert", "umt5", "gemma3", "mllama", "qwen2_5_vl", "bitnet", "deepseek_v2", "deepseek_v3",
-               "qwen3_next", "deepseek_v32"):
+               "qwen3_next", "deepseek_v32", "persimmon", "seed_oss"):
     _cfg = str(SHAPES / _shape / "config.json")
     # peft's all-linear wraps PhiMoE's router, whose forward returns a tuple peft cannot handle (a peft failure)
     _wide = "q_proj,k_proj,v_proj,o_proj" if _shape == "phimoe" else "all-linear"
     _attn_targets = {"gpt_neox": "query_key_value", "roberta": "query,value", "xlm-roberta": "query,value",
                      "distilbert": "q_lin,v_lin", "modernbert": "Wqkv", "umt5": "q,v",
                      "deepseek_v2": "q_proj,kv_b_proj", "deepseek_v3": "q_a_proj,kv_a_proj_with_mqa",
-                     "deepseek_v32": "q_a_proj,kv_a_proj_with_mqa"}.get(
+                     "deepseek_v32": "q_a_proj,kv_a_proj_with_mqa", "persimmon": "query_key_value"}.get(
         _shape, "q_proj,v_proj")
     _add(_cfg, technique="lora", precision="bf16", lora_targets=_wide, batch_size=2, seq_len=256)
     _add(_cfg, technique="full", precision="bf16-mixed", optimizer="adamw-fused", batch_size=2, seq_len=256)

@@ -580,6 +580,10 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
     # transpose(1, 2).contiguous() copies it for the trained output projection (Arch.attn_out_copy)
     ("gpt_neox", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.79),
     ("stablelm", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.77),
+    # Persimmon's q/k LayerNorms save views of query_key_value's output: V's part stays alive too
+    ("persimmon", dict(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256), -0.60),
+    # Seed-OSS's residual_dropout: a bool mask after the attention and after the MLP in every block
+    ("seed_oss", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.57),
 ])
 def test_block_structure_found_by_the_tracer(shape, fields, before):
     """Whole-model traces of small family shapes (benchmarks/shapes) against the estimate; `before`: the error (%)

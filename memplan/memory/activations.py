@@ -60,7 +60,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         scores = 0
     else:
         tok_core, per_score = attn_core(ctx, q_dim, kv_dim, 1, 1, kernel)
-        per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim)
+        per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim,
+                                                  bool(blk.qk_norm_widths), block_trains)
         if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
                 and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
             per_tok += 2 * kv_dim * c

@@ -102,12 +102,26 @@ def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | No
 
     r = ctx.residual_bytes if in_bytes is None else in_bytes
     table = ctx.spec.arch.norm_saves
+    if autocast_casts_norm_input(ctx, r, trains):  # an fp32 copy of the 16-bit input, not the input itself
+        return 4 * h + table[norm_case(r, trains)][1] * rows
     if not table:
         if ctx.spec.arch.norm == "rmsnorm":
             return 4 * h + (r * h if trains else 0) + 4 * rows
         return r * h + 8 * rows
     per_element, per_row = table[norm_case(r, trains)][:2]
     return per_element * h + per_row * rows
+
+
+def autocast_casts_norm_input(ctx: Ctx, in_bytes: int, trains: bool) -> bool:
+    """Autocast casts a 16-bit input to fp32 before the norm: aten layer_norm is on its fp32 list, and a norm that
+    saves its input alone is one (nn.LayerNorm: Arch.norm_saves with the input as its only per-element save); a
+    family's own norm upcasts by itself, as measured. Found by the tracer: a Persimmon-shaped config's q/k LayerNorms
+    on the projection's bf16 output, bf16-mixed -0.6%."""
+    table = ctx.spec.arch.norm_saves
+    if not (ctx.autocast and in_bytes < 4 and table and len(table[0]) > 2):
+        return False
+    per_element, _, own = table[norm_case(in_bytes, trains)][:3]
+    return own > 0 and own == per_element
 
 
 def norm_keeps_input(ctx: Ctx, trains: bool) -> bool:
