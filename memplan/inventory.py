@@ -177,7 +177,6 @@ def _fused_glu(config, m) -> bool:
 
 #: post-LN families (modeling_bert.py BertSelfOutput: LayerNorm(hidden + input); modeling_bart.py
 #: BartEncoderLayer: self_attn_layer_norm after the residual add).
-POST_NORM = {"bert", "bart", "roberta"}
 
 _GATED = {"gate_proj", "wi_0", "w1", "gate_up_proj"}
 
@@ -250,7 +249,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         num_experts=int(configfacts.first(config, "num_local_experts", "num_experts", default=0) or 0),
         experts_per_token=int(configfacts.first(config, "num_experts_per_tok", default=0) or 0),
         parallel_block=configfacts.parallel(config) or blockfacts.single_norm_block(body, hidden),
-        post_norm=config.model_type in POST_NORM or getattr(config, "do_layer_norm_before", True) is False,
+        post_norm=getattr(config, "do_layer_norm_before", True) is False or blockfacts.post_norm_blocks(model),
         attn_dropout=float(configfacts.first(config, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
                                   "dropout_rate", default=0.0) or 0.0),
         # Seed-OSS names its dropout of the attention and MLP outputs residual_dropout (-0.6% before, all setups)
@@ -258,6 +257,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
                                     "dropout_rate", "residual_dropout", default=0.0) or 0.0),
         act_dropout=blockfacts.mlp_dropout(model, linears) or configfacts.act_dropout(config),
         router_copy=blockfacts.router_copy(body, hidden),
+        residual_dropouts=blockfacts.residual_dropouts(body, hidden) or 0,
         attn_out_copy=blockfacts.attention_output_copied(body, hidden),
         embed_dropout=configfacts.first(config, "embd_pdrop"),  # None: the hidden dropout (stacks.embed_dropout)
         sliding_window=configfacts.first(config, "sliding_window"),

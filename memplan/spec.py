@@ -100,10 +100,10 @@ class Arch:
     post_norm: bool = False  # LayerNorm after each residual add (BERT, BART, OPT-350m) instead of before
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    residual_dropouts: int = 0  # hidden-size dropouts per block (blockfacts.residual_dropouts); 0: two
     act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
     labels_disable_cache: bool = False  # the head turns use_cache off when given labels (cachefacts)
-    #: the dropout after the input embeddings (GPT-2 / Phi `embd_pdrop`; elsewhere the hidden dropout); None: as hidden
-    embed_dropout: float | None = None
+    embed_dropout: float | None = None  # after the input embeddings (GPT-2 / Phi `embd_pdrop`); None: as hidden
     sliding_window: int | None = None
     #: decoder layers whose attention uses the window (config.layer_types' sliding_attention; every layer of a
     #: model with a window and no layer_types: Mistral, Phi-3)

@@ -109,6 +109,19 @@ def test_seed_oss_residual_dropout_is_the_hidden_dropout(tmp_path):
     assert load_spec(str(tmp_path / "config.json")).arch.hidden_dropout == 0.1
 
 
+@pytest.mark.parametrize("model, post_norm, dropouts", [
+    (str(SHAPES / "distilbert" / "config.json"), True, 1),  # sa_layer_norm after attention; dropout after its FFN alone
+    (str(SHAPES / "xlm-roberta" / "config.json"), True, 2),  # the lists named roberta, not xlm-roberta
+    ("facebook/bart-base", True, 2),
+    (str(SHAPES / "mbart" / "config.json"), False, 2),  # pre-LN, encoder and decoder end with a layer_norm
+    (str(SHAPES / "olmo2" / "config.json"), False, 0),  # attention before its first norm, but a final norm: pre-LN
+    ("meta-llama/Llama-2-7b-hf", False, 0),  # no dropout
+])
+def test_post_norm_and_residual_dropouts_are_read_from_the_model(model, post_norm, dropouts):
+    arch = load_spec(model).arch
+    assert (arch.post_norm, arch.residual_dropouts) == (post_norm, dropouts)
+
+
 def test_umt5_saves_its_mlp_dropout_mask():
     # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
     # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)

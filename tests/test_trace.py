@@ -588,6 +588,9 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
     ("mbart", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), -0.41),
     # the first decoder block reads the frozen decoder embeddings: its pre-LN input norm records nothing under LoRA
     ("mbart", dict(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256), -0.25),
+    # DistilBERT drops its FFN output alone (one mask per block, not two) and normalises after each sublayer
+    ("distilbert", dict(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512), +0.62),
+    ("xlm-roberta", dict(technique="lora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=256), -0.22),
 ])
 def test_block_structure_found_by_the_tracer(shape, fields, before):
     """Whole-model traces of small family shapes (benchmarks/shapes) against the estimate; `before`: the error (%)

@@ -66,8 +66,8 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
         # Qwen2-MoE gates it by a sigmoid (shared_expert_gate): the product keeps the shared expert's output; DeepSeek-V3
         # and dots1 add it ungated (found by the tracer: a DeepSeek-V3-shaped config, full bf16-mixed, +0.5 MiB per block)
         per_tok += a.hidden_size * c if by_slot.get("mlp_gate") else 0
-    if a.hidden_dropout > 0:
-        per_tok += 2 * h  # one bool mask per residual dropout (attention and MLP outputs)
+    if a.hidden_dropout > 0:  # one bool mask per residual dropout (attention and MLP outputs; DistilBERT's MLP alone)
+        per_tok += (a.residual_dropouts or 2) * h
     return per_tok
 
 
