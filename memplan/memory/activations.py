@@ -50,7 +50,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim, c) for w in blk.qk_norm_widths)
     # norms over another width (found by the tracer: a BitNet-shaped config counted its ffn_sub_norm over the
     # intermediate size as a hidden-size norm, -3.6% full bf16)
-    per_tok += sum(norm_bytes(ctx, w, block_trains) for w in blk.other_norm_widths)
+    per_tok += sum(norm_bytes(ctx, w, block_trains, in_bytes=c) for w in blk.other_norm_widths)
     if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
         per_tok += input_saves(ctx, by_slot.get("attn_in", []) + mlp_readers(by_slot), h, r, lora_names)
     else:
