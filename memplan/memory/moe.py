@@ -51,11 +51,20 @@ def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     return visits * (i * gating + (i * e if down else 0) + route + (h * e if up else 0))
 
 
-def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> int:
+def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str], casts: bool = True) -> int:
     """peft's LoRA on fused expert tensors (tuners/lora/layer.py ParamWrapper) forms W + BA with baddbmm: a full copy
     of each targeted expert tensor in its dtype every forward, which grouped_mm saves for the input gradient
     (Mixtral all-linear: 2.6 GiB per block in bf16; the tracer's -48% before)."""
-    return sum(p.numel for p in experts if p.name in lora_names) * ctx.weight_bytes
+    copies = sum(p.numel for p in experts if p.name in lora_names) * ctx.weight_bytes
+    if ctx.weight_bytes >= 4 or not casts:
+        return copies
+    # the fold casts the fp32 factors to the experts' dtype (ParamWrapper.get_delta_factors: `lhs.to(param.dtype)`),
+    # and baddbmm saves those casts (found by the tracer: a Qwen3-MoE-shaped config LoRA all-linear bf16, 0.17 MiB per
+    # block of 4 experts)
+    from memplan.memory.weights import adapter_numel
+
+    names = {p.name for p in experts}
+    return copies + adapter_numel(ctx, [m for m in ctx.lora if m.kind == "expert" and m.name in names]) * ctx.weight_bytes
 
 
 def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
@@ -64,4 +73,5 @@ def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
     if not ctx.spec.arch.num_experts or not ctx.lora:
         return 0
     lora = {m.name for m in ctx.lora}
-    return max((expert_lora_copy_bytes(ctx, [p], lora) for p in ctx.spec.params if p.role == "expert"), default=0)
+    return max((expert_lora_copy_bytes(ctx, [p], lora, casts=False) for p in ctx.spec.params if p.role == "expert"),
+               default=0)
