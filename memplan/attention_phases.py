@@ -110,7 +110,6 @@ def indexer_backward_phase(ctx: Ctx, grads: int, ends, embeds: int, in_blocks: i
     return {"backward_indexer": largest(last, early)}
 
 
-
 def encoder_backward_phase(ctx: Ctx, res: dict, grads: int, held: int, sizes: list, embeds: int, back: dict,
                            temps: int) -> dict:
     """Encoder-decoders: the backward of the encoder's last block, the first encoder block it reaches. The decoder's

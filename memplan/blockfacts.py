@@ -3,7 +3,7 @@ in (its own Dropout between the projections), whether the norm centres, what a M
 gradient. Like memplan.codefacts, they follow the installed transformers and cover families no hand-kept list names."""
 from __future__ import annotations
 
-from memplan.codefacts import _block_norm
+from memplan.codefacts import BLOCK_PATH, _block_norm, block_module, is_norm_module
 
 
 def mlp_dropout(model, linears) -> float:
@@ -107,17 +107,12 @@ def single_norm_block(model, hidden: int) -> bool:
     second block (the first may leave one out: ModernBERT's first attn_norm is an Identity); sequential blocks hold
     two or more (parameter-free ones counted). A list of families (phi, gptj, cohere) missed Cohere2: a Cohere2-shaped
     config LoRA q,v bf16 eager b2 s512 +1.4% with its first block's MLP counted (it records nothing there)."""
-    from torch import nn
-
-    from memplan.codefacts import block_module
-
     block = block_module(model, 1) or block_module(model, 0)
     if block is None:
         return False
-    norms = [m for m in block.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
+    norms = [m for m in block.modules() if is_norm_module(m)
              and all(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False))]
     return len(norms) == 1
-
 
 
 class _Seen(Exception):
@@ -137,8 +132,6 @@ def attention_output_copied(model, hidden: int) -> bool:
 
     import torch
     from transformers import modeling_utils
-
-    from memplan.codefacts import block_module
 
     block = block_module(model, 0)
     attn = next((m for m in block.modules() if "Attention" in type(m).__name__), None) if block is not None else None
@@ -173,7 +166,6 @@ def attention_output_copied(model, hidden: int) -> bool:
     return seen.get("heads_first", False)
 
 
-
 def post_norm_blocks(model) -> bool:
     """The blocks normalise after each sublayer (post-LN: BERT, BART, Marian, DeBERTa, ELECTRA, MPNet, DistilBERT): the
     first block runs a projection before any norm, and no norm follows the last block inside the base model (only
@@ -182,20 +174,11 @@ def post_norm_blocks(model) -> bool:
     branches); pre-LN stacks start with a norm. The order is read with hooks on meta, the first call deciding
     (whatever the block then needs, the call may stop there). A list (bert, bart, roberta) missed Marian, XLM-R,
     DistilBERT, DeBERTa-v2, ELECTRA and MPNet: a Marian-shaped config LoRA bf16 -0.33%."""
-    import inspect
-    import re
-
     import torch
-    from torch import nn
-
-    from memplan.codefacts import block_module
-
-    def is_norm(m) -> bool:
-        return "Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm)
 
     base = getattr(model, "base_model", model)
-    inside = re.compile(r"(^|\.)(layers|layer|h|block|blocks)\.\d+(\.|$)")
-    if any(is_norm(m) and not inside.search(n) and "embed" not in n.lower() for n, m in base.named_modules()):
+    if any(is_norm_module(m) and not BLOCK_PATH.search(n) and "embed" not in n.lower()
+           for n, m in base.named_modules()):
         return False  # a final norm: pre-LN
     block = block_module(model, 0)
     if block is None:
@@ -208,15 +191,12 @@ def post_norm_blocks(model) -> bool:
             raise _Seen
         return hook
 
-    handles = [m.register_forward_pre_hook(seen("norm" if is_norm(m) else "linear")) for m in block.modules()
-               if is_norm(m) or (type(m).__name__ in ("Linear", "Conv1D") and m is not block)]
-    hidden = next((p.shape[-1] for m in block.modules() if is_norm(m) for p in m.parameters(recurse=False)), None)
-    # the block's other required arguments (BART's and Marian's attention_mask, layer_head_mask) as None
-    params = list(inspect.signature(block.forward).parameters.values())[1:]
-    none = {p.name: None for p in params if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    handles = [m.register_forward_pre_hook(seen("norm" if is_norm_module(m) else "linear")) for m in block.modules()
+               if is_norm_module(m) or (type(m).__name__ in ("Linear", "Conv1D") and m is not block)]
+    hidden = next((p.shape[-1] for m in block.modules() if is_norm_module(m) for p in m.parameters(recurse=False)),
+                  None)
     try:
-        block(torch.empty(1, 2, hidden or 8, device="meta"), **none)
+        block(torch.empty(1, 2, hidden or 8, device="meta"), **_other_arguments(block))
     except Exception:  # _Seen, or a block that needs more before its first module
         pass
     finally:
@@ -231,12 +211,8 @@ def residual_dropouts(model, hidden: int) -> int | None:
     each `native_dropout` of a [tokens, hidden] tensor. None where the block does not run on its hidden state alone
     (then two are assumed) or has no dropout. Found by the tracer: a DistilBERT-shaped config, +0.5 MiB per block
     at b2 s512 with two counted."""
-    import inspect
-
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from memplan.codefacts import block_module
 
     block = block_module(model, 0)
     if block is None:
@@ -251,16 +227,23 @@ def residual_dropouts(model, hidden: int) -> int | None:
                 count[0] += 1
             return func(*args, **(kwargs or {}))
 
-    params = list(inspect.signature(block.forward).parameters.values())[1:]
-    none = {p.name: None for p in params if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     was = block.training
     try:
         block.train()
         with Count():
-            block(torch.empty(1, tokens, hidden, device="meta"), **none)
+            block(torch.empty(1, tokens, hidden, device="meta"), **_other_arguments(block))
     except Exception:
         return None
     finally:
         block.train(was)
     return count[0] or None
+
+
+def _other_arguments(block) -> dict:
+    """The block's other required arguments, None each (BART's and Marian's attention_mask and layer_head_mask), so that
+    it runs on its hidden state alone."""
+    import inspect
+
+    params = list(inspect.signature(block.forward).parameters.values())[1:]
+    return {p.name: None for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

@@ -16,8 +16,8 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
     is the head's, peft's conversion the whole model's type."""
     body = model if body is None else body
     return dict(**eager_facts(body), norm_saves=norm_saves(body, hidden),
-                act_saves=act_saves(activation), act_out=act_out_bytes(activation), weightless_norms=weightless_norms(body),
-                weightless_final_norms=weightless_final_norms(body),
+                act_saves=act_saves(activation), act_out=act_out_bytes(activation),
+                weightless_norms=weightless_norms(body), weightless_final_norms=weightless_final_norms(body),
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
                 expert_gate_saves=expert_gate_saves(body), relative_bias_layers=relative_bias_layers(body),
                 experts_dense=experts_dense(body))
@@ -156,6 +156,17 @@ def relative_bias_layers(model) -> int:
     return sum(1 for m in model.modules() if getattr(m, "relative_attention_bias", None) is not None)
 
 
+#: a module path inside one of the model's blocks (`model.layers.3.mlp`, `transformer.h.0`, `encoder.block.1`)
+BLOCK_PATH = re.compile(r"(^|\.)(layers|layer|h|block|blocks)\.\d+(\.|$)")
+
+
+def is_norm_module(m) -> bool:
+    """A normalisation layer: a class named *Norm* (every family's own) or torch's nn.LayerNorm."""
+    from torch import nn
+
+    return "Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm)
+
+
 def block_module(model, index: int = 0):
     """The model's block `index` (the first module named like `layers.0`, `h.0`, `block.0`), None without one."""
     pattern = re.compile(rf"(^|\.)(layers|layer|h|block|blocks)\.{index}$")
@@ -168,24 +179,17 @@ def block_module(model, index: int = 0):
 def weightless_norms(model) -> int:
     """Normalisation layers without parameters in the model's first block (OLMo's OlmoLayerNorm): the inventory
     counts norms by their weights (memplan.memory.layout), so these add to every block."""
-    from torch import nn
-
     block = block_module(model)
     if block is None:
         return 0
-    return sum(1 for m in block.modules() if ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
-               and not any(True for _ in m.parameters(recurse=False)))
+    return sum(1 for m in block.modules() if is_norm_module(m) and not any(True for _ in m.parameters(recurse=False)))
 
 
 def weightless_final_norms(model) -> int:
     """Normalisation layers without parameters outside the blocks (OLMo's final OlmoLayerNorm): counted by their
     parameters, the final norm went missing (an OLMo-shaped config, 2.3 MiB short at b2 s512, every setup)."""
-    from torch import nn
-
-    inside = re.compile(r"(^|\.)(layers|layer|h|block|blocks)\.\d+(\.|$)")
-    return sum(1 for name, m in model.named_modules() if not inside.search(name) and "embed" not in name
-               and ("Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm))
-               and not any(True for _ in m.parameters(recurse=False)))
+    return sum(1 for name, m in model.named_modules() if not BLOCK_PATH.search(name) and "embed" not in name
+               and is_norm_module(m) and not any(True for _ in m.parameters(recurse=False)))
 
 
 def plain_cross_entropy(model) -> bool:
@@ -207,9 +211,7 @@ def plain_cross_entropy(model) -> bool:
 def _block_norm(model, hidden: int):
     """The model's normalisation layer: the first module named *Norm* (or an nn.LayerNorm) with a [hidden] weight,
     else the first *Norm* module (OLMo's has no parameters)."""
-    from torch import nn
-
-    norms = [m for m in model.modules() if "Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm)]
+    norms = [m for m in model.modules() if is_norm_module(m)]
     for m in norms:
         if any(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False)):
             return m
@@ -239,4 +241,3 @@ def peft_expert_targets(model_type: str) -> tuple[str, ...]:
             or conv.get_checkpoint_conversion_mapping(model_type) is None):
         return ()
     return tuple(sorted(f"{old}:{new}" for old, new in mapping.items()))
-

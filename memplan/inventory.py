@@ -175,9 +175,6 @@ def _fused_glu(config, m) -> bool:
     return m.short_name == "gate_up_proj" or m.out_features == 2 * (getattr(config, "intermediate_size", 0) or 0)
 
 
-#: post-LN families (modeling_bert.py BertSelfOutput: LayerNorm(hidden + input); modeling_bart.py
-#: BartEncoderLayer: self_attn_layer_norm after the residual add).
-
 _GATED = {"gate_proj", "wi_0", "w1", "gate_up_proj"}
 
 
