@@ -35,6 +35,9 @@ EMULATIONS = {
                              "as a real run of its batches would, and draws 1.0 for the second, so every layer runs",
     "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
                   "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
+    "softmax backward": "CUDA's softmax backward allocates a gradient-sized `grad * output` temporary beside its "
+                        "result (SoftMax.cu softmax_backward_cuda_out); the CPU kernel does not, so the tracer "
+                        "allocates it around aten._softmax_backward_data",
     "autocast": "CPU autocast (the CUDA autocast key only applies to CUDA tensors) with CUDA's cast policy laid "
                 "over it by a function mode (memplan.emulate_autocast): CUDA's fp32 ops (pow, exp, rsqrt, "
                 "layer_norm, the losses, ...) cast up, softmax/log_softmax/cumsum/sum/norms into fp32 outputs, "
@@ -61,9 +64,9 @@ EMULATIONS = {
 @contextlib.contextmanager
 def cuda_like(padded: bool = False, seq2seq: bool = False):
     """The CUDA code paths the CPU would not take (memplan.trace.EMULATIONS): native_dropout for dropout, the
-    flash-style sdpa kernel with attention dropout, grouped_mm's output for fp32/fp16 experts, CUDA autocast's
-    fp32 op list, and transformers' mask checks answered for fake masks (padded: the batch holds padding; seq2seq:
-    an encoder-decoder, whose decoder mask is all ones)."""
+    flash-style sdpa kernel with attention dropout, grouped_mm's output for fp32/fp16 experts, the softmax
+    backward's temporary, CUDA autocast's fp32 op list, and transformers' mask checks answered for fake masks
+    (padded: the batch holds padding; seq2seq: an encoder-decoder, whose decoder mask is all ones)."""
     import torch
     import torch.nn.functional as F
 
@@ -78,7 +81,7 @@ def cuda_like(padded: bool = False, seq2seq: bool = False):
     F.dropout = dropout
     F.scaled_dot_product_attention = cuda_sdpa(original_sdpa)
     try:
-        with _grouped_mm_any_dtype(), cuda_autocast_fp32(), mask_checks(padded, seq2seq):
+        with _cuda_kernels(), cuda_autocast_fp32(), mask_checks(padded, seq2seq):
             yield
     finally:
         F.dropout = original
@@ -108,10 +111,16 @@ def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return torch.empty_strided(size, stride, dtype=mat_a.dtype, device=mat_a.device)
 
 
-def _grouped_mm_any_dtype():
-    """torch's meta kernel for aten._grouped_mm (fake tensors) accepts bf16 only, while the CUDA kernel also runs
-    fp32 and fp16 (transformers' MoE experts call it in the weights' dtype: fp32 under bf16-mixed and QLoRA). A
-    dispatch mode (the backward calls it from C++) allocates the CUDA output for those."""
+def _cuda_kernels():
+    """What CUDA kernels allocate that the CPU's do not, in a dispatch mode (the backward calls them from C++):
+    - torch's meta kernel for aten._grouped_mm (fake tensors) accepts bf16 only, while the CUDA kernel also runs
+      fp32 and fp16 (transformers' MoE experts call it in the weights' dtype: fp32 under bf16-mixed and QLoRA): the
+      CUDA output is allocated for those;
+    - CUDA's softmax backward first makes `tmp = grad * output`, a gradient-sized temporary beside its result
+      (aten/src/ATen/native/cuda/SoftMax.cu softmax_backward_cuda_out); the CPU kernel makes none. Every eager
+      attention's softmax (and the math sdpa kernel's _safe_softmax) ends its backward there. Found on an H100:
+      Llama-2-7b LoRA bf16 eager b4 s1024 checkpointed peaked 0.56 GiB ([4, 32, 1024, 1024] fp32 = 0.5 GiB) above
+      the trace (data/measured/gpu-h100.csv)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -121,6 +130,11 @@ def _grouped_mm_any_dtype():
             if func is torch.ops.aten._grouped_mm.default and is_fake(args[0]) and not (
                     args[0].dtype == args[1].dtype == torch.bfloat16):
                 return _grouped_mm_output(*args, **kwargs)
+            if func is torch.ops.aten._softmax_backward_data.default:
+                out = func(*args, **kwargs)  # the structured kernel's result is allocated before its body runs
+                tmp = torch.empty_like(args[0])  # then its body's `tmp = grad * output`, freed as it returns
+                del tmp
+                return out
             return func(*args, **kwargs)
 
     return _Mode()

@@ -612,3 +612,25 @@ def test_checkpointed_forward_block_against_the_tracer(model, fields, traced_mib
     est = estimate(model, Setup(grad_ckpt=True, attn_impl="eager", **fields))
     got = (est.phases["forward_block"] - cublas_workspace_bytes(True)) / 2**20  # the tracer counts no workspace
     assert abs(got - traced_mib) / traced_mib < tolerance, got
+
+
+@pytest.mark.parametrize("key, what, tolerance", [
+    # CUDA's softmax backward makes a third score-sized gradient (memory.attention.score_grad_bytes): -11.5%,
+    # -11.3% and -10.7% with two
+    ("c6f8691bf34e", "Llama-2-7b QLoRA r8 bf16 eager b4 s2048 checkpointed", 0.01),
+    ("65a503a56a18", "Mistral-7B QLoRA r8 bf16 eager b4 s2048 checkpointed", 0.01),
+    ("8e3cffc5b17d", "falcon-7b QLoRA all-linear bf16 b1 s2048 checkpointed (math sdpa)", 0.01),
+    # BLOOM's prefill softmax beside its named scores, sum, fp32 copy and the previous layer's probabilities
+    # (memory.inference.prefill_working_bytes): -15.7% with (2 c + 4) bytes per score
+    ("f3b8a9940136", "bloom-560m inference bf16 b4 prompt 1000", 0.01),
+])
+def test_eager_attention_rows_measured_on_the_h100(key, what, tolerance):
+    """Peak allocated of rows the H100 measured on 2026-11-26 (data/measured/gpu-h100.csv, transformers 5.17, torch
+    2.11), each estimated as it ran (memplan.check.estimate_row)."""
+    from memplan.check import estimate_row
+    from memplan.measured import read_rows
+
+    row = next(r for r in read_rows(Path(__file__).resolve().parents[1] / "data" / "measured" / "gpu-h100.csv")
+               if r["key"] == key)
+    measured = int(row["measured_allocated_bytes"])
+    assert abs(estimate_row(row).peak_allocated_bytes - measured) / measured < tolerance, what

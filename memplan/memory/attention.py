@@ -175,14 +175,16 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
 
 
 def score_grad_bytes(ctx: Ctx, q_len: int | None = None, k_len: int | None = None) -> int:
-    """Inside an eager or math attention's backward: the probabilities' gradient (PV's backward) and the softmax
-    backward's output, [b, heads, s_q, s_k] each in the softmax dtype (aten bmm / _softmax_backward_data; fused kernels
-    work tile by tile); s_q = s_k = the longer sequence unless given (an encoder-decoder's decoder block: its
-    target length against the source's). Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing, -11%
-    before."""
+    """Inside an eager or math attention's backward: the probabilities' gradient (PV's backward), the softmax
+    backward's output and CUDA's softmax backward's own `tmp = grad * output` (aten/src/ATen/native/cuda/SoftMax.cu
+    softmax_backward_cuda_out), [b, heads, s_q, s_k] each in the softmax dtype (aten bmm / _softmax_backward_data;
+    fused kernels work tile by tile); s_q = s_k = the longer sequence unless given (an encoder-decoder's decoder
+    block: its target length against the source's). Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing,
+    -11% before the first two; on an H100 the third: Llama-2-7b QLoRA eager b4 s2048 checkpointed -11.5%,
+    falcon-7b QLoRA b1 s2048 (math kernel) -10.7% without it."""
     kernel = attention_kernel(ctx, relative_bias=True)
     s = max(ctx.src_len, ctx.tgt_len)
-    return 2 * ctx.setup.batch_size * ctx.spec.arch.num_heads * (q_len or s) * (k_len or s) * \
+    return 3 * ctx.setup.batch_size * ctx.spec.arch.num_heads * (q_len or s) * (k_len or s) * \
         softmax_out_bytes(ctx, kernel)
 
 

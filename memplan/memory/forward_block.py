@@ -34,7 +34,7 @@ def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
     named through the softmax, BLOOM's scores and sum to the end; a layer that returns its probabilities
     (Arch.returns_attn_probs) keeps the previous layer's alive through the whole moment."""
     a = ctx.spec.arch
-    drop = a.attn_dropout > 0
+    drop = a.attn_dropout > 0 and ctx.setup.mode == "train"  # generate() runs the model in eval mode
     if kernel == "math":  # at the softmax: the fp32 scores, its output and its bool mask; at a dropout, the scores
         return MATH_SCORE_BYTES, 0  # gone: the softmax's output, native_dropout's output and bool mask - as many
     if kernel != "eager":

@@ -170,10 +170,17 @@ def mlp_live(a) -> int:
 
 
 def prefill_working_bytes(ctx: Ctx) -> int:
-    """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad):
-    the hidden states and q/k/v/out, then the hidden states and the MLP intermediates (PREFILL_HIDDEN,
-    mlp_live); eager attention adds [b, heads, s, s] scores + fp32 softmax + cast, the math kernel its fp32 copies,
-    scores, softmax and mask (MATH_SCORE_BYTES)."""
+    """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad,
+    as in a checkpointed block's forward): the hidden states and q/k/v/out, then the hidden states and the MLP
+    intermediates (PREFILL_HIDDEN, mlp_live); an eager attention adds the [b, heads, s, s] tensors its code holds at
+    once (forward_block.score_bytes: Arch.eager_held, the fp32 softmax's input copy, the probabilities a layer returns
+    to the model's loop), the math kernel its fp32 copies, scores, softmax and mask (MATH_SCORE_BYTES). The MLP
+    moment keeps the probabilities the layer's attention returned (Llama's `hidden_states, _ = self.self_attn(...)`)
+    and, where the layer returns them too, the previous layer's. Measured on the H100: bloom-560m bf16 b4 prompt 1000
+    held 382 MiB more than (2 c + 4) bytes per score at its softmax (scores, sum, fp32 copy, softmax, the previous
+    layer's probabilities), -15.7%."""
+    from memplan.memory.forward_block import score_bytes
+
     a = ctx.spec.arch
     c = ctx.compute_bytes
     t = ctx.setup.batch_size * ctx.src_len
@@ -181,18 +188,19 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     k = a.experts_per_token if a.num_experts else 1
     attn = (2 * a.hidden_size + (q_dim + kv_dim) * (1 + a.v_ratio)) * c * t
     kernel = attention_kernel(ctx, relative_bias=True)
-    if kernel == "eager":
-        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * (2 * c + 4)
-    elif kernel == "math":  # fp32 q/k/v copies, fp32 scores, their softmax and its mask (attention.attention_kernel)
-        attn += ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len * MATH_SCORE_BYTES + \
-            MATH_QSIZED_FP32 * q_dim * 4 * t
+    scores = ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len
+    per_score, returned = score_bytes(ctx, kernel, masked=a.kind == "causal" or ctx.setup.padded)
+    attn += scores * per_score
+    if kernel == "math":  # fp32 q/k/v copies (attention.attention_kernel)
+        attn += MATH_QSIZED_FP32 * q_dim * 4 * t
     masks = 0
     if kernel == "fused" and (padded_masks(ctx) or windowed(ctx)):
         # the boolean mask for the whole forward, and per call its float bias and the K/V repeated to every head
         masks = ctx.setup.batch_size * ctx.src_len * ctx.src_len
         attn += mask_block_bytes(ctx, ctx.setup.batch_size, ctx.src_len)
     hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
-    mlp = (hidden * a.hidden_size * c + mlp_live(a) * a.intermediate_size * c * k) * t
+    mlp = (hidden * a.hidden_size * c + mlp_live(a) * a.intermediate_size * c * k) * t + \
+        scores * returned * (2 if a.returns_attn_probs else 1)
     return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
 
 
