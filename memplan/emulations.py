@@ -132,8 +132,7 @@ def _cuda_kernels():
                 return _grouped_mm_output(*args, **kwargs)
             if func is torch.ops.aten._softmax_backward_data.default:
                 out = func(*args, **kwargs)  # the structured kernel's result is allocated before its body runs
-                tmp = torch.empty_like(args[0])  # then its body's `tmp = grad * output`, freed as it returns
-                del tmp
+                torch.empty_like(args[0])  # then its body's `tmp = grad * output`, freed as it returns
                 return out
             return func(*args, **kwargs)
 
