@@ -137,7 +137,7 @@ def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: floa
         return 0.0  # the largest recompute is an encoder's (its own phase: attention_phases.encoder_backward_phase)
     # another block of the same stack may recompute more (T5's first decoder block computes the position bias): the
     # moment is still the last block's, so `largest` gives way to its own recompute
-    return largest - last.recompute + attention_freed_bytes(ctx, last)
+    return max(largest - last.recompute, 0.0) + attention_freed_bytes(ctx, last)  # largest: 0 without checkpointing
 
 
 def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
