@@ -127,8 +127,9 @@ def _block_grads(ctx: Ctx) -> MappingProxyType:
 
 def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: float) -> float:
     """What the last block (the first backward reaches, recomputed under checkpointing) has freed by its
-    attention's softmax backward (attention_freed_bytes), less `largest` above its own recompute. Found by the tracer: Llama-2-7b QLoRA eager b4 s2048
-    checkpointed, +16% with the whole block held. largest: largest_recompute_bytes(ctx, rows)."""
+    attention's softmax backward (attention_freed_bytes), plus what `largest` holds above its own recompute. Found by
+    the tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held. largest:
+    largest_recompute_bytes(ctx, rows)."""
     ends = end_blocks(rows)
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
