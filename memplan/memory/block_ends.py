@@ -134,11 +134,13 @@ def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: floa
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
     last = ends[1]
+    if not ctx.setup.grad_ckpt:  # no recompute: its saves are among the activations
+        return attention_freed_bytes(ctx, last)
     if any(e.recompute > last.recompute and e.blk.stack != last.blk.stack for e in rows):
         return 0.0  # the largest recompute is an encoder's (its own phase: attention_phases.encoder_backward_phase)
     # another block of the same stack may recompute more (T5's first decoder block computes the position bias): the
     # moment is still the last block's, so `largest` gives way to its own recompute
-    return max(largest - last.recompute, 0.0) + attention_freed_bytes(ctx, last)  # largest: 0 without checkpointing
+    return largest - last.recompute + attention_freed_bytes(ctx, last)
 
 
 def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
