@@ -39,8 +39,8 @@ def group_of(setup) -> str:
 
 def measured_errors(data: Path) -> list[dict]:
     """One dict per usable GPU row: model, label, group, gated, and the relative error of each quantity."""
-    from memplan.check import _label, estimate_row
-    from memplan.measured import int_or_none, measured_files, read_rows, setup_from_row
+    from memplan.measure.gate import _label, estimate_row
+    from memplan.measure.rows import int_or_none, measured_files, read_rows, setup_from_row
 
     out = []
     replayed = replay_rows()
@@ -76,7 +76,7 @@ def replay_rows() -> dict[tuple[str, str], dict]:
 def replay_errors(row: dict, rep: dict | None) -> dict:
     """The replay's relative error on allocated and reserved, and `unsplit`: the bytes of blocks handed out whole
     to smaller requests at its allocated peak (allocated - requested), as a share of the measured allocated."""
-    from memplan.measured import int_or_none
+    from memplan.measure.rows import int_or_none
     allocated, reserved = (int_or_none(row.get(f"measured_{q}_bytes")) for q in ("allocated", "reserved"))
     if rep is None or not allocated or not rep.get("replay_requested_bytes"):
         return {"replay_allocated": None, "replay_reserved": None, "unsplit": None}
@@ -188,7 +188,7 @@ def replay_section(rows: list[dict]) -> list[str]:
     if not rep:
         return []
     top = max(rep, key=lambda r: r["unsplit"])
-    lines = ["", "The allocator replay (memplan/allocator.py over the whole model's traced events, under the row's "
+    lines = ["", "The allocator replay (memplan/runtime/allocator.py over the whole model's traced events, under the row's "
              "cap; training and inference rows in benchmarks/results/allocator_replay.csv). Allocated as torch counts it: whole "
              "blocks; a large-pool block whose remainder would be 1 MiB or less goes whole to a smaller request. "
              "The closed form counts tensors; its last line adds the replay's unsplit bytes to it:", "",
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     import pandas as pd
 
     from memplan.fileio import write_text_atomic
-    from memplan.measured import measured_files, read_rows
+    from memplan.measure.rows import measured_files, read_rows
     gpus = sorted({r.get("gpu", "") for p in measured_files([a.data]) for r in read_rows(p)
                    if r.get("gpu") and r.get("device", "cuda") == "cuda"})
     summary = table(rows)

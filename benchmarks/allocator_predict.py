@@ -33,10 +33,10 @@ def predict(sweeps: list[str]) -> None:
     import transformers
 
     from memplan.errors import BadInput
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     from memplan.fileio import append_csv_row_atomic
-    from memplan.replay import replay_allocator
-    from memplan.sweep import load_sweep
+    from memplan.replay.need import replay_allocator
+    from memplan.measure.sweep import load_sweep
     done = {r["key"] for r in csv.DictReader(open(RESULTS))} if RESULTS.exists() else set()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -70,7 +70,7 @@ def report() -> int:
     import csv
 
     from memplan.fileio import write_text_atomic
-    from memplan.measured import measured_files, read_rows
+    from memplan.measure.rows import measured_files, read_rows
     preds = {r["key"]: r for r in csv.DictReader(open(RESULTS))}
     measured = {}
     for path in measured_files([str(ROOT / "data" / "measured")]):

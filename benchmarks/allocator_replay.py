@@ -1,5 +1,5 @@
-"""The caching-allocator replay (memplan/allocator.py) against the GPU: for each measured row, trace the whole
-model's steps (training) or its prefill and generate() (inference: memplan/trace_infer.py) on the CPU, replay them
+"""The caching-allocator replay (memplan/runtime/allocator.py) against the GPU: for each measured row, trace the whole
+model's steps (training) or its prefill and generate() (inference: memplan/tracer/inference.py) on the CPU, replay them
 through the allocator under the row's cap, and compare
 
   fit / OOM          capped rows (planner check runs: the H100/H200 capped to a card's memory)
@@ -11,7 +11,7 @@ through the allocator under the row's cap, and compare
 
 The trace runs the transformers installed here: rows measured under another release are skipped (run again from
 a virtual environment with that release: the results file collects them, keyed by row). No parameter of the replay
-was fitted to these rows: the policy is PyTorch's (see memplan/allocator.py)."""
+was fitted to these rows: the policy is PyTorch's (see memplan/runtime/allocator.py)."""
 from __future__ import annotations
 
 import csv
@@ -45,10 +45,10 @@ def describe(s) -> str:
 def run(files: list[str]) -> None:
     import transformers
 
-    from memplan import measured
-    from memplan.check import estimate_row
+    from memplan.measure import rows as measured
+    from memplan.measure.gate import estimate_row
     from memplan.fileio import append_csv_row_atomic
-    from memplan.replay import replay_allocator
+    from memplan.replay.need import replay_allocator
     # a row is its file's: keys name setups, and a setup measured under two releases sits in two files
     done = {(r["file"], r["key"]) for r in csv.DictReader(open(RESULTS))} if RESULTS.exists() else set()
     skipped = 0
@@ -90,9 +90,9 @@ def run(files: list[str]) -> None:
 
 def refresh_estimates() -> None:
     """Recompute the closed-form columns of every stored row with today's estimator (each under its row's
-    releases and GPU, memplan.check.estimate_row): the replays stay, the estimate beside them moves with the model."""
-    from memplan import measured
-    from memplan.check import estimate_row
+    releases and GPU, memplan.measure.gate.estimate_row): the replays stay, the estimate beside them moves with the model."""
+    from memplan.measure import rows as measured
+    from memplan.measure.gate import estimate_row
     from memplan.fileio import write_text_atomic
     rows = list(csv.DictReader(open(RESULTS)))
     measured_rows = {(Path(f).name, r["key"]): r for f in {r["file"] for r in rows}
@@ -127,7 +127,7 @@ def report() -> int:
         values = sorted(values)
         return f"{100 * statistics.median(values):.1f}% | {100 * values[int(0.95 * (len(values) - 1))]:.1f}%"
     lines = ["# Caching-allocator replay vs the GPU", "",
-             "`python benchmarks/allocator_replay.py` (memplan/allocator.py over whole-model traces on the CPU; rows "
+             "`python benchmarks/allocator_replay.py` (memplan/runtime/allocator.py over whole-model traces on the CPU; rows "
              "from data/measured/). No parameter of the replay was fitted to these rows.", "",
              f"Runs under an allocator cap (planner checks: a card's memory; sweeps shared by several runs: each "
              f"run's share): the replay's fit/OOM matches the GPU in **{agree} of {len(capped)}** "

@@ -3,7 +3,7 @@
     python benchmarks/autocast_check.py [--layers 2] [MODEL ...]
 
 For each model (cut to --layers blocks, bf16-mixed, eager attention, train mode, batch 2 x 64) one forward with
-labels runs twice on fake tensors: as the tracer runs it (CPU tensors, CPU autocast + memplan.emulate_autocast)
+labels runs twice on fake tensors: as the tracer runs it (CPU tensors, CPU autocast + memplan.runtime.emulate.autocast)
 and on fake CUDA tensors under CUDA autocast switched on directly (torch registers the AutocastCUDA kernels in
 CPU-only builds). Every aten op with a floating-point input or output, views aside, is compared by (op, input dtypes and shapes,
 output dtypes and shapes); a difference is an op the tracer runs in another precision than the GPU (or a cast
@@ -122,10 +122,10 @@ def forward_ops(model_id: str, dev: str, layers: int, fields: dict | None = None
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import memplan.emulations as E
-    from memplan.emulate_autocast import autocast_switched_on
-    from memplan import steps as S
-    from memplan.models import config_dict, load_spec
+    import memplan.runtime.emulate.cuda as E
+    from memplan.runtime.emulate.autocast import autocast_switched_on
+    from memplan.runtime import steps as S
+    from memplan.model.catalog import config_dict, load_spec
     from memplan.setup import Setup
 
     spec = load_spec(model_id)

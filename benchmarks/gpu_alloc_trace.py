@@ -1,4 +1,4 @@
-"""The CUDA caching allocator's own event trace of validate's steps, beside the replay's (memplan/allocator.py).
+"""The CUDA caching allocator's own event trace of validate's steps, beside the replay's (memplan/runtime/allocator.py).
 
 On the GPU machine, for each row key or setup given, run what `memplan validate` runs (build on the GPU, empty the
 cache, 3 training steps) with torch.cuda.memory._record_memory_history on, and keep each event's action and size
@@ -32,10 +32,10 @@ def _setup(pairs: list[str]):
 def record(outdir: str, model: str, pairs: list[str]) -> Path:
     import torch
 
-    from memplan.meter import CudaMeter
-    from memplan.models import config_dict, load_spec
-    from memplan.steps import build_model, make_optimizer, materialize, training_loop
-    from memplan.validate import quantize_bnb
+    from memplan.measure.meter import CudaMeter
+    from memplan.model.catalog import config_dict, load_spec
+    from memplan.runtime.steps import build_model, make_optimizer, materialize, training_loop
+    from memplan.measure.runner import quantize_bnb
     spec, setup = load_spec(model), _setup(pairs)
     meter = CudaMeter()
     model_ = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"))
@@ -66,7 +66,7 @@ def compare(path: str) -> None:
     """The segments each side reserved after the build (cudaMalloc sizes, in order, with their phase) side by side,
     and the first place they differ."""
     from memplan.setup import Setup
-    from memplan.replay import replay_allocator
+    from memplan.replay.need import replay_allocator
     d = json.load(gzip.open(path, "rt"))
     setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
     marks = sorted(d["marks"])
@@ -91,9 +91,9 @@ def allocation_sizes(d: dict, phase_of) -> None:
     the GPU's extra allocated bytes come from (a CUDA kernel's own buffers, a different dtype)."""
     from collections import Counter
 
-    from memplan.allocator import round_size
+    from memplan.runtime.allocator import round_size
     from memplan.setup import Setup
-    from memplan.replay import traced_events
+    from memplan.replay.need import traced_events
     setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
     traced: dict[str, Counter] = {}
     seen_optimizer = False

@@ -1,7 +1,7 @@
 """Where did the memory go? The live CUDA allocations at each phase's peak, grouped by the code that made them
 (issue 6: model the effects behind the largest errors, never fudge them).
 
-Each case runs `memplan validate`'s own steps (memplan.steps) in a subprocess with torch's allocator history
+Each case runs `memplan validate`'s own steps (memplan.runtime.steps) in a subprocess with torch's allocator history
 recording (torch.cuda.memory._record_memory_history, Python stacks). The trace is replayed: at each phase's peak
 the live blocks are summed by site, i.e. the innermost frame in transformers / peft / bitsandbytes / torch.optim /
 memplan code, with the innermost frame of all beside it. Allocations made by autograd's C++ engine (backward)
@@ -101,10 +101,10 @@ def run_case(case: dict, fraction: float | None, stacks: bool = True) -> dict:
     raised SystemError in run_backward while Python stacks were recorded, session 8)."""
     import torch
 
-    from memplan.models import config_dict, load_spec
+    from memplan.model.catalog import config_dict, load_spec
     from memplan.setup import Setup
-    from memplan.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
-    from memplan.validate import quantize_bnb
+    from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+    from memplan.measure.runner import quantize_bnb
     fields = {k: v for k, v in case.items() if k != "model"}
     setup = Setup(**fields)
     spec = load_spec(case["model"])
@@ -182,8 +182,8 @@ def _spawn(case: dict, fraction: float | None, timeout: float, stacks: bool = Tr
 
 
 def _estimate(case: dict) -> dict:
-    from memplan.estimate import estimate
-    from memplan.models import load_spec
+    from memplan.estimator.breakdown import estimate
+    from memplan.model.catalog import load_spec
     from memplan.setup import Setup
     e = estimate(load_spec(case["model"]), Setup(**{k: v for k, v in case.items() if k != "model"}))
     return {"peak_phase": e.peak_phase, "phase_totals": {k: round(v / 2**30, 3) for k, v in e.phases.items()},

@@ -1,6 +1,6 @@
 """Run many `memplan validate` setups at once on one large GPU (issue 6's sweeps on an 80 GB H100).
 
-Each setup still runs in its own subprocess (memplan.validate.validate), so its allocator peaks (allocated,
+Each setup still runs in its own subprocess (memplan.measure.runner.validate), so its allocator peaks (allocated,
 reserved) are its own whatever runs beside it. What sharing the GPU changes is handled explicitly:
 - every run's allocator is capped (set_per_process_memory_fraction) to 1.5 x its predicted device total, and runs
   are started only while the caps of the runs in flight add up to less than the GPU's memory, so one run cannot
@@ -31,7 +31,7 @@ HEADROOM = 1.5  # cap = predicted device total x this (a run needing more is an 
 
 
 def gpu_total_bytes() -> int:
-    """The total that set_per_process_memory_fraction takes a fraction of (the CUDA device's, as memplan.validate
+    """The total that set_per_process_memory_fraction takes a fraction of (the CUDA device's, as memplan.measure.runner
     uses): NVML's total is larger (81,559 vs 81,079 MiB on an H100 80GB HBM3), and fractions of it capped session
     8's first planner runs 0.6% below the intended card (data/measured/planner-check-run1.csv)."""
     import torch
@@ -60,9 +60,9 @@ class Pool:
     def measure(self, job, fraction: float, notes: str, out: Path | None = None):
         """Run one job capped to `fraction` of the GPU and append its row (to `out`, default the pool's CSV);
         returns the row's status."""
-        from memplan.measured import append_row, make_row
-        from memplan.sweep import _now
-        from memplan.validate import validate
+        from memplan.measure.rows import append_row, make_row
+        from memplan.measure.sweep import _now
+        from memplan.measure.runner import validate
         m = validate(job.model, job.setup, device="cuda", steps=3, memory_fraction=fraction, timeout=400,
                      shared_gpu=True)
         with self.lock:
@@ -110,10 +110,10 @@ class Pool:
 
 def sweep_tasks(pool: Pool, files: list[str]) -> list:
     from memplan.errors import BadInput
-    from memplan.estimate import estimate
-    from memplan.measured import done_keys
-    from memplan.models import load_spec
-    from memplan.sweep import load_sweep
+    from memplan.estimator.breakdown import estimate
+    from memplan.measure.rows import done_keys
+    from memplan.model.catalog import load_spec
+    from memplan.measure.sweep import load_sweep
     done = done_keys(pool.out)
     tasks = []
     for f in files:
@@ -139,7 +139,7 @@ def planner_tasks(pool: Pool) -> list:
     transformers), one after the other so that a batch both need runs once (each measure reads the rows so far)."""
     import planner_check
     from memplan.gpus import find_gpu
-    from memplan.measured import done_keys
+    from memplan.measure.rows import done_keys
     context = alone_context_bytes()
     replays = planner_check.stored_replay_batches()
     tasks = []
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=6)
     ap.add_argument("--planner", action="store_true")
     a = ap.parse_intermixed_args()  # --planner may come before the sweep files
-    from memplan.validate import require_cuda
+    from memplan.measure.runner import require_cuda
     require_cuda()
     device = gpu_total_bytes()
     pool = Pool(Path(a.out), int(device * 0.92), a.workers, time.time() + a.seconds, device)

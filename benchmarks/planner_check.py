@@ -14,7 +14,7 @@ micro-batch is the largest the planner believes fits with its headroom). On a re
 Rows go to data/measured/planner-check.csv (validator format, resumable; `memplan check` gates them too).
 
 Two planners are checked: the closed-form search (`memplan plan`) and `memplan plan --replay`, whose micro-batch
-comes from replaying the caching allocator over traced steps (memplan/refine.py). The replay plans are made here,
+comes from replaying the caching allocator over traced steps (memplan/planner/refine.py). The replay plans are made here,
 on the CPU, with the transformers release the GPU machine runs, and stored in benchmarks/results/planner_replay_plans.csv;
 the GPU run measures their batches too. A verdict reads every batch measured for the pair, whichever planner's
 run measured it.
@@ -60,7 +60,7 @@ BASE = dict(attn_impl="sdpa", grad_accum=1, grad_ckpt=False)
 
 def planned(model: str, card: str, pinned: dict):
     """The planner's Setup for this pair (its micro-batch is the one under test)."""
-    from memplan.search import plan
+    from memplan.planner.search import plan
     p = plan(model, card, effective_batch=EFFECTIVE, **{**BASE, **pinned})
     if p.setup is None:
         raise SystemExit(f"planner found nothing that fits for {model} on {card}")
@@ -76,7 +76,7 @@ def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int |
     """Run the planned batch, the next one, and the 90% bound when the next one fits. measure(job, notes) runs one
     Job (emulating `card`) and returns its status. replay_batch: check `plan --replay`'s micro-batch instead of the
     closed-form planner's (same setup otherwise). Returns {role: status}."""
-    from memplan.sweep import Job
+    from memplan.measure.sweep import Job
     setup = planned(model, card, pinned)
     b = replay_batch or setup.batch_size
     label = "replay " if replay_batch else ""
@@ -100,7 +100,7 @@ def replay_plans() -> None:
     import transformers
 
     from memplan.fileio import write_text_atomic
-    from memplan.search import plan
+    from memplan.planner.search import plan
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["model", "card", "estimate_batch", "replay_batch", "replayed", "transformers", "peft", "torch"])
@@ -128,9 +128,9 @@ def stored_replay_batches() -> dict[tuple[str, str], int]:
 
 def run() -> None:
     """One pair after another, each run alone on the GPU (benchmarks/gpu_pool.py --planner runs them side by side)."""
-    from memplan.measured import read_rows
-    from memplan.sweep import run_sweep
-    from memplan.validate import require_cuda
+    from memplan.measure.rows import read_rows
+    from memplan.measure.sweep import run_sweep
+    from memplan.measure.runner import require_cuda
     require_cuda()
 
     def measure(job, notes):
@@ -168,7 +168,7 @@ def report() -> int:
     import re
 
     from memplan.fileio import write_text_atomic
-    from memplan.measured import read_rows
+    from memplan.measure.rows import read_rows
     rows = read_rows(OUT) if OUT.exists() else []
     stored = {(r["model"], r["card"]): r for r in csv.DictReader(open(PLANS))} if PLANS.exists() else {}
     lines = ["# Planner check (issue 6)", "",

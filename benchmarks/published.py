@@ -87,8 +87,8 @@ def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
     """(estimated rows, skipped rows with reasons) for every row of the reference CSV."""
     from memplan import libs
     from memplan.errors import MemplanError
-    from memplan.estimate import estimate
-    from memplan.models import catalog_id
+    from memplan.estimator.breakdown import estimate
+    from memplan.model.catalog import catalog_id
     from memplan.setup import Setup
 
     done, skipped, rows = [], [], []
@@ -136,9 +136,9 @@ PUBLISHED_TOLERANCE = {"high": "0.10"}
 
 
 def _measured_row(row, setup, versions: dict[str, str]) -> dict:
-    """The reference row in memplan's measured-row schema (memplan.measured), with its source and the package
+    """The reference row in memplan's measured-row schema (memplan.measure.rows), with its source and the package
     releases it ran with (`memplan check` re-estimates it under that transformers release)."""
-    from memplan.measured import make_row
+    from memplan.measure.rows import make_row
     trust = str(row["trust"])
     return make_row(row["model"], setup, key=row["source_id"], status="ok", device="cuda", steps="",
                     **{f"measured_{row['measure']}_bytes": int(float(row["measured_bytes"]))},
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "published.md", text)
     write_text_atomic(args.out / "published.csv", pd.DataFrame(done + skipped).to_csv(index=False))
-    from memplan.measured import COLUMNS
+    from memplan.measure.rows import COLUMNS
     write_text_atomic(args.rows, pd.DataFrame(rows, columns=list(COLUMNS)).to_csv(index=False))
     print(text)
     return 0

@@ -1,5 +1,5 @@
 """How tight is the closed-form fit test? For a grid of training setups, the smallest allocator limit the caching
-allocator's replay fits under (memplan.replay.replay_need: the whole model traced once, the limit bisected over
+allocator's replay fits under (memplan.replay.need.replay_need: the whole model traced once, the limit bisected over
 replays) beside the closed form's bound, Estimate.allocator_need_bytes = peak allocated + the largest tensor.
 
     python benchmarks/replay_need.py run [SHARD/NSHARDS]   # appends results/replay_need.csv (resumable)
@@ -8,7 +8,7 @@ replays) beside the closed form's bound, Estimate.allocator_need_bytes = peak al
 The replay is the reference here because it called fit/OOM as the GPU did in every capped run it was checked on
 (benchmarks/results/allocator_replay.md); these setups need no GPU. A negative slack (closed form below the replay's
 need) is a setup the planner could pick where it runs out of memory without the headroom; the headroom
-(memplan.budget.DEFAULT_HEADROOM) must cover the worst of them."""
+(memplan.planner.budget.DEFAULT_HEADROOM) must cover the worst of them."""
 from __future__ import annotations
 
 import csv
@@ -53,9 +53,9 @@ def describe(s) -> str:
 
 def run(shard: int = 0, shards: int = 1) -> None:
     from memplan.errors import MemplanError
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     from memplan.fileio import append_csv_row_atomic
-    from memplan.replay import replay_need
+    from memplan.replay.need import replay_need
     out = RESULTS.with_name(f"replay_need.{shard}.csv") if shards > 1 else RESULTS
     done = {(r["model"], r["setup"]) for r in csv.DictReader(open(out))} if out.exists() else set()
     for i, (model, setup) in enumerate(grid()):
@@ -89,7 +89,7 @@ def report() -> None:
     lines = ["# The closed-form fit test against the allocator replay", "",
              "`python benchmarks/replay_need.py`: per setup, the closed form's bound (peak allocated + the largest "
              "tensor, Estimate.allocator_need_bytes) against the smallest allocator limit the caching allocator's "
-             "replay fits under (memplan.replay.replay_need). slack = (closed form - replay need) / replay need: "
+             "replay fits under (memplan.replay.need.replay_need). slack = (closed form - replay need) / replay need: "
              "negative where the closed form would accept a limit the step runs out of memory under.", "",
              f"{len(rows)} setups: slack median {statistics.median(values):+.1%}, min {values[0]:+.1%}, "
              f"max {values[-1]:+.1%}; below zero: {sum(v < 0 for v in values)}.", "",

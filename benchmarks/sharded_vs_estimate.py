@@ -1,5 +1,5 @@
 """Estimate vs the sharded tracer: rank 0 of real torch FSDP2 (accelerate's per-block wrapping and bf16 policy) over
-a fake process group (memplan.trace_sharded), 9 catalog models x 4 setups (full shard with checkpointing, LoRA over
+a fake process group (memplan.tracer.sharded), 9 catalog models x 4 setups (full shard with checkpointing, LoRA over
 8 ranks, shard-grad-op with eager attention, layer freezing).
 
     python benchmarks/sharded_vs_estimate.py
@@ -40,10 +40,10 @@ def rows() -> list[tuple[str, dict, int]]:
 
 
 def run_row(model: str, fields: dict, layers):
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     from memplan.setup import Setup
-    from memplan.trace import compare
-    from memplan.trace_sharded import trace_sharded
+    from memplan.tracer.training import compare
+    from memplan.tracer.sharded import trace_sharded
 
     setup = Setup(**fields)
     t0 = time.perf_counter()

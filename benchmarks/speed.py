@@ -30,8 +30,8 @@ def wall(cmd: list[str], repeat: int = 5) -> float:
 def estimates_per_second(model: str = "meta-llama/Llama-2-7b-hf", n: int = 2000) -> float:
     import dataclasses
 
-    from memplan.estimate import estimate
-    from memplan.models import load_spec
+    from memplan.estimator.breakdown import estimate
+    from memplan.model.catalog import load_spec
     from memplan.setup import Setup
 
     spec = load_spec(model)
@@ -57,8 +57,8 @@ def timed(fn, repeat: int = 5):
 def plan_rates() -> list[tuple[str, str, str]]:
     """The planner in process: candidate setups estimated per second and wall time per plan (medians of 5)."""
     from memplan.gpus import find_gpu
-    from memplan.models import load_spec
-    from memplan.search import plan
+    from memplan.model.catalog import load_spec
+    from memplan.planner.search import plan
 
     rows = []
     for model, gpu, prefer, pins in (("meta-llama/Llama-2-7b-hf", "RTX 3060", "quality", {}),
@@ -87,8 +87,8 @@ def TRACE_CMD(exe: str) -> list[str]:  # noqa: N802
 
 
 def replay_plans(exe: str) -> list[tuple[str, str, str]]:
-    """`plan --replay` (memplan/refine.py: per micro-batch probed, its training events - synthesized from a 5-block
-    trace where memplan.synth applies - replayed through the caching allocator), one run each."""
+    """`plan --replay` (memplan/planner/refine.py: per micro-batch probed, its training events - synthesized from a 5-block
+    trace where memplan.replay.synth applies - replayed through the caching allocator), one run each."""
     rows = []
     for model, flags in (("openai-community/gpt2", ["--gpu", "RTX 3060"]),
                          ("openai-community/gpt2-xl", ["--gpu", "A10", "--technique", "full", "--precision", "bf16",
@@ -112,8 +112,8 @@ def main() -> int:
     rows = [
         ("`memplan fit meta-llama/Llama-2-7b-hf --gpu \"RTX 3060\"` (fresh process, median of 5)",
          f"{wall(fit_cmd):.2f} s", "< 1 s"),
-        ("`python -c 'import memplan.estimate'` (fresh process, median of 5)",
-         f"{wall([exe, '-c', 'import memplan.estimate']):.2f} s", "-"),
+        ("`python -c 'import memplan.estimator.breakdown'` (fresh process, median of 5)",
+         f"{wall([exe, '-c', 'import memplan.estimator.breakdown']):.2f} s", "-"),
         ("estimates per second, Llama-2-7B, mixed setups (in process)", f"{estimates_per_second():,.0f} /s",
          ">= 1,000 /s"),
         ("`memplan plan meta-llama/Llama-2-7b-hf --gpu \"RTX 3060\"` (fresh process, median of 5)",

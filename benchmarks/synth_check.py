@@ -1,10 +1,10 @@
-"""Synthesized training events (memplan.synth) against whole-model traces: equal, and how much faster?
+"""Synthesized training events (memplan.replay.synth) against whole-model traces: equal, and how much faster?
 
     python benchmarks/synth_check.py
 
-Per setup: the events memplan.replay.traced_events synthesizes from a 5-block cut (after a first call for the setup
+Per setup: the events memplan.replay.need.traced_events synthesizes from a 5-block cut (after a first call for the setup
 at batch 1, which pays the per-setup costs: the full-depth optimizer run and the check against a 7-block trace),
-the whole model traced, both compared event by event (memplan.synth.canonical) and replayed through the caching
+the whole model traced, both compared event by event (memplan.replay.synth.canonical) and replayed through the caching
 allocator (peak reserved, allocated, and the smallest limit that fits). Results: benchmarks/results/synth_check.md.
 """
 from __future__ import annotations
@@ -51,15 +51,15 @@ def main() -> int:
     import torch
     import transformers
 
-    from memplan import synth
-    from memplan.allocator import min_limit
+    from memplan.replay import synth
+    from memplan.runtime.allocator import min_limit
     from memplan.fileio import write_text_atomic
     from memplan.setup import Setup
-    from memplan.replay import _replayed, cuda_workspaces, traced_events
+    from memplan.replay.need import _replayed, cuda_workspaces, traced_events
 
     lines = ["# Synthesized events vs whole-model traces", "",
              f"`python benchmarks/synth_check.py` ({datetime.date.today()}, torch {torch.__version__}, transformers "
-             f"{transformers.__version__}, 2 CPU cores). 3 training steps. *synthesized*: memplan.synth from a 5-block "
+             f"{transformers.__version__}, 2 CPU cores). 3 training steps. *synthesized*: memplan.replay.synth from a 5-block "
              "cut after the setup's first call (full-depth optimizer run and 7-block check paid there, "
              "*first call*); *whole*: the whole model traced. *equal*: the same events, serials renumbered and each "
              "burst of frees as a set; the replay columns are the caching allocator's over the synthesized events "

@@ -2,7 +2,7 @@
 
     python benchmarks/trace_layers.py [--layers 2]
 
-Traces each setup twice, whole and cut to N and N+1 blocks (memplan.trace: per-segment extrapolation), and writes
+Traces each setup twice, whole and cut to N and N+1 blocks (memplan.tracer.training: per-segment extrapolation), and writes
 benchmarks/results/trace_layers.md with both peaks per phase. The models are small enough to trace whole on a CPU
 (Mistral-7B's 32 blocks take ~20 s under fake tensors); the setups are the ones where a phase's peak moves between
 places as the model deepens (GPT-2 full fine-tuning's backward, Mistral-7B's frozen blocks under checkpointing),
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     import memplan
     from memplan.fileio import write_text_atomic
     from memplan.setup import Setup
-    from memplan.trace import trace
+    from memplan.tracer.training import trace
 
     rows, worst = [], 0.0
     for i, (model, fields) in enumerate(CASES):

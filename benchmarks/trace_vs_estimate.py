@@ -184,7 +184,7 @@ for _m, _layers, _kw in (
         (str(SHAPES / "modernbert" / "config.json"), None, dict(technique="full", precision="bf16", batch_size=2,
                                                                 seq_len=512))):
     _add(_m, layers=_layers, attn_impl="sdpa", padded=True, **_kw)
-# Checkpointed long sequences whose peak is inside a block's backward, not the loss (memplan.memory.block_ends): an
+# Checkpointed long sequences whose peak is inside a block's backward, not the loss (memplan.estimator.memory.block_ends): an
 # eager softmax's backward after its block's MLP; a gated MLP's product backward in the last and the first block
 _add("meta-llama/Llama-2-7b-hf", layers=2, technique="qlora", precision="bf16", batch_size=4, seq_len=2048, attn_impl="eager", grad_ckpt=True)
 _add("mistralai/Mistral-7B-v0.1", layers=2, technique="lora", precision="bf16", batch_size=4, seq_len=1024, attn_impl="eager", grad_ckpt=True)
@@ -212,9 +212,9 @@ QUICK = [0, 3, 6, 8, 10, 13, 14, 16, 18, 25, 28, 29, 33, 37, 41, 44, 46, 47, 49,
 
 
 def run_row(model: str, fields: dict, layers):
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     from memplan.setup import Setup
-    from memplan.trace import compare, trace
+    from memplan.tracer.training import compare, trace
 
     setup = Setup(**fields)
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import memplan
-import memplan.models
+import memplan.model.catalog
 
 
 def pad_collator(max_length: int, pad_id: int, multiple: int | None, mlm: bool):
@@ -80,7 +80,7 @@ def text_dataset(path: str, tokenizer, data: dict, seq2seq: bool) -> list[dict]:
 def build_model(plan, random_init: bool):
     cls = plan.model_class()
     if random_init:
-        config = memplan.models.hf_config(plan.model_id)  # catalog configs need no network
+        config = memplan.model.catalog.hf_config(plan.model_id)  # catalog configs need no network
         kwargs = {k: v for k, v in plan.model_kwargs.items() if k != "quantization_config"}
         if plan.quantization_config is not None:
             raise SystemExit("--random-init cannot quantize (bitsandbytes quantizes while loading weights); "

@@ -1,3 +1,3 @@
-from memplan.cli import main
+from memplan.cli.main import main
 
 main()

@@ -3,7 +3,7 @@ measurement ran with.
 
 A few memory effects depend on the transformers release (which attention kernel a model's mask lets sdpa pick, for
 one). The estimate models the installed release, which is the one a user trains with; `memplan check` re-estimates
-each stored row under the versions recorded in it (memplan.measured ENV_FIELDS), so old rows stay comparable.
+each stored row under the versions recorded in it (memplan.measure.rows ENV_FIELDS), so old rows stay comparable.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from memplan.spec import Arch, Linear, ModelSpec, Param
+from memplan.model.spec import Arch, Linear, ModelSpec, Param
 
 H, HEADS, KV, HD, I, V, LAYERS = 64, 4, 2, 16, 128, 1000, 2
 

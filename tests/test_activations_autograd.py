@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from memplan.models import CONFIGS
+from memplan.model.catalog import CONFIGS
 
 torch = pytest.importorskip("torch")
 
@@ -60,10 +60,10 @@ def test_activations_equal_autograd_saved_bytes(stem, overrides, setup_kw):
     import peft
     import transformers
 
-    from memplan.inventory import build_spec
-    from memplan.modelclass import auto_class
-    from memplan.memory import activations, logits
-    from memplan.memory.context import resolve
+    from memplan.inventory.build import build_spec
+    from memplan.model.hf import auto_class
+    from memplan.estimator.memory import activations, logits
+    from memplan.estimator.memory.context import resolve
     from memplan.setup import Setup
 
     d = _config(stem, overrides)

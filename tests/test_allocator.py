@@ -1,4 +1,4 @@
-"""The caching-allocator replay (memplan/allocator.py): the policy's rules one by one, then a whole traced step
+"""The caching-allocator replay (memplan/runtime/allocator.py): the policy's rules one by one, then a whole traced step
 against a capped GPU run."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from memplan import measured
-from memplan.cli import main
-from memplan.memory.overhead import CUDA_CONTEXT_BYTES
-from memplan.allocator import CachingAllocator, replay, round_size, segment_size
+from memplan.measure import rows as measured
+from memplan.cli.main import main
+from memplan.estimator.memory.overhead import CUDA_CONTEXT_BYTES
+from memplan.runtime.allocator import CachingAllocator, replay, round_size, segment_size
 
 MiB = 1 << 20
 
@@ -113,7 +113,7 @@ def test_phase_peaks_start_from_what_is_live_as_the_phase_starts():
 
 
 def test_min_limit_is_the_smallest_limit_that_fits():
-    from memplan.allocator import min_limit
+    from memplan.runtime.allocator import min_limit
     # a 24 MiB tensor freed, a 2 MiB one carved from its cached segment (pinning it), then 23 MiB more: uncapped
     # the allocator reserves 24 + 24; under a cap it cannot release the split segment, so 48 MiB it needs
     events = [(0, 24 * MiB, "forward"), (0, 0, "forward"), (1, 2 * MiB, "forward"), (2, 23 * MiB, "forward")]
@@ -129,7 +129,7 @@ def test_replay_under_an_rtx3060_cap_matches_the_h200(model, batches):
     # data/measured/planner-check.csv (H200, 2026-11-26), both under an RTX 3060 cap (11.49 GiB): gpt2 full
     # bf16-mixed s1024 fitted b6 (11.07 GiB reserved) and ran out of memory at b7; bert-large-uncased full fp32 s512
     # fitted b7 (11.34 GiB reserved) and ran out at b8. Tolerance: 1% of the reserved peak.
-    from memplan.replay import replay_allocator
+    from memplan.replay.need import replay_allocator
     rows = [r for r in measured.read_rows("data/measured/planner-check.csv")
             if r["model"] == model and r["batch_size"] in batches]
     assert len(rows) == 2
@@ -154,9 +154,9 @@ def _replay_fake(largest: int, limit: int, calls: list):
 
 @pytest.mark.parametrize("largest", [1, 3, 6, 9, 40])
 def test_refine_sets_the_largest_micro_batch_the_replay_fits(largest):
-    from memplan.refine import allocator_limit, refine
-    from memplan.search import plan
-    from memplan.estimate import estimate
+    from memplan.planner.refine import allocator_limit, refine
+    from memplan.planner.search import plan
+    from memplan.estimator.breakdown import estimate
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
              precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
     calls: list = []
@@ -170,9 +170,9 @@ def test_refine_sets_the_largest_micro_batch_the_replay_fits(largest):
 
 def test_refine_guesses_from_the_first_need():
     # where the need grows at the closed form's own rate, the guess lands on the answer: b0, the guess, guess + 1
-    from memplan.estimate import estimate
-    from memplan.refine import allocator_limit, refine
-    from memplan.search import plan
+    from memplan.estimator.breakdown import estimate
+    from memplan.planner.refine import allocator_limit, refine
+    from memplan.planner.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
              precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False, headroom=0.3)
     b0, limit = p.setup.batch_size, allocator_limit(p)
@@ -191,9 +191,9 @@ def test_refine_guesses_from_the_first_need():
 def test_refine_with_less_than_a_sample_of_room_probes_the_neighbour():
     # b0 fits with less than one sample's need to spare: b0 + 1 is probed next (not a bisection up to the cap:
     # the planner check's replay plans probed 259 for gpt2 before)
-    from memplan.estimate import estimate
-    from memplan.refine import allocator_limit, refine
-    from memplan.search import plan
+    from memplan.estimator.breakdown import estimate
+    from memplan.planner.refine import allocator_limit, refine
+    from memplan.planner.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
              precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
     b0, limit = p.setup.batch_size, allocator_limit(p)
@@ -208,19 +208,19 @@ def test_refine_with_less_than_a_sample_of_room_probes_the_neighbour():
 
 
 def test_refine_splits_the_effective_batch_when_accumulation_is_free():
-    from memplan.estimate import estimate
-    from memplan.refine import refine
-    from memplan.search import plan
+    from memplan.estimator.breakdown import estimate
+    from memplan.planner.refine import refine
+    from memplan.planner.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=32, technique="full",
              precision="bf16-mixed", attn_impl="sdpa", grad_ckpt=False)
-    from memplan.refine import allocator_limit
+    from memplan.planner.refine import allocator_limit
     got = refine(p, p.model, lambda spec, s: estimate(spec, s), _replay_fake(9, allocator_limit(p), []))
     assert (got.setup.batch_size, got.setup.grad_accum) == (8, 4)  # 32 = 8 x 4, the largest divisor <= 9
 
 
 def test_refine_leaves_multi_gpu_and_nothing_fits_plans_alone():
-    from memplan.refine import refine
-    from memplan.search import plan
+    from memplan.planner.refine import refine
+    from memplan.planner.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, num_gpus=2, sharding="ddp")
     got = refine(p, p.model, None, lambda *a: pytest.fail("replayed"))
     assert got.setup == p.setup and "single-GPU" in got.replay["skipped"]
@@ -229,7 +229,7 @@ def test_refine_leaves_multi_gpu_and_nothing_fits_plans_alone():
 
 
 def test_plan_cli_replay_flag(monkeypatch):
-    from memplan import refine as refine_mod
+    from memplan.planner import refine as refine_mod
     calls: list = []
     limits: list = []
     real_refine = refine_mod.refine
@@ -244,7 +244,7 @@ def test_plan_cli_replay_flag(monkeypatch):
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["setup"]["batch_size"] == 4 and out["replay"]["largest_batch_size"] == 4 and calls
-    assert out["headroom"] == 0.01  # memplan.budget.REPLAY_HEADROOM: --headroom not given
+    assert out["headroom"] == 0.01  # memplan.planner.budget.REPLAY_HEADROOM: --headroom not given
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--json"])
     assert json.loads(r.output)["headroom"] == 0.035 and json.loads(r.output)["replay"] is None
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--replay", "--headroom",
@@ -253,11 +253,11 @@ def test_plan_cli_replay_flag(monkeypatch):
 
 
 def test_inference_replays_prefill_and_generate_on_fake_tensors():
-    # memplan/trace_infer.py: validate's prefill and generate() traced on fake tensors (the stop decision and the
+    # memplan/tracer/inference.py: validate's prefill and generate() traced on fake tensors (the stop decision and the
     # right-padding check answered from what validate's batches hold), then replayed like training
     from transformers.generation.utils import StopCheck
 
-    from memplan.replay import replay_allocator
+    from memplan.replay.need import replay_allocator
     from memplan.setup import Setup
     stop = StopCheck.__call__
     short, long = (replay_allocator("gpt2", Setup(mode="infer", precision="bf16", batch_size=2, seq_len=32,
@@ -274,10 +274,10 @@ def test_inference_replays_prefill_and_generate_on_fake_tensors():
 def test_inference_trace_generates_exactly_the_new_tokens(monkeypatch):
     # the stop decision is answered from the length: an encoder-decoder's sequence is its decoder's (start token +
     # new tokens), not the prompt's; validate's generate() makes new_tokens decoder passes after its prefill's one
-    import memplan.steps as steps
-    from memplan.models import load_spec
+    import memplan.runtime.steps as steps
+    from memplan.model.catalog import load_spec
     from memplan.setup import Setup
-    from memplan.trace_infer import inference_events
+    from memplan.tracer.inference import inference_events
     calls = []
     loop = steps.inference_loop
 

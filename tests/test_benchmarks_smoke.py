@@ -39,7 +39,7 @@ def _accuracy():
 
 
 def test_accuracy_table_counts_every_ok_gpu_row_and_summarises_each_group(tmp_path):
-    from memplan.measured import measured_files, read_rows
+    from memplan.measure.rows import measured_files, read_rows
     acc = _accuracy()
     data = ROOT / "data" / "measured"
     rows = acc.measured_errors(data)

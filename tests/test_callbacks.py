@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from memplan import measured
-from memplan.callbacks import MemoryCallback
+from memplan.measure import rows as measured
+from memplan.measure.callbacks import MemoryCallback
 from memplan.setup import Setup
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
@@ -50,7 +50,7 @@ def test_trainer_logs_memory_fields_and_writes_a_row(tiny, tmp_path):
     assert len(logged) >= 3
     assert logged[0]["memplan/predicted_allocated_bytes"] == cb.estimate.peak_allocated_bytes
     rows = measured.read_rows(out)
-    assert len(rows) == 1 and rows[0]["source"] == "memplan.callbacks.MemoryCallback"
+    assert len(rows) == 1 and rows[0]["source"] == "memplan.measure.callbacks.MemoryCallback"
     assert measured.setup_from_row(rows[0]) == setup and rows[0]["model"] == tiny
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from memplan.cli import main
+from memplan.cli.main import main
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Facts memplan reads from a family's own code when it builds the inventory (memplan.codefacts): what its norm layer
+"""Facts memplan reads from a family's own code when it builds the inventory (memplan.inventory.probes): what its norm layer
 and its activation save for backward, measured on meta / fake tensors. Golden values are the saves torch's
 tools/autograd/derivatives.yaml gives for each module's ops (cited per case)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan.models import load_spec
+from memplan.model.catalog import load_spec
 
 SHAPES = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
 
@@ -84,8 +84,8 @@ def test_parallel_blocks_are_read_from_the_model(model, parallel):
     (str(SHAPES / "deepseek_v3" / "config.json"), True, False),
 ])
 def test_heads_first_attention_output_is_read_from_the_model(model, flag, copied):
-    from memplan.memory.block_tail import fused_output_copied
-    from memplan.memory.context import resolve
+    from memplan.estimator.memory.block_tail import fused_output_copied
+    from memplan.estimator.memory.context import resolve
     from memplan.setup import Setup
 
     spec = load_spec(model)
@@ -125,9 +125,9 @@ def test_post_norm_and_residual_dropouts_are_read_from_the_model(model, post_nor
 def test_umt5_saves_its_mlp_dropout_mask():
     # the tracer (fake tensors, transformers' own UMT5 step) against the estimate, full bf16 b2 s512: 12 [b, s, d_ff]
     # masks (1.5 MiB each) were missing with act_dropout 0 (-1.93%, benchmarks/results/trace_vs_estimate.md)
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     from memplan.setup import Setup
-    from memplan.trace import comparable_estimate_bytes, trace
+    from memplan.tracer.training import comparable_estimate_bytes, trace
 
     setup = Setup(technique="full", precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=512)
     model = str(SHAPES / "umt5" / "config.json")
@@ -145,13 +145,13 @@ def test_umt5_saves_its_mlp_dropout_mask():
     ("xielu", (7, 13, 11, 13, 9, 17, 15, 17)),
 ])
 def test_activation_saves(act, expected):
-    from memplan.codefacts import act_saves
+    from memplan.inventory.probes import act_saves
 
     assert act_saves(act) == expected
 
 
 def test_olmo_counts_its_parameter_free_norms(tmp_path):
-    from memplan.memory.layout import blocks
+    from memplan.model.layout import blocks
 
     spec = load_spec(str(SHAPES / "olmo" / "config.json"))
     assert spec.arch.weightless_norms == 2
@@ -161,8 +161,8 @@ def test_olmo_counts_its_parameter_free_norms(tmp_path):
 def test_qlora_activations_are_fp32_under_autocast():
     # bitsandbytes layers return fp32 after k-bit preparation, so gelu_new's input is fp32 under autocast (16 bytes),
     # not the 16-bit case (14)
-    from memplan.memory.context import resolve
-    from memplan.memory.saves import act_saved_bytes
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.saves import act_saved_bytes
     from memplan.setup import Setup
 
     ctx = resolve(load_spec("openai-community/gpt2"), Setup(technique="qlora", precision="bf16"))
@@ -170,7 +170,7 @@ def test_qlora_activations_are_fp32_under_autocast():
 
 
 def test_stored_inventory_round_trips_the_measured_facts(tmp_path):
-    from memplan.spec import ModelSpec
+    from memplan.model.spec import ModelSpec
 
     spec = load_spec(str(SHAPES / "cohere2" / "config.json"))
     again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
@@ -207,8 +207,8 @@ def test_expert_gating_is_measured_on_the_family_function():
 def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path, monkeypatch):
     # Qwen3-Next's linear_attention layers (gated DeltaNet) are measured (linfacts); a mixer that does not run on
     # fake tensors stays unmodelled and is named in the notes (a shaped config traced 55% above before)
-    from memplan import linfacts
-    from memplan.estimate import estimate
+    from memplan.inventory import linear_attention as linfacts
+    from memplan.estimator.breakdown import estimate
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen3_next", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -232,8 +232,8 @@ def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path, monk
 
 
 def test_case_indices_follow_the_measured_tables_order():
-    from memplan.actfacts import ACT_CASES, act_case
-    from memplan.codefacts import NORM_CASES, norm_case
+    from memplan.inventory.activation import ACT_CASES, act_case
+    from memplan.inventory.probes import NORM_CASES, norm_case
 
     for trains in (False, True):
         for mixed in (False, True):
@@ -257,7 +257,7 @@ def test_llama4_experts_see_every_token():
 def test_albert_runs_its_shared_layer_for_every_block():
     # AlbertTransformer runs albert_layer_groups[0] num_hidden_layers times: one block of parameters, six runs
     from memplan.errors import BadInput
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
 
     spec = load_spec(str(SHAPES / "albert" / "config.json"))
     assert spec.arch.block_runs == 6 and {p.block for p in spec.params if p.block is not None} == {0}
@@ -287,7 +287,7 @@ def test_heads_that_turn_the_cache_off_given_labels(model, expected):
     ("silu", (2, 4, 2, 4) * 2),  # one ATen op: the input's dtype
 ])
 def test_activation_output_bytes(act, expected):
-    from memplan.actfacts import act_out_bytes
+    from memplan.inventory.activation import act_out_bytes
     assert act_out_bytes(act) == expected
 
 
@@ -307,7 +307,7 @@ def test_eager_attention_flow_is_read_from_the_family_code(model, held, returns)
 
 
 def test_eager_flow_parser_on_written_sources():
-    from memplan.attnfacts import eager_held
+    from memplan.inventory.attention import eager_held
     llama = ("    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling\n"
              "    attn_weights = attn_weights + causal_mask\n"
              "    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)\n")
@@ -323,7 +323,7 @@ def test_linear_attention_layers_are_measured():
     """Qwen3-Next's gated DeltaNet layers (config layer_types "linear_attention") run on fake tensors when the
     inventory is built: per token, what they save (over 300 KB for this 512-wide shape: fp32 copies of q, k, v and
     their chunked products) and their backward's working memory; no longer named as not modelled. Families without such layers measure nothing."""
-    from memplan.linfacts import LINEAR_CASES
+    from memplan.inventory.linear_attention import LINEAR_CASES
     arch = load_spec(str(SHAPES / "qwen3_next" / "config.json")).arch
     assert arch.linear_layers == (0, 1, 2) and arch.unmodelled_layers == ()
     assert len(arch.linear_saves) == len(arch.linear_work) == len(LINEAR_CASES)

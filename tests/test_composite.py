@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from memplan.estimate import estimate
-from memplan.models import load_spec
-from memplan.select import lora_params, quantized_linears, trainable_params
+from memplan.estimator.breakdown import estimate
+from memplan.model.catalog import load_spec
+from memplan.model.trainable import lora_params, quantized_linears, trainable_params
 from memplan.setup import Setup
-from memplan.spec import ModelSpec
+from memplan.model.spec import ModelSpec
 
 SHAPES = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
 

@@ -1,11 +1,11 @@
-"""The tracer's stand-ins for what CUDA does differently: sdpa's kernel choice and math kernel (memplan.emulate_sdpa),
-autocast's cross-entropy (memplan.emulations)."""
+"""The tracer's stand-ins for what CUDA does differently: sdpa's kernel choice and math kernel (memplan.runtime.emulate.sdpa),
+autocast's cross-entropy (memplan.runtime.emulate.cuda)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memplan.emulate_sdpa import cuda_picks_math, cuda_sdpa, math_kernel
+from memplan.runtime.emulate.sdpa import cuda_picks_math, cuda_sdpa, math_kernel
 
 
 def _qkv(b=2, h=4, s=32, d=16, dtype=torch.float32, kv_heads=None, grad=True):
@@ -87,7 +87,7 @@ def _peaks(fn, *inputs, safe_softmax_mask: bool = False) -> tuple[int, int]:
     """(forward, backward) peak live bytes above the inputs while fn runs under the tracer's storage accounting;
     safe_softmax_mask: each aten._safe_softmax the mode sees also makes the bool mask torch's composite makes inside
     it (test_safe_softmax_allocates_its_output_and_a_bool_mask), after its output."""
-    from memplan.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
 
     tracker = StorageTracker()
     tracker.phase = "forward"
@@ -167,7 +167,7 @@ def test_sdpa_stand_in_runs_math_under_autocast_for_a_permuted_fp32_bias():
 def test_cross_entropy_on_16_bit_logits_keeps_cudas_buffers():
     """CUDA autocast: log_softmax in the logits' own bf16 dtype, then nll_loss's fp32 cast, both saved; CPU autocast
     alone would cast the logits to fp32 and save an fp32 log_softmax only. Same loss value either way."""
-    from memplan.emulate_autocast import cuda_autocast_fp32
+    from memplan.runtime.emulate.autocast import cuda_autocast_fp32
     logits = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, 50, (6,))
     target[0] = -100
@@ -187,8 +187,8 @@ def _traced_softmax_backward_peak(emulated: bool) -> int:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.emulations import cuda_like
-    from memplan.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.emulate.cuda import cuda_like
+    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
 
     tracker = StorageTracker()
     tracker.phase = "backward"  # the tracker counts peaks inside a step's phases only

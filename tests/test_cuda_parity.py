@@ -1,14 +1,14 @@
 """The tracer's CUDA emulations against torch's own CUDA code paths, without a GPU: CUDA autocast
-(memplan.emulate_autocast), dropout, and the optimizers' steps.
+(memplan.runtime.emulate.autocast), dropout, and the optimizers' steps.
 
 torch registers the AutocastCUDA kernels in CPU-only builds too, and fake CUDA tensors reach them once CUDA autocast
 is switched on directly (torch.set_autocast_enabled("cuda", True); torch.autocast("cuda") refuses without a GPU).
 Each case runs twice on fake tensors: on "cpu" under CPU autocast and the tracer's emulations
-(memplan.emulations.cuda_like), and on "cuda" under CUDA autocast (what the GPU does); the aten ops each
+(memplan.runtime.emulate.cuda.cuda_like), and on "cuda" under CUDA autocast (what the GPU does); the aten ops each
 dispatches, with their input and output dtypes, must be the same. No autograd: it needs a CUDA device guard, which a CPU-only build aborts on (not raises), so
 the probe runs in a subprocess.
 
-The optimizers (memplan.steps.make_optimizer: what Trainer builds) take three steps over fake parameters with
+The optimizers (memplan.runtime.steps.make_optimizer: what Trainer builds) take three steps over fake parameters with
 gradients set by hand, on "cpu" as the tracer runs them and on "cuda", where torch.optim picks its CUDA branches
 (foreach/fused grouping, step tensors on the device); every storage they allocate is recorded.
 """
@@ -66,8 +66,8 @@ def _probe() -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from memplan.emulate_autocast import autocast_switched_on
-    from memplan.emulations import cuda_like
+    from memplan.runtime.emulate.autocast import autocast_switched_on
+    from memplan.runtime.emulate.cuda import cuda_like
 
     class Log(TorchDispatchMode):
         def __init__(self):
@@ -110,8 +110,8 @@ def _optimizer_allocations(dev: str, optimizer: str) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan.setup import Setup
-    from memplan.steps import make_optimizer
-    from memplan.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.steps import make_optimizer
+    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
 
     class OnDevice(StorageTracker):  # GPU memory only: Adafactor's torch.zeros(...).to(grad) makes a CPU temporary
         def serial_of(self, t):

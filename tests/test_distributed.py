@@ -8,12 +8,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from memplan.cli import main
+from memplan.cli.main import main
 from memplan.errors import SetupError
-from memplan.estimate import estimate
+from memplan.estimator.breakdown import estimate
 from memplan.gpus import find_gpu
-from memplan.memory.distributed import NCCL_DEVICE_BYTES
-from memplan.models import load_spec
+from memplan.estimator.memory.distributed import NCCL_DEVICE_BYTES
+from memplan.model.catalog import load_spec
 from memplan.setup import Setup
 from memplan.units import GiB
 
@@ -22,9 +22,9 @@ LLAMA7 = "meta-llama/Llama-2-7b-hf"
 
 def _states(e) -> int:
     """weights + gradients + optimizer state at the optimizer step (the model states of the ZeRO paper)."""
-    import memplan.estimate as est
-    from memplan.memory.context import resolve
-    from memplan.memory.distributed import compute_setup
+    import memplan.estimator.breakdown as est
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.distributed import compute_setup
     ctx = resolve(load_spec(e.model), e.setup)
     phases, _ = est.sharded_phases(ctx, resolve(ctx.spec, compute_setup(e.setup)))
     step = phases["optimizer_step"]
@@ -104,8 +104,8 @@ def test_per_gpu_memory_never_grows_with_more_gpus(sharding):
 def test_every_single_gpu_phase_has_a_per_rank_view(model, fields, sharding):
     """Each phase training_phases makes (the encoder's backward, the softmax moments, the decoder embedding's) gets
     its gathered parameters and gradients under data parallelism: a phase missing from the map was a KeyError."""
-    from memplan.memory.context import resolve
-    from memplan.phases import training_phases
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.phases import training_phases
 
     spec = load_spec(model)
     setup = Setup(sharding=sharding, num_gpus=2, batch_size=2, **fields)
@@ -182,7 +182,7 @@ def test_plan_across_gpus_writes_launcher_configs(tmp_path):
 
 
 def test_plan_finds_the_fewest_gpus_when_one_is_not_enough():
-    from memplan.search import plan
+    from memplan.planner.search import plan
     p = plan(load_spec(LLAMA7), find_gpu("RTX 3060"), technique="full", host_memory="64GiB")
     assert p.fits and p.setup.world_size > 1 and "fewest" in p.suggestions[0]
     assert p.estimate.cap_need_bytes <= p.budget_bytes
@@ -201,11 +201,11 @@ def test_plan_finds_the_fewest_gpus_when_one_is_not_enough():
 ])
 def test_fsdp_estimate_within_5_percent_of_the_fake_process_group_trace(model, sharding):
     """Rank 0 of real torch FSDP2 (fully_shard per block + root, accelerate's bf16 policy) over a fake process group
-    of 8, 3 and 4 blocks extrapolated to the full depth (memplan.trace_sharded: asked for 2, it traces at least
+    of 8, 3 and 4 blocks extrapolated to the full depth (memplan.tracer.sharded: asked for 2, it traces at least
     MIN_SHARDED_BLOCKS; the same as the whole model's trace here). Measured 2026-11-25: SmolLM2 -0.0% (full shard) /
     +1.2% (shard-grad-op), Llama-3.2-1B -0.6%."""
-    from memplan.trace import comparable_estimate_bytes
-    from memplan.trace_sharded import trace_sharded
+    from memplan.tracer.training import comparable_estimate_bytes
+    from memplan.tracer.sharded import trace_sharded
 
     s = Setup(technique="full", precision="bf16-mixed", optimizer="adamw-fused", sharding=sharding, num_gpus=8,
               batch_size=2, seq_len=256)
@@ -237,8 +237,8 @@ def test_fsdp_estimate_within_5_percent_of_the_fake_process_group_trace(model, s
 def test_fsdp_paths_found_by_the_sharded_tracer(model, fields, tolerance):
     """FSDP rows of a stress run against trace_sharded (real torch FSDP2 over a fake process group), 3 and 4 blocks
     extrapolated (equal to the whole model's trace on these)."""
-    from memplan.trace import compare
-    from memplan.trace_sharded import trace_sharded
+    from memplan.tracer.training import compare
+    from memplan.tracer.sharded import trace_sharded
 
     s = Setup(**fields)
     c = compare(trace_sharded(model, s, layers=3), estimate(model, s))
@@ -258,7 +258,7 @@ def test_cli_trace_sharded_and_refuses_ddp():
 
 def _cut(tmp_path, model: str, layers: int) -> str:
     """A config.json of `model` with `layers` blocks (the ZeRO trace runs real tensors: small models only)."""
-    from memplan.models import config_dict
+    from memplan.model.catalog import config_dict
     d = config_dict(load_spec(model))
     d["num_hidden_layers"] = layers
     path = tmp_path / "config.json"
@@ -271,14 +271,14 @@ def _cut(tmp_path, model: str, layers: int) -> str:
                                    "meta-llama/Llama-3.2-1B"])
 def test_zero3_estimate_within_2_percent_of_the_deepspeed_trace(tmp_path, model):
     """Rank 0 of real DeepSpeed ZeRO-3 (deepspeed.initialize with the JSON memplan writes, torch AdamW) on its CPU
-    accelerator over a fake process group of 4 (memplan.trace_sharded.trace_deepspeed), models cut to 4 blocks.
+    accelerator over a fake process group of 4 (memplan.tracer.sharded.trace_deepspeed), models cut to 4 blocks.
     Measured 2026-11-25: TinyLlama +0.0%, SmolLM2-135M (tied embedding) +0.2%; Llama-3.2-1B cut to 4 blocks +0.2%
     (-0.7% / -4.3% / -5.0% before ZeRO-3's persistent gradient-partition buffer was counted in the forward and the
     loss's and head's backward, the tied table's whole gradient at its backward, and the gathered bytes capped at the
     model's)."""
     pytest.importorskip("deepspeed")
-    from memplan.trace import comparable_estimate_bytes
-    from memplan.trace_sharded import trace_deepspeed
+    from memplan.tracer.training import comparable_estimate_bytes
+    from memplan.tracer.sharded import trace_deepspeed
 
     config = _cut(tmp_path, model, 4)
     s = Setup(technique="full", precision="bf16-mixed", optimizer="adamw-fused", sharding="zero3", num_gpus=4,

@@ -8,14 +8,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from memplan.budget import budget_bytes
-from memplan.doctor import diagnose, doctor_command, parse_oom_message, rank_key
+from memplan.planner.budget import budget_bytes
+from memplan.planner.doctor import diagnose, doctor_command, parse_oom_message, rank_key
 from memplan.errors import BadInput
-from memplan.estimate import estimate
-from memplan.export import write_plan
+from memplan.estimator.breakdown import estimate
+from memplan.planner.export import write_plan
 from memplan.gpus import find_gpu
-from memplan.models import load_spec
-from memplan.search import plan
+from memplan.model.catalog import load_spec
+from memplan.planner.search import plan
 from memplan.setup import Setup
 from memplan.units import GiB, MiB
 
@@ -91,7 +91,7 @@ def test_llama2_7b_full_on_rtx_3060_leads_with_a_change_that_fits():
     assert final.fits and estimate(spec, final.setup).cap_need_bytes <= gpu.memory_bytes
     assert d.first_line.startswith("Smallest change that fits: ") and final.description in d.first_line
     # every step of a combination is needed: without any one of them it no longer fits
-    from memplan.remedies import _chain, _Ctx
+    from memplan.planner.remedies import _chain, _Ctx
     c = _Ctx(spec, gpu.memory_bytes, estimate, True)
     for step in d.combination:
         rest = _chain(setup, d.need_bytes, [r.order for r in d.combination if r is not step], c)
@@ -203,7 +203,7 @@ def test_cli_from_plan_file_and_override(tmp_path):
 
 
 def test_setup_from_plan_drops_fields_a_new_technique_cannot_take():
-    from memplan.doctor import setup_from_plan
+    from memplan.planner.doctor import setup_from_plan
     doc = {"memplan": {"setup": Setup(technique="qlora", lora_targets="all-linear", precision="bf16").to_dict()}}
     s = setup_from_plan(doc, {"technique": "full"})
     assert (s.technique, s.quant, s.double_quant, s.lora_targets, s.precision) == ("full", None, False, None, "bf16")
@@ -219,7 +219,7 @@ def test_cli_nothing_fits_exit_1():
 def test_either_module_may_be_imported_first():
     import subprocess
     import sys
-    code = "import memplan.doctor as d, memplan.cli as c; assert d.doctor_command.name == 'doctor'"
+    code = "import memplan.planner.doctor as d, memplan.cli.main as c; assert d.doctor_command.name == 'doctor'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.estimate import estimate
-from memplan.memory.overhead import cublas_workspace_bytes
+from memplan.estimator.breakdown import estimate
+from memplan.estimator.memory.overhead import cublas_workspace_bytes
 
 CUBLAS_WORKSPACE_BYTES = cublas_workspace_bytes(training=True)  # two threads (forward, autograd) x 32 MiB
-from memplan.memory.optimizer import _bnb8_state
-from memplan.memory.weights import NF4_BLOCK, nf4_state_bytes
+from memplan.estimator.memory.optimizer import _bnb8_state
+from memplan.estimator.memory.weights import NF4_BLOCK, nf4_state_bytes
 from memplan.setup import Setup
 
 TOTAL = 202_048  # tiny_llama numel: 2 x 64,000 (embed, lm_head) + 2 x 36,992 (layers) + 64 (final norm)
@@ -111,7 +111,7 @@ def test_errors_are_reported_together(tiny):
 
 
 def test_estimate_module_is_torch_free():
-    code = "import memplan.estimate, memplan.setup, sys; print('torch' in sys.modules)"
+    code = "import memplan.estimator.breakdown, memplan.setup, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -160,9 +160,9 @@ def test_lora_never_exceeds_full(model, precision, optimizer, impl, ckpt, batch,
     # fine-tuning beyond what only it has: its adapters, their optimizer state and, under checkpointing, the frozen
     # embeddings' output leaf (stacks.embedding_leaf_bytes). Traced: GPT-2 fp32 SGD eager b3 s415 checkpointed, LoRA
     # 1245.9 MiB against full fine-tuning's 1244.7 (a stateless optimizer, no gradient held at the loss).
-    from memplan.memory.context import resolve
-    from memplan.memory.stacks import embedding_leaf_bytes
-    from memplan.models import load_spec
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.stacks import embedding_leaf_bytes
+    from memplan.model.catalog import load_spec
     spec = load_spec(model)
     full = estimate(spec, _setup("full", precision, optimizer, impl, ckpt, batch, seq))
     lora_setup = _setup("lora", precision, optimizer, impl, ckpt, batch, seq)
@@ -188,15 +188,15 @@ def test_quantized_weights_order(precision, batch, seq):
 # data/measured/gpu-h100.csv. Here the terms are checked by hand from their definitions (exact, no tolerance).
 
 def _ctx(model: str, **fields):
-    from memplan.memory.context import resolve
-    from memplan.models import load_spec
+    from memplan.estimator.memory.context import resolve
+    from memplan.model.catalog import load_spec
     return resolve(load_spec(model), Setup(**fields))
 
 
 def test_prefill_mlp_working_set_gpt2_gelu_new():
     """gpt2 bf16 b8 s512 prefill: 5 hidden-sized tensors (4 + GPT2Block's attn_output) and 4 intermediate-sized
     ones (fc1 out + NewGELU's three temporaries), 2 bytes each, over 4096 tokens."""
-    from memplan.memory.inference import prefill_working_bytes
+    from memplan.estimator.memory.inference import prefill_working_bytes
     ctx = _ctx("openai-community/gpt2", mode="infer", precision="bf16", batch_size=8, prompt_len=512, attn_impl="sdpa")
     assert prefill_working_bytes(ctx) == (5 * 768 + 4 * 3072) * 2 * 8 * 512
 
@@ -206,8 +206,8 @@ def test_generate_prompt_pass_holds_batch_sized_positions():
     its prompt pass, which validate measures in the decode phase (H100 gpt2 bf16 b8 s512: 5.57 MB above the plain
     prefill, [7, 512, 768] bf16 = 5.5 MB); rotary models (Llama) and encoder-decoders add nothing, nor a run without
     new tokens."""
-    from memplan.estimate import estimate
-    from memplan.memory.inference import generate_position_bytes
+    from memplan.estimator.breakdown import estimate
+    from memplan.estimator.memory.inference import generate_position_bytes
     fields = dict(mode="infer", precision="bf16", batch_size=8, prompt_len=512, attn_impl="sdpa")
     ctx = _ctx("openai-community/gpt2", **fields)
     assert generate_position_bytes(ctx) == 8 * 512 * 768 * 2
@@ -219,7 +219,7 @@ def test_generate_prompt_pass_holds_batch_sized_positions():
 
 
 def test_seq2seq_prompt_pass_caches_nothing():
-    from memplan.memory.inference import kv_cache_bytes, prompt_cache_bytes
+    from memplan.estimator.memory.inference import kv_cache_bytes, prompt_cache_bytes
     t5 = _ctx("google-t5/t5-base", mode="infer", precision="bf16", batch_size=8, seq_len=512)
     assert prompt_cache_bytes(t5) == 0 and kv_cache_bytes(t5) > 0
     llama = _ctx("meta-llama/Llama-3.2-1B", mode="infer", precision="bf16", batch_size=1, prompt_len=512,
@@ -232,7 +232,7 @@ def test_activation_dropout_mask_counted():
     model without activation dropout saves: 24 layers x 4096 tokens x 4096 bytes."""
     import dataclasses
 
-    from memplan.memory import activations
+    from memplan.estimator.memory import activations
     ctx = _ctx("facebook/bart-large", technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256,
                attn_impl="sdpa")
     assert ctx.spec.arch.act_dropout == 0.1
@@ -249,7 +249,7 @@ def test_qwen2_moe_shared_expert_gate_lora_saves_its_input():
     6 blocks x 512 tokens, hidden 512, r 8 (the tracer's -1.6% on the sdpa row)."""
     from pathlib import Path
 
-    from memplan.memory import activations
+    from memplan.estimator.memory import activations
     shape = str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "qwen2_moe" / "config.json")
     without = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     saved = lambda c: sum(full for full, _ in activations.per_block_bytes(c))  # noqa: E731
@@ -265,7 +265,7 @@ def test_autocast_caches_the_lora_adapter_copies():
     and autocast's cache keeps the copies until the forward ends, checkpointing or not. Llama-3-8B all-linear: 7
     Linears per block with in + out = 81,920 summed, 32 blocks, 2 bytes per element (the lm_head's cast is the same
     for every rank)."""
-    from memplan.memory.quant import autocast_copy_bytes
+    from memplan.estimator.memory.quant import autocast_copy_bytes
     kw = dict(technique="qlora", precision="bf16", lora_targets="all-linear", batch_size=2, seq_len=1024,
               attn_impl="sdpa", grad_ckpt=True)
     r256 = autocast_copy_bytes(_ctx("meta-llama/Meta-Llama-3-8B", lora_r=256, **kw))
@@ -280,8 +280,8 @@ def test_training_forward_holds_the_dynamic_cache_copies():
     """Without checkpointing the training forward builds a DynamicCache whose torch.cat copies of K and V live until
     the loss: extra where the attention does not save those tensors (QLoRA's fp32 projections are cast to bf16 for
     the kernel; frozen blocks save nothing), free where it does. Llama-2-7b: 32 layers, K+V = 2 x 4096 per token."""
-    from memplan.memory.recording import graph_blocks
-    from memplan.memory.inference import training_cache_bytes
+    from memplan.estimator.memory.recording import graph_blocks
+    from memplan.estimator.memory.inference import training_cache_bytes
     tokens = 2 * 512
     qlora = _ctx("meta-llama/Llama-2-7b-hf", technique="qlora", precision="bf16", batch_size=2, seq_len=512,
                  attn_impl="sdpa")
@@ -305,14 +305,14 @@ def test_training_forward_holds_the_dynamic_cache_copies():
 
 
 def estimate_bytes_phase(ctx, phase: str, component: str) -> int:
-    from memplan.phases import training_phases
+    from memplan.estimator.phases import training_phases
     return training_phases(ctx)[phase].get(component, 0)
 
 
 def test_qlora_attention_saves_compute_dtype_casts():
     """Under autocast the attention kernel runs on bf16 casts whatever dtype the projections return, so QLoRA's
     (fp32 projections) saved attention tensors equal LoRA bf16-mixed's, not twice them."""
-    from memplan.memory.attention import attn_core
+    from memplan.estimator.memory.attention import attn_core
     kw = dict(precision="bf16", batch_size=2, seq_len=512, attn_impl="sdpa")
     q = _ctx("meta-llama/Llama-3.2-1B", technique="qlora", **kw)
     m = _ctx("meta-llama/Llama-3.2-1B", technique="lora", **{**kw, "precision": "bf16-mixed"})
@@ -322,7 +322,7 @@ def test_qlora_attention_saves_compute_dtype_casts():
 def test_t5_mlp_dropout_uses_dropout_rate():
     """T5DenseActDense applies dropout_rate between relu and wo (a bool mask, and wo's input is no longer relu's
     saved output); OPT's activation_dropout is 0, so its relu output is fc2's input."""
-    from memplan.models import load_spec
+    from memplan.model.catalog import load_spec
     assert load_spec("google-t5/t5-base").arch.act_dropout == 0.1
     assert load_spec("facebook/opt-1.3b").arch.act_dropout == 0.0
 
@@ -336,9 +336,9 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
     EncoderDecoderCache K/V (self over the decoder's 512 tokens, cross over the encoder's 512) live through the
     forward (the tracer's t5-base freeze run held 22 x 2 such tensors)."""
     from memplan import libs
-    from memplan.memory.position_bias import position_bias_bytes, self_bias_mask_bytes
-    from memplan.memory.attention import attention_kernel
-    from memplan.memory.inference import training_cache_bytes
+    from memplan.estimator.memory.position_bias import position_bias_bytes, self_bias_mask_bytes
+    from memplan.estimator.memory.attention import attention_kernel
+    from memplan.estimator.memory.inference import training_cache_bytes
     square = 12 * 512 * 512 * 2
     for padded in (False, True):
         ctx = _ctx("google-t5/t5-base", technique="freeze", precision="bf16-mixed", batch_size=8, seq_len=512,
@@ -358,17 +358,18 @@ def test_t5_freeze_keeps_only_the_decoders_bias_and_caches_the_frozen_blocks():
 
 
 def test_public_functions_stay_callable_in_any_import_order():
-    """`memplan.estimate(...)` worked once: the first call imported memplan.estimate, and Python bound that module
-    over the package's lazy export, so a second call raised "'module' object is not callable"."""
+    """`memplan.estimate(...)` once stopped working after the module of the same name was imported (Python binds a
+    loaded submodule over the package's lazy export). The parts are now nouns (estimator, planner, measure, tracer),
+    so importing every submodule first leaves every public verb a function."""
     import subprocess
     import sys
-    code = ("import memplan\n"
-            "memplan.fit(memplan.load_spec('gpt2'), memplan.find_gpu('t4'))\n"
+    code = ("import importlib, pkgutil, memplan\n"
+            "for m in pkgutil.walk_packages(memplan.__path__, 'memplan.'):\n"
+            "    if not m.name.endswith('__main__'): importlib.import_module(m.name)\n"
+            "for name in ('estimate', 'fit', 'plan', 'validate', 'check', 'diagnose', 'trace', 'load_plan'):\n"
+            "    assert callable(getattr(memplan, name)) and not isinstance(getattr(memplan, name), type(memplan)), name\n"
             "for _ in range(2):\n"
             "    memplan.estimate('gpt2'); memplan.fit(memplan.load_spec('gpt2'), memplan.find_gpu('t4'))\n"
-            "import memplan.estimate as module\n"
-            "assert module.Estimate and module('gpt2').peak_allocated_bytes > 0\n"
-            "assert callable(memplan.check) and callable(memplan.validate)\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
@@ -378,7 +379,7 @@ def test_registered_buffers_are_resident_beside_the_weights():
     """GPT-BigCode registers its causal mask as an [n_positions, n_positions] bool buffer (modeling_gpt_bigcode.py
     GPTBigCodeModel): 64 MiB for StarCoder's 8192 positions, on the GPU with the weights. The tracer counted it
     (santacoder: 4 MiB) before the estimate did."""
-    from memplan.models import load_spec
+    from memplan.model.catalog import load_spec
 
     spec = load_spec("bigcode/starcoder")
     assert [(b.name, b.shape, b.dtype) for b in spec.buffers] == [("transformer.bias", (8192, 8192), "bool")]
@@ -404,7 +405,7 @@ def test_memo_never_reuses_a_term_across_setups_it_depends_on(model):
     import dataclasses
 
     from memplan.errors import BadInput, SetupError
-    from memplan.memory.context import SELECTION_FIELDS, clear_memo
+    from memplan.estimator.memory.context import SELECTION_FIELDS, clear_memo
 
     assert set(_VARIED) | set(SELECTION_FIELDS) == {f.name for f in dataclasses.fields(Setup)}
     bases = [dict(technique="full", precision="bf16-mixed"), dict(technique="lora", precision="bf16"),
@@ -439,9 +440,9 @@ def test_added_tokens_grow_only_the_vocabulary_rows_that_exist_and_train():
     """resize_token_embeddings adds one row per token to the input embedding and an untied lm_head: their weights,
     and, where they train, their gradients and Adam state (2 fp32 moments) grow by those rows; a frozen embedding
     (layer freezing) gains no trainable rows."""
-    from memplan.memory import optimizer, weights
-    from memplan.memory.context import resolve
-    from memplan.models import load_spec
+    from memplan.estimator.memory import optimizer, weights
+    from memplan.estimator.memory.context import resolve
+    from memplan.model.catalog import load_spec
 
     spec = load_spec("meta-llama/Llama-2-7b-hf")  # untied: embed_tokens and lm_head, 4096 wide
     rows = 100 * 4096 * 2  # elements added: 100 rows in each of the two matrices
@@ -501,7 +502,7 @@ def test_added_tokens_tie_a_checkpoints_own_t5_head_again_from_transformers_5():
 ])
 def test_loss_backward_buffers_follow_cuda_autocast(model, fields, per_logit):
     """Peak of the loss's backward per logit element (memory.logits.logits_backward_bytes), by head and precision."""
-    from memplan.memory.logits import logits_backward_bytes
+    from memplan.estimator.memory.logits import logits_backward_bytes
     ctx = _ctx(model, batch_size=4, seq_len=256, **fields)
     assert logits_backward_bytes(ctx) == 4 * 256 * ctx.vocab * per_logit
 
@@ -509,7 +510,7 @@ def test_loss_backward_buffers_follow_cuda_autocast(model, fields, per_logit):
 def test_sliding_window_mask_from_the_window_length_on():
     """masking_utils _ignore_causal_mask_sdpa keeps a sliding-window mask once kv_length >= the window: Mistral-7B
     (window 4096) at exactly 4096 tokens gets the mask, at 4095 is_causal (the tracer's QLoRA b4 s4096 held it)."""
-    from memplan.memory.attention import windowed
+    from memplan.estimator.memory.attention import windowed
     at = _ctx("mistralai/Mistral-7B-v0.1", technique="qlora", precision="bf16", batch_size=1, seq_len=4096,
               attn_impl="sdpa")
     below = _ctx("mistralai/Mistral-7B-v0.1", technique="qlora", precision="bf16", batch_size=1, seq_len=4095,
@@ -522,8 +523,8 @@ def test_fused_qkv_output_pinned_by_the_v_view():
     a ModernBERT-shaped config full bf16 b2 s512 -2.2% before). A causal model's training cache copies V first."""
     from pathlib import Path
 
-    from memplan.memory.qkv import fused_qkv_pin_bytes
-    from memplan.memory.layout import blocks
+    from memplan.estimator.memory.qkv import fused_qkv_pin_bytes
+    from memplan.model.layout import blocks
     shape = str(Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "modernbert" / "config.json")
     for model, fields, expected in ((shape, {}, (1536 - 512) * 2),
                                     ("microsoft/Phi-3-mini-4k-instruct", {}, 0),
@@ -574,8 +575,8 @@ def test_phases_measured_on_an_h100(model, fields, phase, measured):
     ("tiiuae/falcon-7b", dict(technique="full", precision="bf16-mixed", attn_impl="sdpa"), 9),
 ])
 def test_checkpointed_attention_forward_moment(model, fields, per_score):
-    from memplan.memory.attention import attention_kernel
-    from memplan.memory.forward_block import score_bytes
+    from memplan.estimator.memory.attention import attention_kernel
+    from memplan.estimator.memory.forward_block import score_bytes
     ctx = _ctx(model, batch_size=2, seq_len=256, grad_ckpt=True, **{"attn_impl": "eager", **fields})
     assert score_bytes(ctx, attention_kernel(ctx, relative_bias=True))[0] == per_score
 
@@ -583,7 +584,7 @@ def test_checkpointed_attention_forward_moment(model, fields, per_score):
 def test_forward_block_phase_only_where_the_forward_can_peak():
     """The in-block forward moment is a phase of checkpointed eager/math attention only: fused kernels and
     uncheckpointed blocks (their saves bound it) add none."""
-    from memplan.phases import training_phases
+    from memplan.estimator.phases import training_phases
     base = dict(technique="lora", precision="bf16", batch_size=2, seq_len=256)
     assert "forward_block" in training_phases(_ctx("tiiuae/falcon-7b", grad_ckpt=True, attn_impl="eager", **base))
     assert "forward_block" not in training_phases(_ctx("tiiuae/falcon-7b", attn_impl="eager", **base))
@@ -626,9 +627,9 @@ def test_checkpointed_forward_block_against_the_tracer(model, fields, traced_mib
 ])
 def test_eager_attention_rows_measured_on_the_h100(key, what, tolerance):
     """Peak allocated of rows the H100 measured on 2026-11-26 (data/measured/gpu-h100.csv, transformers 5.17, torch
-    2.11), each estimated as it ran (memplan.check.estimate_row)."""
-    from memplan.check import estimate_row
-    from memplan.measured import read_rows
+    2.11), each estimated as it ran (memplan.measure.gate.estimate_row)."""
+    from memplan.measure.gate import estimate_row
+    from memplan.measure.rows import read_rows
 
     row = next(r for r in read_rows(Path(__file__).resolve().parents[1] / "data" / "measured" / "gpu-h100.csv")
                if r["key"] == key)

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.fit import fit, max_batch_size
+from memplan.planner.fit_table import fit, max_batch_size
 from memplan.gpus import Gpu
-from memplan.models import load_spec
+from memplan.model.catalog import load_spec
 from memplan.setup import Setup
 
 
 @dataclass
 class _Fake:
-    cap_need_bytes: int  # what memplan.budget.need_bytes reads
+    cap_need_bytes: int  # what memplan.planner.budget.need_bytes reads
 
 
 def _recorder(per_sample: int, fixed: int = 0):
@@ -42,8 +42,8 @@ def test_fit_rows_agree_with_the_real_estimator():
     is within the budget: the GPU memory less 3.5% of what the CUDA context leaves."""
     import dataclasses
 
-    from memplan.estimate import estimate
-    from memplan.memory.overhead import CUDA_CONTEXT_BYTES
+    from memplan.estimator.breakdown import estimate
+    from memplan.estimator.memory.overhead import CUDA_CONTEXT_BYTES
     spec = load_spec("gpt2")
     gpu = Gpu(name="test 8 GiB", memory_bytes=8 * 2**30)
     result = fit(spec, gpu, seq_len=256)
@@ -58,13 +58,13 @@ def test_fit_rows_agree_with_the_real_estimator():
 
 
 def test_fit_plan_and_doctor_share_one_fit_test():
-    """The planner's micro-batch for a pinned setup, fit's row and doctor's verdict agree (memplan.budget)."""
+    """The planner's micro-batch for a pinned setup, fit's row and doctor's verdict agree (memplan.planner.budget)."""
     import dataclasses
 
-    from memplan.doctor import diagnose
-    from memplan.estimate import estimate
-    from memplan.budget import budget_bytes
-    from memplan.search import plan
+    from memplan.planner.doctor import diagnose
+    from memplan.estimator.breakdown import estimate
+    from memplan.planner.budget import budget_bytes
+    from memplan.planner.search import plan
     spec = load_spec("gpt2")
     gpu = Gpu(name="test 6 GiB", memory_bytes=6 * 2**30)
     row = next(r for r in fit(spec, gpu, seq_len=512).rows if r.option.startswith("LoRA"))
@@ -89,9 +89,9 @@ def test_inference_rows_respect_max_positions():
 def test_lora_rows_fall_back_to_all_linear_where_peft_has_no_default_targets():
     """peft has no default LoRA targets for Phi-3 (LoraConfig raises without target_modules): fit shows the
     all-linear rows, labelled, instead of 'n/a'."""
-    from memplan.fit import option_setups
+    from memplan.planner.fit_table import option_setups
     from memplan.gpus import resolve_gpu
-    from memplan.models import load_spec
+    from memplan.model.catalog import load_spec
 
     rows = dict(option_setups(load_spec("microsoft/Phi-3-mini-4k-instruct"), resolve_gpu("rtx-4090"), 512))
     lora = {name: s for name, s in rows.items() if s.technique in ("lora", "qlora")}

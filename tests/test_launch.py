@@ -9,10 +9,10 @@ from unittest import mock
 import pytest
 import yaml
 
-from memplan.export import launcher_paths, write_plan
+from memplan.planner.export import launcher_paths, write_plan
 from memplan.gpus import find_gpu
-from memplan.models import load_spec
-from memplan.search import plan
+from memplan.model.catalog import load_spec
+from memplan.planner.search import plan
 
 LLAMA7 = "meta-llama/Llama-2-7b-hf"
 
@@ -123,7 +123,7 @@ def test_sharded_qlora_plan_stores_4bit_weights_in_the_compute_dtype(tmp_path):
     load_plan turns it into a real BitsAndBytesConfig."""
     import torch
 
-    from memplan.export import load_plan
+    from memplan.planner.export import load_plan
     spec = load_spec("meta-llama/Llama-2-70b-hf")
     p = plan(spec, find_gpu("RTX 3060"), technique="qlora", num_gpus=8, sharding="fsdp-full-shard",
              host_memory="2TiB")

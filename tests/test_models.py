@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from memplan.errors import BadInput, NotFound, OfflineError
-from memplan.models import catalog_index, load_spec
+from memplan.model.catalog import catalog_index, load_spec
+from memplan.model import catalog
 
 # Totals: memplan/data/models/SOURCES.md "published reference" / "computed params" columns (exact = the model card
 # or paper states the exact count; the others were checked there against the card within its tolerance).
@@ -49,7 +50,7 @@ def test_legacy_and_bare_ids(alias, target):
 
 
 def test_catalog_lookup_imports_no_torch():
-    code = ("import sys; from memplan.models import load_spec; s = load_spec('meta-llama/Llama-2-7b-hf'); "
+    code = ("import sys; from memplan.model.catalog import load_spec; s = load_spec('meta-llama/Llama-2-7b-hf'); "
             "print('torch' in sys.modules, s.numel_total)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "6738415616"]
@@ -96,7 +97,7 @@ def test_remote_code_refused(tmp_path):
 
 
 def test_local_config_matches_catalog(tmp_path):
-    src = json.loads((__import__("memplan.models").models.CONFIGS / "openai-community__gpt2.json").read_text())
+    src = json.loads((catalog.CONFIGS / "openai-community__gpt2.json").read_text())
     src["n_layer"] = 2
     (tmp_path / "config.json").write_text(json.dumps(src))
     spec = load_spec(tmp_path)

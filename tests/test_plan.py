@@ -10,12 +10,12 @@ from click.testing import CliRunner
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from memplan.cli import main
-from memplan.export import load_plan
+from memplan.cli.main import main
+from memplan.planner.export import load_plan
 from memplan.gpus import Gpu, find_gpu
-from memplan.memory.overhead import CUDA_CONTEXT_BYTES
-from memplan.models import load_spec
-from memplan.search import plan, split_batch
+from memplan.estimator.memory.overhead import CUDA_CONTEXT_BYTES
+from memplan.model.catalog import load_spec
+from memplan.planner.search import plan, split_batch
 from memplan.units import GiB
 
 # --------------------------------------------------------------------------------------------- fake estimator
@@ -152,7 +152,7 @@ def test_pinned_rank_keeps_alpha_at_twice_the_rank_and_alternatives_distinct():
                                   {"grad_ckpt": True, "num_gpus": 4}, {"lora_targets": "q_proj,v_proj"},
                                   {"technique": "qlora", "double_quant": False}, {"sharding": "zero3", "num_gpus": 2}])
 def test_candidates_are_distinct_and_carry_every_pin(pins):
-    from memplan.candidates import candidate_fields
+    from memplan.planner.candidates import candidate_fields
     fields = candidate_fields(True, pins)
     assert len({tuple(sorted((k, repr(v)) for k, v in f.items())) for f in fields}) == len(fields)
     assert all(f[k] == v for f in fields for k, v in pins.items())

@@ -1,4 +1,4 @@
-"""memplan.plots: phase breakdown sums, exact largest-fitting value, real atomic PNGs, clean errors, the plot command."""
+"""memplan.cli.plots: phase breakdown sums, exact largest-fitting value, real atomic PNGs, clean errors, the plot command."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,14 +7,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from memplan import plots
-from memplan.plots_cli import plot_command
-from memplan.budget import budget_bytes
+from memplan.cli import plots
+from memplan.cli.plot import plot_command
+from memplan.planner.budget import budget_bytes
 from memplan.errors import BadInput
-from memplan.estimate import estimate
-from memplan.fit import largest_fitting, max_batch_size
+from memplan.estimator.breakdown import estimate
+from memplan.planner.fit_table import largest_fitting, max_batch_size
 from memplan.gpus import find_gpu, resolve_gpu
-from memplan.models import load_spec
+from memplan.model.catalog import load_spec
 from memplan.setup import Setup
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -7,11 +7,11 @@ import pytest
 
 from memplan import libs
 from memplan.errors import MemplanError
-from memplan.estimate import estimate
-from memplan.memory.context import resolve
-from memplan.memory.logits import logits_forward_bytes
-from memplan.memory.overhead import cublas_workspace_bytes
-from memplan.models import load_spec
+from memplan.estimator.breakdown import estimate
+from memplan.estimator.memory.context import resolve
+from memplan.estimator.memory.logits import logits_forward_bytes
+from memplan.estimator.memory.overhead import cublas_workspace_bytes
+from memplan.model.catalog import load_spec
 from memplan.setup import Setup
 
 GiB = 2**30
@@ -76,7 +76,7 @@ def test_causal_mask_buffers_of_older_releases():
     """GPT-2 (until 5.1) and GPT-NeoX (until 4.48) registered a [max_positions, max_positions] bool causal mask on
     every attention layer; the tracer on 4.48.1 found pythia-1b's weights 64 MiB (16 x 2048^2 bytes) above the
     estimate, its QLoRA ckpt peak -3.9% before (-0.03% after)."""
-    from memplan.memory.weights import release_buffer_bytes, weights_bytes
+    from memplan.estimator.memory.weights import release_buffer_bytes, weights_bytes
     fields = dict(technique="lora", precision="bf16", batch_size=2, seq_len=128)
     pythia = resolve(load_spec("EleutherAI/pythia-1b"), Setup(**fields))
     gpt2 = resolve(load_spec("openai-community/gpt2"), Setup(**fields))
@@ -107,7 +107,7 @@ GPT2_EAGER = 1389193216  # gpt2 LoRA fp32 b4 s128 eager, transformers 4.48.1
 ])
 def test_attention_integration_before_4_56(model, fields, traced):
     """Traced with transformers 4.48.1 and peft 0.13.2 (`memplan trace`; LoRA bf16 b1 s2048 sdpa unless given)."""
-    from memplan.trace import comparable_estimate_bytes
+    from memplan.tracer.training import comparable_estimate_bytes
     setup = Setup(**{**dict(technique="lora", precision="bf16", batch_size=1, seq_len=2048, attn_impl="sdpa"),
                      **fields})
     with libs.assume(transformers="4.48.1"):
@@ -126,9 +126,9 @@ def test_t5_passes_its_bias_plus_mask_before_5_15(release, fields, traced, merge
     keeps (4.x: the encoder's and the cross-attention's zero bias + encoder mask too): t5-base eager b32 s512
     checkpointed, traced with that release (4.48.1 with peft 0.13.2; `memplan trace --layers 2`; -13.3% and -9.9%
     before on 4.48.1). From 5.15 the bias is passed alone: [1, heads, q, k] per stack."""
-    from memplan.memory.context import resolve
-    from memplan.memory.stacks import checkpoint_inputs_bytes
-    from memplan.trace import comparable_estimate_bytes
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.stacks import checkpoint_inputs_bytes
+    from memplan.tracer.training import comparable_estimate_bytes
     setup = Setup(**fields, batch_size=32, seq_len=512, attn_impl="eager", grad_ckpt=True)
     with libs.assume(transformers=release):
         est = comparable_estimate_bytes(estimate("google-t5/t5-base", setup))
@@ -144,7 +144,7 @@ def test_t5_passes_its_bias_plus_mask_before_5_15(release, fields, traced, merge
 
 def test_sdpa_integration_rules_leave_own_attention_code_alone():
     """Falcon had its own sdpa code in 4.48.1 (no ALL_ATTENTION_FUNCTIONS): no repeat, copy or shared-mask rule."""
-    from memplan.memory.attention import GQA_IN_SDPA_SINCE, sdpa_integration_before
+    from memplan.estimator.memory.attention import GQA_IN_SDPA_SINCE, sdpa_integration_before
     with libs.assume(transformers="4.48.1"):
         falcon = resolve(load_spec("tiiuae/falcon-7b"), Setup(attn_impl="sdpa"))
         llama = resolve(load_spec("meta-llama/Llama-3.2-1B"), Setup(attn_impl="sdpa"))

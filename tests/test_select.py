@@ -6,8 +6,8 @@ import json
 import pytest
 
 from memplan.errors import BadInput, NotFound
-from memplan.models import CONFIGS, load_spec
-from memplan.select import lora_linears, lora_params, quantized_linears, trainable_params
+from memplan.model.catalog import CONFIGS, load_spec
+from memplan.model.trainable import lora_linears, lora_params, quantized_linears, trainable_params
 from memplan.setup import Setup
 
 
@@ -27,8 +27,8 @@ def _peft_trainable(config_dir, targets, r: int) -> int:
     import transformers
     from accelerate import init_empty_weights
 
-    from memplan.models import read_config
-    from memplan.modelclass import auto_class
+    from memplan.model.catalog import read_config
+    from memplan.model.hf import auto_class
 
     d = read_config(config_dir / "config.json")
     config = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "auto_map"})
@@ -92,8 +92,8 @@ def test_comma_separated_lora_targets_become_module_names_everywhere():
     """peft reads a string target as one full-name regex (tuners_utils.check_target_module_exists), so "q,v" from
     the Python API must be split like the CLI splits it: the estimate, the tracer/validate model and the exported
     LoraConfig all see module names."""
-    from memplan.export import peft_section
-    from memplan.models import load_spec
+    from memplan.planner.export import peft_section
+    from memplan.model.catalog import load_spec
     from memplan.setup import Setup
 
     s = Setup(technique="lora", lora_targets="c_attn, c_proj")
@@ -144,7 +144,7 @@ def test_fused_expert_targets_follow_the_peft_release():
     91,652; with 0.21.0 181,434 MiB), 0.19.x fails on all-linear there, and the memoized estimate terms are keyed by
     the release (an estimate under one assumed peft does not answer for another)."""
     from memplan import libs
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
 
     spec = load_spec("mistralai/Mixtral-8x7B-v0.1")
     with libs.assume(peft="0.18.1"):

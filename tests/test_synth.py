@@ -1,5 +1,5 @@
-"""memplan.synth: a deep model's training events synthesized from a trace cut to 5 blocks equal the whole model's
-trace, event by event (serials renumbered, bursts of frees as sets: memplan.synth.canonical) - and where they
+"""memplan.replay.synth: a deep model's training events synthesized from a trace cut to 5 blocks equal the whole model's
+trace, event by event (serials renumbered, bursts of frees as sets: memplan.replay.synth.canonical) - and where they
 cannot (blocks of different kinds, a shallow model) the synthesis declines and the whole model is traced."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from memplan.setup import Setup
 
 
 def _events(model, setup, synthesize):
-    from memplan.replay import traced_events
+    from memplan.replay.need import traced_events
     return traced_events(model, setup, 3, synthesize=synthesize)
 
 
@@ -19,9 +19,9 @@ def _events(model, setup, synthesize):
     dict(technique="full", precision="bf16", optimizer="adafactor", batch_size=1, seq_len=128, grad_ckpt=True),
 ])
 def test_synthesized_gpt2_events_equal_the_whole_trace(fields):
-    from memplan import synth
-    from memplan.models import load_spec
-    from memplan.replay import _replayed
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
+    from memplan.replay.need import _replayed
 
     setup = Setup(**fields)
     made = synth.events(load_spec("openai-community/gpt2"), setup, 3)
@@ -34,8 +34,8 @@ def test_synthesized_gpt2_events_equal_the_whole_trace(fields):
 
 def test_seq2seq_two_stacks_and_a_first_block_of_its_own():
     """T5: encoder and decoder stacks, block 0 holds the relative position bias."""
-    from memplan import synth
-    from memplan.models import load_spec
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
 
     setup = Setup(technique="full", precision="bf16-mixed", batch_size=2, seq_len=64, attn_impl="eager")
     made = synth.events(load_spec("google-t5/t5-base"), setup, 3)
@@ -46,23 +46,23 @@ def test_seq2seq_two_stacks_and_a_first_block_of_its_own():
 
 def test_blocks_of_different_kinds_are_traced_whole():
     """freeze of 4 blocks: the cut's template block trains, the full model's block 2 does not."""
-    from memplan import synth
-    from memplan.models import load_spec
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
 
     setup = Setup(technique="freeze", trainable=4, batch_size=1, seq_len=64)
     assert synth.events(load_spec("openai-community/gpt2"), setup, 3) is None
 
 
 def test_a_model_of_few_blocks_is_traced_whole():
-    from memplan import synth
-    from memplan.models import load_spec
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
     assert synth.events(load_spec("google-t5/t5-small"), Setup(batch_size=1, seq_len=64), 3) is None  # 6 blocks
 
 
 def test_a_broken_synthesis_is_caught_by_the_canonical_comparison():
     """The check can fail: dropping one copy's events changes the canonical stream."""
-    from memplan import synth
-    from memplan.models import load_spec
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
 
     setup = Setup(technique="full", precision="fp32", batch_size=1, seq_len=64)
     made = synth.events(load_spec("openai-community/gpt2"), setup, 3)
@@ -73,8 +73,8 @@ def test_a_broken_synthesis_is_caught_by_the_canonical_comparison():
 
 
 def test_a_failing_cut_trace_falls_back_to_the_whole_trace(monkeypatch):
-    from memplan import synth
-    from memplan.models import load_spec
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
 
     def broken(*args, **kwargs):
         raise RuntimeError("a cut the tracer cannot run")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import memplan.trace as T
-import memplan.tracker as TK
-from memplan.standins import standin_linear_classes
-from memplan.cli import main
-from memplan.models import config_dict, load_spec
+import memplan.tracer.training as T
+import memplan.runtime.tracker as TK
+from memplan.runtime.standins import standin_linear_classes
+from memplan.cli.main import main
+from memplan.model.catalog import config_dict, load_spec
 from memplan.setup import Setup
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -95,7 +95,7 @@ def test_added_tokens_are_traced_as_resized_embeddings():
     """The traced model calls resize_token_embeddings like a user adding tokens, and the estimate counts the added
     rows in weights, gradients and Adam state: gpt2 (tied) +1,000 tokens agrees to 0.01% (-0.53% before the rows
     entered the optimizer state and the rounding)."""
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     setup = Setup(batch_size=2, seq_len=64, added_tokens=1000)
     result = T.trace("openai-community/gpt2", setup)
     assert result.params_total == 124_439_808 + 1000 * 768
@@ -134,8 +134,8 @@ def test_layers_extrapolation_per_segment_equals_the_full_trace(model, fields, l
 
 
 def test_block_stacks_are_the_outermost_block_lists():
-    from memplan.models import config_dict, load_spec
-    from memplan.steps import build_model
+    from memplan.model.catalog import config_dict, load_spec
+    from memplan.runtime.steps import build_model
     spec = load_spec("google-t5/t5-small")
     model = build_model(spec, Setup(technique="lora"), None, config_dict(spec))
     stacks = TK.block_stacks(model)
@@ -165,8 +165,8 @@ def test_whole_model_trace_reports_the_replayed_reserved_peak():
     # unsplit to smaller requests (at most 1 MiB more each)
     assert d["peak_allocated_bytes"] + workspaces <= d["allocated_blocks_bytes"] <= d["peak_reserved_bytes"]
     # the need: a cap at it fits the replay, 2 MiB less does not (min_limit bisects to 2 MiB)
-    from memplan.allocator import replay
-    from memplan.replay import cuda_workspaces, traced_events
+    from memplan.runtime.allocator import replay
+    from memplan.replay.need import cuda_workspaces, traced_events
     from memplan.setup import Setup
     need = d["allocator_need_bytes"]
     assert d["peak_allocated_bytes"] + workspaces <= need <= d["peak_reserved_bytes"]
@@ -184,7 +184,7 @@ def test_cli_trace_bad_input_exit_2():
 
 
 def test_cli_trace_inference_replays_prefill_and_generate():
-    # memplan/trace_infer.py: validate's inference run on fake tensors, with the allocator replay's figures
+    # memplan/tracer/inference.py: validate's inference run on fake tensors, with the allocator replay's figures
     r = CliRunner().invoke(main, ["trace", "gpt2", "--mode", "infer", "--precision", "bf16", "--batch-size", "2",
                                   "--seq-len", "64", "--new-tokens", "8", "--layers", "2", "--json"])
     assert r.exit_code == 0, r.output
@@ -229,7 +229,7 @@ FALCON_40B_SHAPE = {"architectures": ["FalconForCausalLM"], "model_type": "falco
 def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     # modeling_falcon expands each K/V group to its query heads before sdpa: the fused kernel runs and saves K/V at
     # 128 heads. Counted at 8 heads (sdpa's math kernel, as for falcon-7b's single K/V head) the estimate was +5.7%
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     path = tmp_path / "config.json"
     path.write_text(json.dumps(FALCON_40B_SHAPE))
     assert load_spec(str(path)).arch.num_kv_heads == 128
@@ -334,7 +334,7 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
     (_shape("mbart"), dict(technique="full", precision="bf16", batch_size=2, seq_len=1024, attn_impl="sdpa"), 0.01),
     ("google-t5/t5-base", dict(technique="lora", precision="bf16", lora_r=64, batch_size=16, seq_len=256,
                                attn_impl="sdpa"), 0.01),
-    # the blocks' backward ends (memplan.memory.block_ends): an eager softmax's backward after its block's MLP and
+    # the blocks' backward ends (memplan.estimator.memory.block_ends): an eager softmax's backward after its block's MLP and
     # the probabilities PV saved are freed (+16% with the whole block held); a gated MLP's product backward holds
     # three intermediate-sized gradients in the activations' dtype (QLoRA's fp32: -6.0% with two in bf16), its
     # output projection's saved input gone, the first block's gradients not all written (full: +1.3%), and an fp32
@@ -412,7 +412,7 @@ def test_falcon_new_decoder_architecture_holds_kv_at_every_head(tmp_path):
      0.005),
 ])
 def test_attention_paths_found_by_the_tracer(tmp_path, model, fields, tolerance):
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     if model == "gptj":  # shaped like a small GPT-J (not in the catalog)
         model = str(tmp_path / "config.json")
         Path(model).write_text(json.dumps({"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 512,
@@ -432,7 +432,7 @@ def test_data_dependent_checks_answer_like_a_real_unpadded_run():
     runs); real tensors and reductions along a dimension are untouched (emulate_masks.mask_checks)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.emulations import cuda_like
+    from memplan.runtime.emulate.cuda import cuda_like
     with cuda_like():
         with FakeTensorMode():
             mask = torch.ones(2, 8, dtype=torch.long)
@@ -452,7 +452,7 @@ def test_mask_checks_answer_for_fake_masks_from_the_batch(padded, seq2seq):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import masking_utils as mu
 
-    from memplan.emulations import cuda_like
+    from memplan.runtime.emulate.cuda import cuda_like
     before = mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa
     with cuda_like(padded=padded, seq2seq=seq2seq):
         with FakeTensorMode():
@@ -483,8 +483,8 @@ def test_query_key_norms_count_every_head(tmp_path):
     """A per-head q_norm/k_norm (Gemma-3, Qwen3: weight [head_dim]) saves its fp32 input over num_heads (q) and
     num_kv_heads (k) x head_dim, not over the hidden size (layout.BlockLayout.qk_norm_widths): a Gemma-3-shaped
     config without windowing, LoRA bf16 b2 s512 sdpa, traced 629.7 MiB, estimated +1.40% before and -0.02% after."""
-    from memplan.estimate import estimate
-    from memplan.memory.layout import blocks
+    from memplan.estimator.breakdown import estimate
+    from memplan.model.layout import blocks
     shape = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "gemma3_text" /
                         "config.json").read_text())
     model = tmp_path / "config.json"
@@ -502,8 +502,8 @@ def test_query_key_norm_names_beyond_q_norm(tmp_path):
     survey sizes), full bf16 b2 s512 sdpa: -1.66% before (+1.17% when they counted at the hidden size), within 0.5%."""
     from transformers import HunYuanDenseV1Config
 
-    from memplan.estimate import estimate
-    from memplan.memory.layout import blocks
+    from memplan.estimator.breakdown import estimate
+    from memplan.model.layout import blocks
     cfg = HunYuanDenseV1Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                                num_key_value_heads=2, head_dim=64, vocab_size=32000)
     cfg.save_pretrained(tmp_path)
@@ -520,8 +520,8 @@ def test_multi_head_latent_attention_sizes_and_cache(tmp_path):
     K/V expanded to every head whatever num_key_value_heads says; transformers 5 caches the compressed latent
     (kv_lora_rank + qk_rope_head_dim per token, one head: cachefacts.kv_cache_elems), so a generation's KV cache is
     that, not 2 x heads x head_dim."""
-    from memplan.memory.context import resolve
-    from memplan.memory.inference import kv_cache_bytes
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.inference import kv_cache_bytes
     model = _shape("deepseek_v3")
     a = load_spec(model).arch
     assert (a.head_dim, a.v_head_dim, a.num_kv_heads) == (64 + 32, 64, 8)
@@ -534,7 +534,7 @@ def test_multi_head_latent_attention_sizes_and_cache(tmp_path):
 def test_measured_cache_equals_the_formula_for_plain_attention():
     """The measured per-token cache of every causal catalog model equals 2 x kv_heads x head_dim (GQA, multi-query,
     fused qkv): the measurement changes nothing where the formula was right."""
-    from memplan.models import catalog_index
+    from memplan.model.catalog import catalog_index
     for model in catalog_index():
         a = load_spec(model).arch
         if a.kind == "causal":
@@ -548,7 +548,7 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
     s256: +3.2% when they counted as trainable."""
     from transformers import MarianConfig
 
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     MarianConfig(d_model=512, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
                  decoder_attention_heads=8, encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=32000,
                  decoder_vocab_size=32000, max_position_embeddings=4096, pad_token_id=0, eos_token_id=2,
@@ -595,7 +595,7 @@ def test_parameters_the_model_builds_frozen_get_no_optimizer_state(tmp_path):
 def test_block_structure_found_by_the_tracer(shape, fields, before):
     """Whole-model traces of small family shapes (benchmarks/shapes) against the estimate; `before`: the error (%)
     before these effects were modelled."""
-    from memplan.estimate import estimate
+    from memplan.estimator.breakdown import estimate
     setup = Setup(**fields)
     c = T.compare(T.trace(_shape(shape), setup), estimate(_shape(shape), setup))
     assert abs(c["rel_error"]) < 0.002 < abs(before) / 100, c

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from memplan import measured
-from memplan.check import check
-from memplan.cli import main
-from memplan.estimate import estimate
+from memplan.measure import rows as measured
+from memplan.measure.gate import check
+from memplan.cli.main import main
+from memplan.estimator.breakdown import estimate
 from memplan.setup import Setup
-from memplan.sweep import Job, load_sweep, run_sweep
-from memplan.validate import Measurement, validate
+from memplan.measure.sweep import Job, load_sweep, run_sweep
+from memplan.measure.runner import Measurement, validate
 
 ROOT = Path(__file__).parents[1]
 
@@ -42,13 +42,13 @@ def tiny_model(tmp_path_factory) -> str:
 
 def test_cpu_validate_equals_the_trace(tiny_model):
     """--device cpu measures real tensors with the tracer's accounting: the same peak as the fake-tensor trace."""
-    from memplan.trace import trace
+    from memplan.tracer.training import trace
     s = Setup(technique="lora", precision="bf16-mixed", batch_size=2, seq_len=32)
     m = validate(tiny_model, s, device="cpu", steps=3)
     assert m.status == "ok", m.error
     assert m.device == "cpu" and m.reserved_bytes is None
-    from memplan.models import config_dict, load_spec
-    from memplan.trace import _run
+    from memplan.model.catalog import config_dict, load_spec
+    from memplan.tracer.training import _run
     spec = load_spec(tiny_model)
     real = _run(spec, s, config_dict(spec), None, 3, fake=False)
     assert m.allocated_bytes == real.peak  # the tracer's real-tensor accounting, exactly

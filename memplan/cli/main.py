@@ -1,0 +1,212 @@
+"""memplan command line: a thin click group. Each command: parse -> core -> render.
+
+Exit codes: 0 an answer, 1 "does not fit" (fit: no option fits), 2 bad input (unknown model/GPU, invalid setup,
+malformed config; click usage errors too). --json prints one JSON object on stdout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import click
+
+from memplan.cli.options import (  # noqa: F401  (re-exported for command modules)
+    emit_json as _emit_json, given_setup_fields, handle_errors, headroom_option, setup_from_options, setup_options)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="memplan")
+def main():
+    """memplan: how much GPU memory will fine-tuning or serving a Hugging Face model take, and does it fit?"""
+
+
+@main.command()
+@click.argument("model")
+@setup_options
+@click.option("--trust-remote-code", is_flag=True, help="allow configs whose code lives in the model repository")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="also draw the components per phase as stacked bars (PNG/SVG/PDF)")
+@click.option("--gpu", "gpu_name", help="--plot: draw this card's memory as a line")
+@click.option("--memory", help="--plot: draw this memory size as a line, e.g. 12GiB")
+@handle_errors
+def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **options):
+    """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
+    from memplan.estimator.breakdown import estimate as run
+    from memplan.model.catalog import load_spec
+
+    setup = setup_from_options(options)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    result = run(spec, setup)
+    if plot_path:
+        from memplan.gpus import resolve_gpu
+        from memplan.cli.plots import write_breakdown_png
+        gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
+        click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=as_json)
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        from memplan.cli.report import print_estimate
+        print_estimate(result)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060", a100-80 (see `memplan gpus`)')
+@click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB, 24GB")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per sample")
+@click.option("--num-gpus", type=click.IntRange(min=1),
+              help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
+@headroom_option
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@handle_errors
+def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code, as_json):
+    """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits, then the
+    multi-GPU training options (DeepSpeed ZeRO-3, FSDP, DDP) with the fewest GPUs each needs."""
+    from memplan.planner.fit_table import fit as run
+    from memplan.gpus import resolve_gpu
+    from memplan.model.catalog import load_spec
+
+    if seq_len < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--seq-len")
+    result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len,
+                 num_gpus=num_gpus, headroom=headroom)
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        from memplan.cli.report import print_fit
+        print_fit(result)
+    fits = any(r.fits for r in result.scale_out) if num_gpus else result.any_fits
+    sys.exit(0 if fits else 1)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060" (see `memplan gpus`); default: the detected GPU')
+@click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
+@click.option("--effective-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="samples per optimizer step (micro-batch x gradient accumulation)")
+@click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
+              help="what to maximise first (docs/PLANNER.md)")
+@headroom_option(replay=True)
+@click.option("--host-memory", help="RAM per node for CPU offload, e.g. 512GiB (default: this machine's RAM)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")
+@click.option("--replay", is_flag=True, help="set the micro-batch by replaying PyTorch's CUDA caching allocator over "
+              "traced steps of the whole model (single GPU; seconds to minutes on the CPU; docs/PLANNER.md)")
+@setup_options
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")
+@handle_errors
+def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory, output, fmt, replay,
+         trust_remote_code, as_json, **options):
+    """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
+    from memplan.gpus import resolve_gpu
+    from memplan.model.catalog import load_spec
+    from memplan.planner.search import plan as run
+
+    pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    result = run(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
+                 headroom=headroom, host_memory=host_memory, replay=replay, **pins)
+    written = None
+    if output and result.fits:
+        from memplan.planner.export import write_plan
+        written = str(write_plan(result, spec, output, fmt))
+    if as_json:
+        _emit_json(dict(result.to_dict(), written=written))
+    else:
+        from memplan.cli.report import print_plan
+        print_plan(result, written)
+    sys.exit(0 if result.fits else 1)
+
+
+@main.command("trace")
+@click.argument("model")
+@setup_options
+@click.option("--layers", type=click.IntRange(min=1),
+              help="trace N and N+1 blocks and extrapolate to the full depth (N is raised to 2, and for freeze to "
+                   "one more than its trainable blocks, as stated in the output)")
+@click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="training steps to run")
+@click.option("--compare/--no-compare", default=True, show_default=True, help="also show memplan's estimate")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (the estimate's keys)")
+@handle_errors
+def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **options):
+    """Run the real training step on fake tensors (no GPU) and report the measured peak: ground truth for the
+    estimate. With --mode infer: the prefill and generate() that `memplan validate` runs, traced whole. With
+    --sharding fsdp-full-shard|fsdp-shard-grad-op|zero1|zero2|zero3 --num-gpus N: rank 0 of real FSDP2 / DeepSpeed
+    ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
+    from memplan.model.catalog import load_spec
+    from memplan.tracer.training import compare as compare_fn
+    from memplan.tracer.training import trace
+
+    setup = setup_from_options(options)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    if setup.sharding != "none":  # one rank over a fake process group (memplan.tracer.sharded)
+        from memplan.tracer.sharded import trace_deepspeed, trace_sharded
+        run = trace_deepspeed if setup.engine == "deepspeed" else trace_sharded
+        result = run(spec, setup, layers=layers, steps=steps)
+    else:
+        result = trace(spec, setup, layers=layers, steps=steps)
+    cmp = None
+    if compare:
+        from memplan.estimator.breakdown import estimate
+        cmp = compare_fn(result, estimate(spec, setup))
+    if as_json:
+        _emit_json(dict(result.to_dict(), comparison=cmp))
+    else:
+        from memplan.cli.report import print_trace
+        print_trace(result, cmp)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def models(as_json):
+    """List the built-in model catalog."""
+    from memplan.model.catalog import catalog_index
+
+    index = catalog_index()
+    if as_json:
+        _emit_json(index)
+    else:
+        from memplan.cli.report import print_models
+        print_models(index)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def gpus(as_json):
+    """List the GPU catalog."""
+    from memplan.gpus import load_gpus
+
+    rows = load_gpus()
+    if as_json:
+        _emit_json([dataclasses.asdict(g) for g in rows])
+    else:
+        from memplan.cli.report import print_gpus
+        print_gpus(rows)
+
+
+@main.command("refresh-catalog")
+@handle_errors
+def refresh_catalog():
+    """Rebuild the model inventories after adding a config.json to memplan/data/models/configs/."""
+    from memplan.model.catalog import refresh_catalog as run
+
+    click.echo(f"{run(echo=click.echo)} models refreshed")
+
+
+from memplan.cli.measure import check_cmd, validate_cmd  # noqa: E402  (command modules import cli_common only)
+from memplan.planner.doctor import doctor_command  # noqa: E402
+from memplan.cli.plot import plot_command  # noqa: E402
+
+for _command in (validate_cmd, check_cmd, doctor_command, plot_command):
+    main.add_command(_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`memplan validate` and `memplan check`: measure setups for real, and gate CI on the stored measurements."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from memplan.cli.options import emit_json, given_setup_fields, handle_errors, setup_options
+from memplan.errors import BadInput
+
+
+def _fraction(value: str | None) -> float | None:
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        f = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise BadInput(f"--memory-fraction {value!r}: give a fraction such as 0.15 or 15%") from None
+    if not 0 < f <= 1:
+        raise BadInput(f"--memory-fraction must be in (0, 1], got {value!r}")
+    return f
+
+
+@click.command("validate")
+@click.argument("model", required=False)
+@setup_options
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu: the same steps on the CPU, allocated bytes through the tracer's accounting")
+@click.option("--steps", type=click.IntRange(min=2), default=3, show_default=True, help="optimizer steps to run")
+@click.option("--memory-fraction", help="cap the allocator to this fraction of the GPU (0.15 or 15%)")
+@click.option("--emulate", help='cap the allocator to a smaller card\'s memory, e.g. "RTX 3060" (less the context)')
+@click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False), help="run every setup of a sweep YAML file")
+@click.option("--out", type=click.Path(dir_okay=False), help="append each measured row to this CSV (resumable)")
+@click.option("--timeout", type=click.FloatRange(min=1), help="seconds allowed per setup")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@handle_errors
+def validate_cmd(model, device, steps, memory_fraction, emulate, sweep_file, out, timeout, as_json, **options):
+    """Run MODEL's setup for real (random weights, real transformers/peft/bitsandbytes, 3 training steps) in a
+    subprocess and compare the measured peaks with the estimate; or run a --sweep into a --out CSV."""
+    if memory_fraction and emulate:
+        raise BadInput("pass either --memory-fraction or --emulate, not both")
+    if device == "cuda":
+        from memplan.measure.runner import require_cuda
+        require_cuda()
+    if sweep_file:
+        if model or given_setup_fields(options):
+            raise BadInput("--sweep takes its models and setups from the file: drop MODEL and the setup flags")
+        if not out:
+            raise BadInput("--sweep needs --out data/measured/<gpu>.csv (rows are appended there, resumably)")
+        return _run_sweep(sweep_file, out, device, steps, timeout)
+    if not model:
+        raise BadInput("name a MODEL (catalog id or config.json), or pass --sweep sweep.yaml --out rows.csv")
+    _validate_one(model, device, steps, _fraction(memory_fraction), emulate, out, timeout, as_json, options)
+
+
+def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json, options):
+    from memplan.estimator.breakdown import estimate
+    from memplan.measure.rows import append_row, make_row
+    from memplan.model.catalog import load_spec
+    from memplan.setup import Setup
+    from memplan.measure.sweep import _now
+    from memplan.measure.runner import validate
+
+    setup = Setup(**given_setup_fields(options))
+    spec = load_spec(model)
+    est = estimate(spec, setup)  # setup problems surface before a GPU is touched
+    m = validate(model, setup, device=device, steps=steps, memory_fraction=fraction, emulate=emulate,
+                 timeout=timeout)
+    if out:
+        append_row(out, make_row(model, setup, source="memplan validate", measured_at=_now(),
+                                 notes=f"emulating {emulate}" if emulate else "", **m.row_values()))
+    from memplan.cli.report import validation_rows
+    rows = validation_rows(m, est)
+    if as_json:
+        emit_json({"model": spec.model_id, "setup": setup.to_dict(), "measurement": m.row_values(),
+                   "comparison": rows})
+    else:
+        from memplan.cli.report import print_validation
+        print_validation(spec.model_id, setup, m, rows)
+    sys.exit(0 if m.status == "ok" else 1)
+
+
+def _run_sweep(sweep_file, out, device, steps, timeout):
+    from rich.progress import Progress
+
+    from memplan.measure.sweep import load_sweep, run_sweep
+
+    jobs, skipped, file_steps = load_sweep(sweep_file)
+    for s in skipped:
+        click.echo(f"skipped (invalid combination): {s}", err=True)
+    with Progress(transient=False) as progress:
+        task = progress.add_task(f"validate -> {out}", total=len(jobs))
+
+        def done(job, m):
+            progress.advance(task)
+            progress.console.print(f"{m.status:5} {job.model} {job.setup.technique} b{job.setup.batch_size} "
+                                   f"s{job.setup.seq_len}" + (f" ({m.error[:80]})" if m.error else ""))
+        try:
+            counts = run_sweep(jobs, out, device=device, steps=steps if steps != 3 else file_steps,
+                               on_done=done, timeout=timeout)
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: the rows written so far are in {out}; run the same command to resume",
+                       err=True)
+            sys.exit(130)
+    click.echo(f"{counts['run']} run ({counts['ok']} ok, {counts['oom']} oom, {counts['error']} error), "
+               f"{counts['already_done']} already in {out}, {len(skipped)} invalid combinations skipped")
+
+
+@click.command("check")
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--tolerance", default="5%", show_default=True,
+              help="allowed |relative error| for rows without their own tolerance column")
+@click.option("--measure", type=click.Choice(["allocated", "reserved", "device"]), default="allocated",
+              show_default=True, help="quantity compared where a row has it (else the row's first measured one)")
+@click.option("--report", "report_path", default="memplan-check.md", show_default=True,
+              type=click.Path(dir_okay=False), help="markdown report written here")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@handle_errors
+def check_cmd(paths, tolerance, measure, report_path, as_json):
+    """Re-estimate every stored measurement (default data/measured/) with the current estimator; exit 1 when a
+    row is outside the tolerance or a measured OOM is predicted to fit."""
+    from memplan.measure.gate import check, markdown
+    from memplan.fileio import write_text_atomic
+
+    tol = _fraction(tolerance)
+    result = check(paths or ("data/measured",), tolerance=tol, measure=measure)
+    write_text_atomic(report_path, markdown(result))
+    if as_json:
+        emit_json({"ok": result.ok, "tolerance": tol, "report": report_path,
+                   "rows": [dict(verdict=r.verdict, model=r.model, setup=r.label, quantity=r.quantity,
+                                 measured_bytes=r.measured_bytes, predicted_bytes=r.predicted_bytes,
+                                 rel_error=r.rel_error, tolerance=r.tolerance, reason=r.reason, file=r.file)
+                            for r in result.worst_first()]})
+    else:
+        from memplan.cli.report import print_check
+        print_check(result, report_path)
+    sys.exit(0 if result.ok else 1)

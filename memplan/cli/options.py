@@ -1,0 +1,109 @@
+"""Shared pieces of the command line: one --flag per Setup field, error handling, JSON output.
+
+Kept apart from memplan.cli.main so command modules (memplan.cli.measure, memplan.planner.doctor, memplan.cli.plots) import them
+without importing the click group that registers them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import typing
+
+import click
+
+from memplan.errors import MemplanError
+from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
+                           Setup, parse_targets, parse_trainable)
+
+_CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
+            "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS, "sharding": SHARDINGS, "offload": OFFLOADS}
+_HELP = {
+    "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
+    "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
+    "padded": "batches hold padding, as a padding collator makes them (sdpa then keeps a mask per layer); "
+              "default: no padding (equal-length or packed batches), except for plan, whose config pads",
+}
+
+
+def setup_options(func):
+    """Add one --flag per Setup field (names with dashes; choices from the Literal vocabularies)."""
+    hints = typing.get_type_hints(Setup)
+    for f in reversed(dataclasses.fields(Setup)):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        kw = {"default": None, "help": _HELP.get(f.name, f"Setup.{f.name} (default {f.default!r})")}
+        if f.name in _CHOICES:
+            opt = click.option(flag, type=click.Choice(_CHOICES[f.name]), **kw)
+        elif hint is bool:
+            opt = click.option(f"{flag}/--no-{flag[2:]}", **kw)
+        elif f.name in ("lora_targets", "trainable"):
+            opt = click.option(flag, type=str, **kw)
+        elif float in typing.get_args(hint) or hint is float:
+            opt = click.option(flag, type=float, **kw)
+        else:
+            opt = click.option(flag, type=int, **kw)
+        func = opt(func)
+    return func
+
+
+def given_setup_fields(options: dict) -> dict:
+    """The Setup fields the user set on the command line, parsed (target lists split, block counts as ints)."""
+    names = {f.name for f in dataclasses.fields(Setup)}
+    given = {k: v for k, v in options.items() if k in names and v is not None}
+    if "lora_targets" in given:
+        given["lora_targets"] = parse_targets(given["lora_targets"])
+    if "trainable" in given:
+        given["trainable"] = parse_trainable(given["trainable"])
+    return given
+
+
+def setup_from_options(options: dict) -> Setup:
+    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems."""
+    return Setup(**given_setup_fields(options))
+
+
+def _parse_headroom(ctx, param, value: str | None) -> float | None:
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        x = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a fraction or percentage (e.g. 5% or 0.05)") from None
+    if not 0 <= x < 1:
+        raise click.BadParameter(f"{value!r} must be between 0% and 100%")
+    return x
+
+
+def headroom_option(func=None, *, replay: bool = False):
+    """--headroom: the memory kept spare (memplan.planner.budget), the same default for fit, plan, doctor and plot; plan
+    (replay=True) leaves it unset, so that --replay gets its own default."""
+    from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
+    if func is None:
+        return lambda f: headroom_option(f, replay=replay)
+    help_text = ("memory kept spare, as a share of the GPU memory beyond the CUDA context (a fraction or a "
+                 "percentage)")
+    if replay:
+        return click.option("--headroom", default=None, callback=_parse_headroom,
+                            help=f"{help_text}  [default: {DEFAULT_HEADROOM:.1%}; {REPLAY_HEADROOM:.0%} with "
+                                 "--replay]")(func)
+    return click.option("--headroom", default=f"{DEFAULT_HEADROOM:.1%}", show_default=True, callback=_parse_headroom,
+                        help=help_text)(func)
+
+
+def handle_errors(func):
+    """MemplanError -> 'error: ...' on stderr and its exit code; never a traceback."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except MemplanError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+    return wrapper
+
+
+def emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2))

@@ -1,0 +1,163 @@
+"""estimate(): sum the memory/* components over the phases of a training step (or of inference).
+
+Pure given the ModelSpec: no torch, no printing. Phase model (steady state, step >= 2, when optimizer state exists;
+torchtitan's estimation script: "iter 0 does not have optimizer state"): each phase is a dict component -> bytes
+alive at that phase's high-water mark; the allocated peak is the largest phase, and `components` shows that phase.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memplan import libs
+from memplan.estimator.memory import distributed as dist
+from memplan.estimator.memory import logits as lg
+from memplan.estimator.memory import optimizer as opt
+from memplan.estimator.memory import overhead, weights
+from memplan.estimator.memory.context import Ctx, resolve, reties_head
+from memplan.estimator.phases import inference_phases, sharded_phases, training_phases
+from memplan.setup import Setup, sharding_label
+from memplan.model.spec import ModelSpec
+
+#: display order of components; device-only terms last.
+COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
+              "gathered_params", "comm_buffers", "activations", "autocast_weight_copies", "logits", "attention_mask",
+              "dequant_temporaries", "forward_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace",
+              "allocator_reserve",
+              "paged_optimizer_state", "nccl_buffers", "cuda_context")
+_DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "nccl_buffers", "cuda_context")
+_PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache",
+               "comm_buffers")
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Predicted memory of one Setup on one model. All sizes in bytes.
+
+    components: name -> bytes alive at the allocated peak (plus the device-only terms), in COMPONENTS order.
+    phases: phase name -> peak allocated bytes in that phase.
+    """
+
+    model: str
+    setup: Setup
+    params_total: int
+    params_trainable: int
+    components: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    notes: tuple[str, ...] = field(default=())
+    largest_block_bytes: int = 0  # the largest single tensor (memory.logits.largest_block_bytes)
+    host_bytes: int = 0  # pinned CPU memory per GPU process (offloaded state); x num_gpus per node
+
+    @property
+    def allocator_need_bytes(self) -> int:
+        """What an allocator cap must allow for the step not to OOM: the live peak and a fresh block for the
+        largest tensor. The cached-but-free rest of the reserved peak is released and retried under a cap
+        (docs/PLANNER.md, data/measured/planner-check-run1.csv)."""
+        return self.peak_allocated_bytes + self.largest_block_bytes
+
+    @property
+    def cap_need_bytes(self) -> int:
+        """allocator_need_bytes plus the device-only memory outside the caching allocator (CUDA context, paged
+        optimizer state, NCCL): what the GPU's memory must hold."""
+        return self.allocator_need_bytes + self.device_total_bytes - self.peak_reserved_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "params_total": self.params_total,
+            "params_trainable": self.params_trainable,
+            "setup": self.setup.to_dict(),
+            "components": dict(self.components),
+            "phases": dict(self.phases),
+            "peak_phase": self.peak_phase,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "need_bytes": self.cap_need_bytes,
+            "host_bytes_per_gpu": self.host_bytes,
+            "host_bytes_per_node": self.host_bytes * self.setup.num_gpus,
+            "notes": list(self.notes),
+        }
+
+
+def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Estimate:
+    """Estimate GPU memory of `setup` (or Setup(**fields)) on `model`: a catalog id, a config.json path or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        spec = model
+    else:
+        from memplan.model.catalog import load_spec
+
+        spec = load_spec(model)
+    if setup is None:
+        setup = Setup(**fields)
+    elif fields:
+        raise TypeError("pass either a Setup or Setup fields, not both")
+    ctx = resolve(spec, setup)
+    if dist.is_distributed(setup):
+        return _assemble(ctx, *sharded_phases(ctx, dist.compute_ctx(spec, setup)))
+    phases = training_phases(ctx) if setup.mode == "train" else inference_phases(ctx)
+    return _assemble(ctx, phases)
+
+
+def estimator_for(gpu):
+    """estimate() as for `gpu` (its architecture sets the cuBLAS workspace: memory.overhead); fit, plan and doctor
+    estimate through it for the card they plan for."""
+    from memplan.gpus import assume_gpu
+
+    def run(model, setup: Setup | None = None, **fields) -> Estimate:
+        with assume_gpu(gpu):
+            return estimate(model, setup, **fields)
+    return run
+
+
+def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState | None = None) -> Estimate:
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    peak = totals[peak_phase]
+    at_peak = phases[peak_phase]
+    transient = peak - sum(v for k, v in at_peak.items() if k in _PERSISTENT)
+    reserve = overhead.allocator_reserve_bytes(ctx, transient)
+    paged = opt.optimizer_state_bytes(ctx) if ctx.training and opt.is_paged(ctx) else 0
+    nccl = rank.nccl_device_bytes if rank else 0
+    device_only = {"allocator_reserve": reserve, "paged_optimizer_state": paged, "nccl_buffers": nccl,
+                   "cuda_context": overhead.CUDA_CONTEXT_BYTES}
+    merged = {**at_peak, **device_only}
+    components = {k: int(merged.get(k, 0)) for k in COMPONENTS}
+    return Estimate(
+        model=ctx.spec.model_id, setup=ctx.setup, params_total=ctx.spec.numel_total,
+        params_trainable=weights.trainable_numel(ctx) if ctx.training else 0,
+        components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
+        peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
+        device_total_bytes=int(peak + reserve + paged + nccl + overhead.CUDA_CONTEXT_BYTES),
+        notes=_notes(ctx), largest_block_bytes=lg.largest_block_bytes(ctx), host_bytes=rank.host_bytes if rank else 0)
+
+
+def _notes(ctx: Ctx) -> tuple[str, ...]:
+    notes = [f"attention: {ctx.attn_impl}"]
+    if ctx.setup.mode == "train" or ctx.setup.padded:
+        notes.append("batches: padded (sdpa keeps a mask per layer)" if ctx.setup.padded else
+                     "batches: no padding (packed or equal-length; --padded for a padding collator's)")
+    release = libs.version("transformers")
+    if release:  # the code paths that differ between releases follow it (memplan.libs; docs/MODEL.md)
+        notes.append("transformers " + libs.dotted(release))
+    if dist.is_distributed(ctx.setup):
+        notes.append(f"per GPU: {sharding_label(ctx.setup)}")
+    if ctx.spec.arch.unmodelled_layers:
+        notes.append(f"not modelled: the {', '.join(ctx.spec.arch.unmodelled_layers)} layers' own activations "
+                     "(a token mixer other than attention): this estimate is a lower bound")
+    if ctx.spec.media:
+        n = sum(p.numel for p in ctx.spec.media)
+        notes.append(f"text-only steps: {', '.join(ctx.spec.arch.media_parts)} ({n / 1e6:,.1f}M parameters) held in "
+                     "the weights, never run: no gradients, optimizer state or activations; image inputs are not "
+                     "modelled")
+    if reties_head(ctx.spec, ctx.setup):
+        notes.append("resize_token_embeddings ties this checkpoint's own lm_head to the input embedding again "
+                     "(transformers 5 forces T5's tie): one vocabulary table fewer, and the head's trained values "
+                     "are replaced by the embedding's")
+    if ctx.training and opt.is_paged(ctx):
+        notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
+                     "counted in the device total while resident")
+    return tuple(notes)

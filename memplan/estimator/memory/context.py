@@ -1,0 +1,234 @@
+"""Ctx: the facts every component needs, resolved once per estimate from (ModelSpec, Setup).
+
+Resolution mirrors what the real libraries do; each rule cites its source.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from memplan import libs
+from memplan.model import trainable as select
+from memplan.errors import BadInput
+from memplan.setup import Setup
+from memplan.model.spec import Linear, ModelSpec, Param
+from memplan.units import DTYPE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    spec: ModelSpec
+    setup: Setup
+    attn_impl: str  # resolved: eager | sdpa | flash_attention_2
+    compute_bytes: int  # c: bytes of the matmul dtype
+    residual_bytes: int  # r: bytes of the hidden-state stream between blocks
+    weight_bytes: int  # bytes/element of non-quantized weights
+    trainable: frozenset[str]  # names of trainable base parameters
+    lora: tuple[Linear, ...]  # LoRA-targeted linears (empty unless lora/qlora)
+    quantized: frozenset[str]  # names of quantized Linear modules
+    vocab: int  # embedding rows incl. added tokens
+    src_len: int  # tokens per sample through the encoder (seq2seq/encoder) or the decoder (causal)
+    tgt_len: int  # decoder tokens (seq2seq); == src_len for causal
+    act_bytes: int = 0  # bytes of the block-internal activations (0: compute_bytes); see resolve()
+    #: autocast over a 16-bit model: FSDP computes with its MixedPrecisionPolicy's 16-bit parameters while
+    #: accelerate's autocast stays on (memplan.estimator.memory.distributed.compute_ctx)
+    autocast_16bit: bool = False
+
+    @property
+    def mixed(self) -> bool:
+        """Autocast is on: mixed precision, and training a quantized base in 16-bit compute (the QLoRA recipe:
+        Trainer bf16=True/fp16=True over peft.prepare_model_for_kbit_training's fp32 non-quantized weights; memplan's
+        plan files set it). Weights stay fp32 (weight_bytes) and matmuls run in compute_bytes either way."""
+        return self.setup.mixed or (bool(self.quantized) and self.training and self.compute_bytes < 4)
+
+    @property
+    def autocast(self) -> bool:
+        """torch.autocast runs: `mixed`, or over a 16-bit model (autocast_16bit): the ops on its fp32 list (softmax,
+        log_softmax, nll_loss) compute in fp32 whatever the weights' dtype."""
+        return self.mixed or self.autocast_16bit
+
+    @property
+    def training(self) -> bool:
+        return self.setup.mode == "train"
+
+
+def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
+    """Resolve a (spec, setup) pair, raising BadInput for model-dependent problems (all reported together)."""
+    spec = _resized_spec(spec, setup)
+    problems = _model_problems(spec, setup)
+    if problems:
+        raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
+    quant_train = setup.quant is not None and setup.mode == "train"
+    # peft.prepare_model_for_kbit_training casts every non-quantized fp16/bf16 parameter to fp32
+    # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32.
+    weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.weight_dtype])
+    compute = int(DTYPE_BYTES[setup.compute_dtype])
+    trainable, lora, quantized = _selection(spec, setup)
+    src = setup.seq_len if setup.mode == "train" else (setup.prompt_len or setup.seq_len)
+    tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
+    # bitsandbytes Linear4bit/8bitLt return their output in the input's dtype (nn/modules.py `.to(inp_dtype)`): after
+    # k-bit preparation the normed inputs are fp32, so projections and the activations computed from them are fp32
+    # even under autocast (found by the tracer); autocast still runs the attention matmuls in the compute dtype.
+    act = 4 if (quant_train and setup.quant) else compute
+    return Ctx(spec=spec, setup=setup, attn_impl=_attn_impl(spec, setup), compute_bytes=compute, act_bytes=act,
+               residual_bytes=weight_bytes, weight_bytes=weight_bytes, trainable=trainable, lora=lora,
+               quantized=quantized, vocab=spec.arch.vocab_size + setup.added_tokens, src_len=src, tgt_len=tgt)
+
+
+_RETIED: dict[int, tuple[ModelSpec, ModelSpec]] = {}
+
+
+def reties_head(spec: ModelSpec, setup: Setup) -> bool:
+    """Whether resizing the vocabulary (Setup.added_tokens) ties the model's own lm_head again (_resized_spec)."""
+    return bool(setup.added_tokens and spec.arch.retie_on_resize) and not libs.older_than("transformers", (5, 0))
+
+
+def _resized_spec(spec: ModelSpec, setup: Setup) -> ModelSpec:
+    """The model as resize_token_embeddings leaves it: with added tokens a checkpoint's own lm_head that transformers 5
+    would tie (Arch.retie_on_resize: flan-t5-xl, T0_3B, mt0-xxl) is tied to the shared embedding again, one
+    [vocab, hidden] table fewer in weights, gradients and optimizer state. Found by a stress run: mt0-xxl LoRA
+    fp16-mixed r128 with 3 added tokens, +3.7% against the tracer, which resizes like a user. One derived spec per
+    spec (the per-model memo keys on its identity)."""
+    if not reties_head(spec, setup):
+        return spec
+    target = spec.arch.retie_on_resize
+    hit = _RETIED.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        head = next(p.name for p in spec.params if p.role == "lm_head")
+        derived = dataclasses.replace(spec, params=tuple(p for p in spec.params if p.name != head),
+                                      tied=spec.tied + ((head, target),))
+        hit = _RETIED[id(spec)] = (spec, derived)
+    return hit[1]
+
+
+# ------------------------------------------------------------------------------------------------ per-model memo
+# The planner estimates hundreds of setups of one model that differ in batch, sequence, checkpointing; the terms
+# that walk every parameter or Linear (weights, quantization state, trainable sets, per-block structure) depend
+# only on which tensors train, are adapted or quantized and on their dtype. They are computed once per model and
+# such a selection (benchmarks/results/speed.md). The key always holds the fields that decide the selection and
+# the dtypes; a memoized term names any other Setup field it reads. tests/test_estimate.py checks every Setup
+# field: an estimate after a warm cache equals one from a cold cache.
+
+#: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes.
+SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision")
+_MEMO: dict[tuple, tuple[ModelSpec, object]] = {}  # key -> (spec, value): the spec kept alive so its id stays its own
+_MEMO_LIMIT = 20_000
+T = TypeVar("T")
+
+
+def _memo_get(key: tuple, spec: ModelSpec, compute: Callable[[], T]) -> T:
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    value = compute()
+    if len(_MEMO) >= _MEMO_LIMIT:
+        _MEMO.clear()
+    _MEMO[key] = (spec, value)
+    return value
+
+
+def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]]:
+    """Memoize a term f(ctx) per model, per the selection fields, the Ctx's resolved dtypes and kernel, the transformers
+    and peft releases estimated for (memplan.libs.assume: `memplan check` mixes rows of several releases), and the other
+    Setup `fields` it reads (src_len/tgt_len come from seq_len, target_len, prompt_len: name those). The value is
+    shared: return immutable values (frozensets, tuples, numbers)."""
+    names = SELECTION_FIELDS + fields
+
+    def wrap(f: Callable[[Ctx], T]) -> Callable[[Ctx], T]:
+        @functools.wraps(f)
+        def cached(ctx: Ctx) -> T:
+            s = ctx.setup
+            if (ctx.trainable, ctx.lora, ctx.quantized) != _selection(ctx.spec, s):
+                return f(ctx)  # a Ctx with hand-made sets (dataclasses.replace): not what the key stands for
+            key = (f, id(ctx.spec), ctx.weight_bytes, ctx.compute_bytes, ctx.act_bytes, ctx.residual_bytes,
+                   ctx.attn_impl, ctx.vocab, ctx.autocast_16bit, *_releases()) + \
+                tuple(getattr(s, n) for n in names)
+            return _memo_get(key, ctx.spec, lambda: f(ctx))
+        return cached
+    return wrap
+
+
+def clear_memo() -> None:
+    _MEMO.clear()
+
+
+def _releases() -> tuple:
+    """The library releases a memoized term depends on: transformers' code paths, peft's LoRA targets on fused experts
+    (select.PEFT_MOE_CONVERSION_SINCE); as installed or assumed (memplan.libs.assume)."""
+    return libs.version("transformers"), libs.version("peft")
+
+
+def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:
+    """(trainable base parameter names, LoRA-targeted Linears, quantized Linear names), once per selection."""
+    def compute():
+        trainable = frozenset(p.name for p in select.trainable_params(spec, setup)) if setup.mode == "train" \
+            else frozenset()
+        lora = select.lora_linears(spec, setup.lora_targets) if setup.uses_lora else ()
+        quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
+        return trainable, lora, quantized
+    key = ("selection", id(spec), *_releases()) + tuple(getattr(setup, n) for n in SELECTION_FIELDS)
+    return _memo_get(key, spec, compute)
+
+
+#: Families whose transformers class gained sdpa after the oldest release memplan installs with (4.46): T5 and mT5
+#: from 5.15 (T5PreTrainedModel._supports_sdpa = True; absent in 4.48.1 and 5.14.0, where from_config(...,
+#: attn_implementation="sdpa") raises "does not support an attention implementation through
+#: torch.nn.functional.scaled_dot_product_attention").
+SDPA_SINCE = {"t5": (5, 15), "mt5": (5, 15)}
+
+
+def sdpa_supported(spec: ModelSpec) -> bool:
+    """The model class supports sdpa in the transformers release estimated for (memplan.libs)."""
+    a = spec.arch
+    return a.supports_sdpa and not libs.older_than("transformers", SDPA_SINCE.get(a.model_type, ()))
+
+
+def default_attn_impl(spec: ModelSpec) -> str:
+    """What transformers picks without attn_implementation: sdpa where the class supports it
+    (PreTrainedModel._check_and_adjust_attn_implementation), else eager."""
+    default = spec.arch.default_attn_impl
+    return "eager" if default == "sdpa" and not sdpa_supported(spec) else default
+
+
+def _attn_impl(spec: ModelSpec, setup: Setup) -> str:
+    """The attention implementation transformers would use: the user's choice, else the model's default."""
+    return setup.attn_impl or default_attn_impl(spec)
+
+
+def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
+    a = spec.arch
+    p: list[str] = []
+    total_len = (setup.prompt_len or setup.seq_len) + (setup.new_tokens or 0) if setup.mode == "infer" else setup.seq_len
+    if a.max_positions and total_len > a.max_positions:
+        p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
+                 f"use --seq-len <= {a.max_positions}")
+    if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
+        since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
+        where = (f"before transformers {libs.dotted(since)} (estimating for "
+                 f"{libs.dotted(libs.version('transformers'))})") if since else "in transformers"
+        p.append(f"{a.model_type} does not support sdpa attention {where}; use --attn-impl eager")
+    if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
+        p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")
+    if setup.grad_ckpt and setup.mode == "train" and not a.supports_grad_ckpt:
+        p.append(f"{spec.model_id} does not support gradient checkpointing in transformers "
+                 "(supports_gradient_checkpointing is False: ALBERT); use --no-grad-ckpt")
+    if setup.target_len is not None and a.kind != "seq2seq":
+        p.append("target_len applies to encoder-decoder models only")
+    if setup.mode == "infer" and a.kind == "encoder" and setup.new_tokens:
+        p.append(f"{spec.model_id} is an encoder: it does not generate; drop --new-tokens")
+    if setup.uses_lora and setup.lora_dropout and a.lora_expert_targets:
+        wrapped = sorted({m.kind for m in select.lora_linears(spec, setup.lora_targets)} & {"expert", "router"})
+        if wrapped:
+            # peft/tuners/lora/layer.py ParamWrapper: "does not work with lora_dropout != 0" (found by a stress run)
+            p.append(f"peft adapts {spec.model_id}'s {' and '.join(w + 's' for w in wrapped)} as parameters "
+                     "(lora.ParamWrapper), which refuse LoRA dropout: use --lora-dropout 0, or target the attention "
+                     "only (e.g. --lora-targets q_proj,v_proj)")
+    return p
+
+
+def params_bytes(params: list[Param] | tuple[Param, ...], bytes_per: float) -> int:
+    """sum(numel) * bytes_per, rounded down to whole bytes."""
+    return int(sum(p.numel for p in params) * bytes_per)

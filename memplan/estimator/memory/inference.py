@@ -1,0 +1,233 @@
+"""KV caches - inference's, and the one a training forward builds - and the transient working set of one layer
+during prefill (no autograd)."""
+from __future__ import annotations
+
+from memplan.estimator.memory.recording import graph_blocks
+from memplan.estimator.memory.attention import (CACHE_COPIES_SINCE, attention_kernel, kernel_casts_kv, integration_before,
+                                     mask_block_bytes, padded_masks, windowed)
+from memplan.estimator.memory.position_bias import has_position_bias
+from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
+from memplan.estimator.memory.context import Ctx
+
+
+def kv_cache_bytes(ctx: Ctx) -> int:
+    """DynamicCache after generating `new_tokens`: per decoder layer K and V [b, kv_heads, prompt+new-1, head_dim]
+    in the model dtype (transformers cache_utils DynamicLayer.update concatenates along the sequence); encoder-
+    decoders also cache cross-attention K/V over the encoder length. Encoders keep no cache."""
+    a, s = ctx.spec.arch, ctx.setup
+    if a.kind == "encoder":
+        return 0
+    new = s.new_tokens if s.new_tokens is not None else 128
+    kv_elems = a.kv_cache_elems  # K and V (measured: transformers 5 caches MLA's latent, not expanded K and V)
+    # decoders: prompt + new - 1 tokens; encoder-decoders: new - 1 in self-attention + the encoder length in
+    # cross-attention (cross_cache_bytes) - the same sum
+    per_layer = kv_elems * (ctx.src_len + max(new - 1, 0))
+    return s.batch_size * a.num_decoder_layers * per_layer * ctx.compute_bytes
+
+
+def training_cache_bytes(ctx: Ctx) -> int:
+    """The DynamicCache a training forward builds without checkpointing (config use_cache defaults to True;
+    GradientCheckpointingLayer turns it off only with checkpointing): DynamicLayer.update concatenates each decoder
+    layer's K and V into new tensors (cache_utils torch.cat) held by the model output until the loss is taken, so
+    they are gone by backward. Where the attention saves those very tensors they cost nothing more (counted in the
+    block's activations); they are extra in blocks that record no graph, under autocast over fp32 projections
+    (QLoRA: the kernel saves bf16 casts) and in eager attention with grouped K/V (repeat_kv saves expanded copies).
+    Found by the tracer; measured on an H100: Llama-2-7b QLoRA b2 s512 peaked in forward 0.95 GiB above backward,
+    32 layers x [1024 tokens, 2 x 4096] fp32."""
+    a, s = ctx.spec.arch, ctx.setup
+    if not ctx.training or s.grad_ckpt or a.kind == "encoder" or a.labels_disable_cache:
+        return 0  # a head given labels may turn the cache off (BART: cachefacts.labels_disable_cache)
+    eager_copies = ctx.attn_impl == "eager" and a.model_type not in OWN_EAGER_4X
+    if (ctx.attn_impl == "sdpa" or eager_copies) and integration_before(ctx, CACHE_COPIES_SINCE):
+        return int(_pinned_kv_bytes(ctx) * s.batch_size * ctx.tgt_len * a.num_decoder_layers)
+    kv_dim = a.num_kv_heads * a.head_dim
+    # decoder self-attention K/V over the decoder tokens; an encoder-decoder's cache also holds the cross-attention
+    # K/V over the encoder tokens (EncoderDecoderCache; t5-base freeze: 22 x 2 x [8, 12, 512, 64] in the trace)
+    tokens = ctx.tgt_len + (ctx.src_len if a.kind == "seq2seq" else 0)
+    promoted = rotary_promotes_kv(ctx)
+    per_block = a.kv_cache_elems * s.batch_size * tokens * (ctx.residual_bytes if promoted else ctx.act_bytes)
+    if promoted or kernel_casts_kv(ctx) or (
+            attention_kernel(ctx, False) == "eager" and kv_dim != a.num_heads * a.head_dim):
+        return per_block * a.num_decoder_layers
+    recorded = sum(1 for stack, _ in graph_blocks(ctx) if stack == "decoder")
+    return per_block * (a.num_decoder_layers - recorded)
+
+
+#: families whose own 4.x eager attention saves the cache's V view itself (4.48.1 modeling_gpt_neox `_attn`): the
+#: cache keeps nothing more there (traced on 4.48.1: Pythia-1b LoRA b2 s512 eager +7.8% with the rule, +1.9% without)
+OWN_EAGER_4X = {"gpt_neox"}
+
+#: families that rotate part of each head and concatenate it with the rest (4.48.1 modeling_gpt_neox / modeling_phi:
+#: `torch.cat((query_rot, query_pass), dim=-1)`): K comes out a new contiguous tensor, which sdpa and eager's matmul
+#: save as it is, so the cache's K costs nothing more (traced on 4.48.1, sdpa: Pythia-1b LoRA b8 s512 -11.6% -> -0.2%,
+#: phi-2 LoRA b4 s512 +1.7% -> -0.1% with V's storage alone)
+PARTIAL_ROTARY_CAT = {"gpt_neox", "phi", "stablelm", "persimmon"}
+
+
+def _pinned_kv_bytes(ctx: Ctx) -> float:
+    """Per token and layer, what a training cache before transformers 4.56 keeps alive beside the kernel's own
+    contiguous (or repeated) copies of q, k and v (attention.CACHE_COPIES_SINCE; eager: torch.matmul copies the
+    transposed heads to fold them into its batch): the rotated K (a new tensor; without rotary a view of its
+    projection's output) and V, a view of its projection's output - the whole fused q/k/v output where one Linear
+    makes all three (Phi-3's qkv_proj, GPT-2's c_attn). Found by the tracer on 4.48.1: Phi-3-mini LoRA b1 s2048 sdpa
+    -7.2% (32 x 48 MiB held to the loss), GPT-2 LoRA fp32 b4 s128 eager -4.1% (12 x 4.5 MiB)."""
+    a = ctx.spec.arch
+    kv_dim = a.num_kv_heads * a.head_dim
+    rotary = rotary_positions(ctx)
+    # the kernel saves its own copy of the rotated K - unless K is a concatenation (contiguous already) of the
+    # kernel's dtype
+    copied = rotary and (a.model_type not in PARTIAL_ROTARY_CAT or rotary_promotes_kv(ctx) or kernel_casts_kv(ctx))
+    k_bytes = ctx.residual_bytes if rotary_promotes_kv(ctx) else ctx.act_bytes
+    attn_in = attn_in_linears(ctx)
+    k_extra = kv_dim * k_bytes if copied else 0
+    if len(attn_in) == 1:
+        return attn_in[0].out_features * ctx.act_bytes + k_extra
+    return k_extra + kv_dim * ctx.act_bytes  # without rotary K is a view of k_proj's output: as large
+
+
+#: families whose rotary embedding multiplies q and k by cos/sin in the hidden states' dtype (modeling_llama.py
+#: LlamaRotaryEmbedding returns cos.to(x.dtype); apply_rotary_pos_emb): under autocast over an fp32 residual stream
+#: q*cos promotes q and k to fp32, and DynamicLayer.lazy_initialization (cache_utils.py) makes keys and values in
+#: the key's dtype, so the cache's torch.cat holds fp32 K and V while sdpa saves its own bf16 casts.
+ROTARY = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi3", "gpt_neox", "falcon"}
+
+
+def rotary_promotes_kv(ctx: Ctx) -> bool:
+    """The training cache holds fp32 K/V beside the kernel's bf16 copies (ROTARY under mixed precision). Found by
+    the tracer (phi-2 LoRA bf16-mixed: 2 x 5 MiB per block); on the H100, Llama-3.2-1B bf16-mixed forward peaks
+    -1.0% -> -0.1%."""
+    return ctx.mixed and ctx.residual_bytes == 4 and ctx.spec.arch.model_type in ROTARY
+
+
+def prompt_cache_bytes(ctx: Ctx) -> int:
+    """The cache while the prompt runs: decoders hold the K/V of the layers already run (up to the whole prompt's);
+    an encoder-decoder's prompt pass is the encoder, which caches nothing (its cross-attention K/V are made by the
+    first decoder step)."""
+    if ctx.spec.arch.kind == "seq2seq":
+        return 0
+    kv = kv_cache_bytes(ctx)
+    return int(kv * ctx.src_len / max(ctx.src_len + (ctx.setup.new_tokens or 0), 1))
+
+
+def encoder_output_bytes(ctx: Ctx) -> int:
+    """An encoder-decoder's encoder output [b, src, hidden], which its decoder steps read: generate() keeps it in
+    model_kwargs["encoder_outputs"] through every decoding step, as the prefill's model call holds it through its
+    first decoder step. Traced (real CPU tensors, transformers 5.23): t5-base bf16 b8 s512 held the encoder's
+    final_layer_norm output (6 MiB) beside the cross-attention cache at the decode peak; on the H200 that row was
+    -3.4% (21.7 MiB) without it."""
+    a = ctx.spec.arch
+    if a.kind != "seq2seq":
+        return 0
+    return ctx.setup.batch_size * ctx.src_len * a.hidden_size * ctx.compute_bytes
+
+
+def cross_cache_bytes(ctx: Ctx) -> int:
+    """The cross-attention K/V an encoder-decoder's first decoder step caches for every layer (kv_cache_bytes's
+    encoder-length part); 0 for other models."""
+    a = ctx.spec.arch
+    if a.kind != "seq2seq":
+        return 0
+    return ctx.setup.batch_size * a.num_decoder_layers * a.kv_cache_elems * ctx.src_len * ctx.compute_bytes
+
+
+def kv_growth_bytes(ctx: Ctx) -> int:
+    """torch.cat in DynamicCache allocates the grown K (then V) of one layer while the old one is alive."""
+    a = ctx.spec.arch
+    layers = max(a.num_decoder_layers, 1)
+    return kv_cache_bytes(ctx) // (2 * layers) if a.kind != "encoder" else 0
+
+
+#: Hidden-sized tensors live at a layer's MLP peak under no_grad: the embedding output (held by the model's forward
+#: as `inputs_embeds`), the block input (held by the caller's loop), the post-attention residual and the normed MLP
+#: input. Measured: gpt2 and gpt2-xl bf16 prefill on an H100 (benchmarks/diagnose/cases-3.yaml) held these four plus
+#: the attention output, which transformers' GPT2Block keeps in its `attn_output` local until it returns.
+PREFILL_HIDDEN = 4
+HOLDS_ATTN_OUTPUT = {"gpt2"}
+
+#: What PyTorch's math SDPA kernel holds at its softmax (aten _scaled_dot_product_attention_math, attention.cpp):
+#: four fp32 q-sized tensors (q, k and v upcast, kept named to the end, and the scaled q) and per score element the
+#: fp32 scores, the softmax's fp32 output and _safe_softmax's bool mask of the scores (its composite's isneginf,
+#: freed when it returns): 9 bytes. Measured: t5-base bf16 b8 s512 inference held 0.2579 GiB at
+#: sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + [8, 12, 512, 512] bool + 4 x [8, 512, 768] fp32, which the
+#: tracer's stand-in reproduces block for block (memplan.runtime.emulate.sdpa; the replay's allocated peak equals the GPU's).
+#: Inside QK^T's matmul the kernel holds more q-sized tensors (the scaled k^T and bmm's contiguous copies of q and k:
+#: 7) but one score tensor: the softmax's moment is the larger from a sequence of about 2.4 head sizes on.
+MATH_QSIZED_FP32 = 4
+MATH_SCORE_BYTES = 9
+
+#: Intermediate-sized tensors live at the MLP peak. Gated (down(act(gate(x)) * up(x))): gate(x) dies when act
+#: returns, so act, up and their product: 3. Plain: fc1's output and the activation's output: 2, plus the
+#: temporaries of activations written as several python ops: transformers NewGELUActivation ("gelu_new",
+#: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) keeps fc1's output and three temporaries: 4 (measured: gpt2 and
+#: gpt2-xl prefill held 3 blocks at activations.py:66 beside fc1's output).
+MLP_LIVE_PLAIN = {"gelu_new": 4}
+
+
+def mlp_live(a) -> int:
+    if a.mlp_gated:
+        return 3
+    return MLP_LIVE_PLAIN.get(a.hidden_act, 2)
+
+
+def prefill_working_bytes(ctx: Ctx) -> int:
+    """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad,
+    as in a checkpointed block's forward): the hidden states and q/k/v/out, then the hidden states and the MLP
+    intermediates (PREFILL_HIDDEN, mlp_live); an eager attention adds the [b, heads, s, s] tensors its code holds at
+    once (forward_block.score_bytes: Arch.eager_held, the fp32 softmax's input copy, the probabilities a layer returns
+    to the model's loop), the math kernel its fp32 copies, scores, softmax and mask (MATH_SCORE_BYTES). The MLP
+    moment keeps the probabilities the layer's attention returned (Llama's `hidden_states, _ = self.self_attn(...)`)
+    and, where the layer returns them too, the previous layer's. Measured on the H100: bloom-560m bf16 b4 prompt 1000
+    held 382 MiB more than (2 c + 4) bytes per score at its softmax (scores, sum, fp32 copy, softmax, the previous
+    layer's probabilities), -15.7%."""
+    from memplan.estimator.memory.forward_block import score_bytes
+
+    a = ctx.spec.arch
+    c = ctx.compute_bytes
+    t = ctx.setup.batch_size * ctx.src_len
+    q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    k = a.experts_per_token if a.num_experts else 1
+    attn = (2 * a.hidden_size + (q_dim + kv_dim) * (1 + a.v_ratio)) * c * t
+    kernel = attention_kernel(ctx, relative_bias=True)
+    scores = ctx.setup.batch_size * a.num_heads * ctx.src_len * ctx.src_len
+    per_score, returned = score_bytes(ctx, kernel, masked=a.kind == "causal" or ctx.setup.padded)
+    attn += scores * per_score
+    if kernel == "math":  # fp32 q/k/v copies (attention.attention_kernel)
+        attn += MATH_QSIZED_FP32 * q_dim * 4 * t
+    masks = 0
+    if kernel == "fused" and (padded_masks(ctx) or windowed(ctx)):
+        # the boolean mask for the whole forward, and per call its float bias and the K/V repeated to every head
+        masks = ctx.setup.batch_size * ctx.src_len * ctx.src_len
+        attn += mask_block_bytes(ctx, ctx.setup.batch_size, ctx.src_len)
+    hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
+    mlp = (hidden * a.hidden_size * c + mlp_live(a) * a.intermediate_size * c * k) * t + \
+        scores * returned * (2 if a.returns_attn_probs else 1)
+    return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
+
+
+def generate_position_bytes(ctx: Ctx) -> int:
+    """What generate()'s own prompt pass holds beyond a plain forward's: generate passes position_ids made from the
+    attention mask, [b, s] (GenerationMixin.prepare_inputs_for_generation: `attention_mask.cumsum(-1) - 1`, for a
+    forward that takes position_ids), where a plain forward makes [1, s] (from cache_position); a learned absolute
+    position embedding (GPT-2's wpe) then returns [b, s, hidden], which the model's forward keeps through every layer.
+    Measured on the H100 (transformers 5.17; the decode phase's peak, generate's prompt pass, less the plain prefill's,
+    whose positions are [1, s, hidden]): gpt2 bf16 b8 s512 5.57 MB, gpt2-xl b8 s896 20.2 MB, against [b - 1, s,
+    hidden] bf16 5.5 / 20.1 MB; the closed form's prefill leaves the [1, s, hidden] out, so the whole [b, s, hidden] is
+    counted here. Rotary tables are made per row as well (cos and sin, [b, s, rotary size]): Llama-3.2-1B b8 s1024
+    1.96 MB, the 7-8B models 3.79 MB, 0.05% of their peaks at most; not counted."""
+    a = ctx.spec.arch
+    learned = any(p.role == "pos_embedding" and p.block is None for p in ctx.spec.params)
+    if a.kind != "causal" or not learned or ctx.setup.new_tokens == 0:
+        return 0
+    return ctx.setup.batch_size * ctx.src_len * a.hidden_size * ctx.compute_bytes
+
+
+def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
+    """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
+    compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
+    from transformers 5.20 sdpa gets it contiguous, merged with the padding mask: expanded over the batch with
+    padding (Setup.padded), else [1, heads, s, s] (position_bias.self_bias_mask_bytes)."""
+    a = ctx.spec.arch
+    if not has_position_bias(a):
+        return 0
+    rows = ctx.setup.batch_size if kernel == "fused" and ctx.setup.padded else 1
+    return rows * a.num_heads * ctx.src_len * ctx.src_len * ctx.compute_bytes

@@ -1,0 +1,85 @@
+"""What the device holds beyond live tensors: CUDA context, cuBLAS workspace, caching-allocator reserve."""
+from __future__ import annotations
+
+from memplan.estimator.memory.context import Ctx, per_model
+from memplan.estimator.memory.weights import numel
+from memplan.units import MiB
+
+#: CUDA context of a PyTorch process with lazy module loading (default since PyTorch 1.13, pytorch/pytorch#86509:
+#: 287 MB right after init) once training kernels are loaded. 426 MiB measured after the first CUDA call on an
+#: RTX 6000 Ada with PyTorch 2.10 (unslothai/unsloth-zoo#1053); "around 400MB" (pytorch/pytorch#109888). cuBLAS/cuDNN
+#: and flash kernels loaded by a training step add to it. Measured (issue 6): NVML's used memory after torch.cuda.init
+#: less before it was 523.56 MiB in all 18 one-at-a-time runs on an H100 80GB HBM3 (driver 580.159.04, CUDA 13.0,
+#: torch 2.11; data/measured/gpu-h100.csv cuda_context_bytes).
+CUDA_CONTEXT_BYTES = 548_995_072
+
+#: cuBLAS workspace PyTorch allocates through its caching allocator, one per (cuBLAS handle, stream), on the first
+#: matmul (aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize, torch >= 2.7): 32 MiB on compute
+#: capability 9.x, 10.x and 12.x (Hopper, Blackwell), else the ":4096:2:16:8" config (2 x 4 MiB + 8 x 16 KiB); cuBLASLt
+#: uses the same buffer (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default). Handles are per thread: a training step
+#: runs its backward matmuls on autograd's device thread, so training holds two workspaces. Checked on the H100 rows
+#: (data/measured/gpu-h100.csv): with 2 x 32 MiB the median |error| of peak allocated fell from 0.91% to 0.30%.
+CUBLAS_WORKSPACE_LARGE = 32 * MiB
+CUBLAS_WORKSPACE_SMALL = 2 * 4096 * 1024 + 8 * 16 * 1024
+#: compute-capability majors with the 32 MiB default (an unknown GPU gets it too: never under-predicts)
+LARGE_WORKSPACE_MAJORS = (9, 10, 12)
+
+
+def cublas_workspace_bytes(training: bool) -> int:
+    """cuBLAS workspaces alive during the step on the GPU being estimated for (memplan.libs.assume(
+    compute_capability=...); unknown: the 32 MiB default)."""
+    from memplan import libs
+    cc = libs.assumed("compute_capability")
+    try:
+        major = int(str(cc).split(".")[0]) if cc else None
+    except ValueError:
+        major = None
+    per = CUBLAS_WORKSPACE_LARGE if major is None or major in LARGE_WORKSPACE_MAJORS else CUBLAS_WORKSPACE_SMALL
+    return per * (2 if training else 1)
+
+
+#: Caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests > 10 MiB get their own segment rounded up to a
+#: 2 MiB multiple (kRoundLarge); smaller ones are carved from 2 MiB / 20 MiB segments.
+LARGE_ALLOC = 10 * MiB
+ROUND_LARGE = 2 * MiB
+
+#: Fraction of the transient peak (activations, logits, temporaries) held as free-but-reserved blocks at the
+#: reserved peak: blocks freed in backward are split/reused for differently sized requests. Measured on an H100
+#: (data/measured/gpu-h100.csv, reserved - allocated - rounding_waste over the estimate's transient): training
+#: without checkpointing median 0.096 (75 rows, quartiles 0.06-0.16); with checkpointing median 0.28 (43 rows,
+#: quartiles 0.21-0.39): each block's recompute allocates and frees its full activations between the gradients
+#: backward allocates, so more of the cache ends up split. Inference rows spread too widely (0.14-16) for one
+#: constant and keep the training value. Both are medians, not a per-row fit: reserved stays a looser prediction
+#: than allocated (benchmarks/results/accuracy.md), and the planner does not use it (memplan.planner.budget).
+TRANSIENT_FRAGMENTATION = 0.10
+TRANSIENT_FRAGMENTATION_CKPT = 0.28
+
+
+def rounding_waste(tensor_bytes: list[int] | tuple[int, ...]) -> int:
+    """Bytes lost rounding large persistent tensors to 2 MiB segments (each > 10 MiB request: up to 2 MiB)."""
+    waste = 0
+    for n in tensor_bytes:
+        if n > LARGE_ALLOC:
+            waste += -n % ROUND_LARGE
+    return waste
+
+
+def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
+    """Sizes of the resident tensors allocated one by one: each weight, and per trainable weight its gradient and
+    (Adam) two states of the same size."""
+    sizes = [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params + ctx.spec.media]
+    if ctx.training:
+        per = 3 if ctx.setup.optimizer in ("adamw", "adamw-fused") else 1
+        sizes += [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params if p.name in ctx.trainable] * per
+    return sizes
+
+
+@per_model("optimizer", "added_tokens")
+def persistent_rounding_waste(ctx: Ctx) -> int:
+    return rounding_waste(persistent_tensor_sizes(ctx))
+
+
+def allocator_reserve_bytes(ctx: Ctx, transient_bytes: int) -> int:
+    """reserved - allocated at the peak: rounding of large persistent tensors + fragmentation of the transients."""
+    frag = TRANSIENT_FRAGMENTATION_CKPT if ctx.training and ctx.setup.grad_ckpt else TRANSIENT_FRAGMENTATION
+    return persistent_rounding_waste(ctx) + int(frag * transient_bytes)

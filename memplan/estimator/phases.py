@@ -1,0 +1,285 @@
+"""The phases of a step and what is alive in each (bytes per component): training, inference, and the per-rank
+view under data parallelism. memplan.estimator.breakdown takes the largest phase as the peak."""
+from __future__ import annotations
+
+from memplan.estimator.attention_phases import (attention_backward_phase, encoder_backward_phase,
+                                      first_attention_backward_phase, in_forward_phases, indexer_backward_phase,
+                                      largest)
+from memplan.estimator.memory import activations as act
+from memplan.estimator.memory import distributed as dist
+from memplan.estimator.memory import inference as inf
+from memplan.estimator.memory import logits as lg
+from memplan.estimator.memory import optimizer as opt
+from memplan.estimator.memory import block_ends, forward_block, moe, overhead, quant, recording, weights
+from memplan.model import layout
+from memplan.estimator.memory.context import Ctx
+from memplan.estimator.memory.masks import checkpointed_mask_bytes, mask_bytes
+
+
+def _resident(ctx: Ctx) -> dict[str, int]:
+    paged = ctx.training and opt.is_paged(ctx)
+    return {
+        "weights": weights.weights_bytes(ctx),
+        "quant_state": weights.quant_state_bytes(ctx),
+        "lora_adapters": weights.lora_bytes(ctx) if ctx.training else 0,
+        "optimizer_state": opt.optimizer_state_bytes(ctx) if ctx.training and not paged else 0,
+        "cublas_workspace": overhead.cublas_workspace_bytes(ctx.training),
+    }
+
+
+def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
+    """forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
+    the loss gradients, or (checkpointing) the last block's recompute. lm_head_backward: the logits gradient
+    and the head's weight gradient. backward_end: all gradients. embedding_backward: a tied embedding's two gradient
+    contributions summed (lg.tied_accumulation_bytes); decoder_embedding_backward: the same sum for an
+    encoder-decoder's decoder embedding, with the encoder's activations still saved. In between,
+    backward frees the activations of block i as it allocates the gradients of block i, so the live bytes move
+    linearly from the start to the end and the two ends bound the whole backward. optimizer_step: grads + state +
+    step temporaries."""
+    s = ctx.setup
+    res = _resident(ctx)
+    grads = opt.gradient_bytes(ctx)
+    held_grads = grads if s.grad_accum > 1 else 0  # zero_grad(set_to_none=True) frees them between steps
+    blocks = act.per_block_bytes(ctx)
+    rows = block_ends.recording(ctx, blocks)
+    outside, after = act.outside_split(ctx)
+    saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + outside
+    recompute = block_ends.largest_recompute_bytes(ctx, rows)
+    casts = quant.autocast_copy_bytes(ctx)
+    deq = quant.dequant_temp_bytes(ctx)
+    common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
+    back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True),
+            "attention_mask": checkpointed_mask_bytes(ctx)}
+    temps = _backward_temp_bytes(ctx)
+    bwd_work = recompute + temps
+    tied = lg.tied_accumulation_bytes(ctx)
+    # with checkpointing the recomputed block's autocast copies exist only once its recompute starts, after the
+    # loss's and the head's backward (the forward's cache was cleared when autocast exited: torch/amp
+    # autocast_mode.py clear_autocast_cache); those two phases hold the head's copy alone. Found by the tracer:
+    # Llama-3.2-1B freeze bf16-mixed b2 s512 checkpointed, one block's copies too many.
+    head_casts = {"autocast_weight_copies": quant.outside_cast_bytes(ctx)} if s.grad_ckpt else {}
+    loss_side = {**back, **head_casts, "logits": lg.logits_backward_bytes(ctx)}
+    in_blocks = int(saved - after)  # the head's side is done once backward reaches a block
+    ends = block_ends.end_blocks(rows)
+    # the head's backward is done too: its autocast copy is freed (the attention's backward likewise)
+    block_casts = {"autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
+    freed = block_ends.attention_backward_freed_bytes(ctx, rows, recompute)
+    recompute_side = {**back, **block_casts, **_mlp_moment(ctx, ends[1] if ends else None, in_blocks,
+                                                           block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps)}
+    return {
+        # a block's dequantized weight is freed before the head computes the logits (the tracer's forward peak on
+        # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
+        "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
+                    **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
+        **in_forward_phases(ctx, common, int(saved - after), blocks),
+        "backward_start": largest(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows)),
+        "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
+                             "logits": lg.head_backward_bytes(ctx)},
+        "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq, int(outside - after)),
+        **first_attention_backward_phase(ctx, res, grads - _late_grad_bytes(ctx), ends[0] if ends else None,
+                                         int(outside - after), deq),
+        "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
+        **attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
+        **encoder_backward_phase(ctx, res, grads, held_grads, blocks, int(outside - after), back, temps),
+        **indexer_backward_phase(ctx, grads - _late_grad_bytes(ctx), ends, int(outside - after), in_blocks,
+                                 {**back, **block_casts}),
+        **_frozen_backward_phase(ctx, res, grads, blocks),
+        **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, tied),
+        "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
+    }
+
+
+def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict[str, int]:
+    """The last block's recompute at its MLP output projection: all it saves, the probabilities it keeps named to its
+    end (forward_block.held_probs_bytes), the projection's input where the projection saves nothing (a frozen or
+    quantized `wo` reads T5's MLP dropout output), its output and the residual stream's gradient from above.
+    Checkpointing only, where something is held: elsewhere the MLP product's backward holds more."""
+    held = forward_block.held_probs_bytes(ctx) if ctx.setup.grad_ckpt else 0
+    if not held or not rows:
+        return {}
+    a, last = ctx.spec.arch, rows[-1]
+    k = a.experts_per_token if a.num_experts else 1
+    stream = last.tokens * a.hidden_size * ctx.residual_bytes
+    read = 0 if last.mlp_out else last.tokens * a.intermediate_size * k * ctx.act_bytes
+    return {**back, **casts, "activations": before,
+            "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + read + 2 * stream}
+
+
+def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dict[str, int]:
+    """An end block's MLP product backward: `before` (the activations of the blocks before it and of the embeddings),
+    the block's own saves less what its MLP output projection saved and its backward freed
+    (block_ends.EndBlock.mlp_out) - under checkpointing `recompute`, that already -, and the working gradients."""
+    if ctx.setup.grad_ckpt:
+        return {"activations": before, "backward_temporaries": int(recompute) + temps}
+    freed = end.mlp_out if end else 0
+    return {"activations": int(before - freed), "backward_temporaries": temps}
+
+
+def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: int, deq: int,
+                  embeds: int) -> dict[str, int]:
+    """The first recording block's MLP backward: every gradient but the input embeddings' (_late_grad_bytes) and the
+    block's own before its MLP output (block_ends.pending_grad_bytes), what the embeddings saved (`embeds`), the block's
+    checkpoint input or saved activations (with the masks checkpointing keeps), its recompute and the working
+    gradients. Found by the tracer: a Mistral-7B-shaped config with a 1k vocabulary, full bf16 b8 s4096
+    checkpointed, +6.5% at 2 blocks with the block's gradients all counted and its input and product not."""
+    late = _late_grad_bytes(ctx)
+    if not ends:
+        return {**res, "gradients": grads - late, "backward_temporaries": bwd_work, "dequant_temporaries": deq}
+    first = ends[0]
+    ckpt = ctx.setup.grad_ckpt
+    before = int(embeds + (first.checkpointed if ckpt else first.full))
+    return {**res, "gradients": grads - late - block_ends.pending_grad_bytes(ctx, first),
+            "attention_mask": checkpointed_mask_bytes(ctx), "dequant_temporaries": deq,
+            **_mlp_moment(ctx, first, before, first.recompute - first.mlp_out, temps)}
+
+
+def _late_grad_bytes(ctx: Ctx) -> int:
+    """Gradients the backward makes only after the first block's: the input embeddings' (token and learned
+    position tables outside the blocks) unless the output head is tied to them (its backward made that buffer
+    already). The first block's recompute and working tensors never coexist with them; embedding_backward holds
+    them. Found by the tracer: a Llama-4-shaped config (untied 32k x 512 fp32 embedding), full bf16-mixed with
+    checkpointing, +4.0% with them counted beside the first block's recompute."""
+    from memplan.estimator.memory.weights import numel
+
+    if ctx.spec.arch.tie_word_embeddings or ctx.spec.arch.kind == "seq2seq":  # the decoder's embedding backward
+        return 0  # writes the shared table's gradient before the encoder's blocks
+    late = sum(numel(ctx, p) for p in ctx.spec.params
+               if p.block is None and p.role in ("embedding", "pos_embedding") and p.name in ctx.trainable)
+    return late * ctx.weight_bytes
+
+
+def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dict:
+    """Checkpointing below the first trainable block (layer freezing): every weight gradient exists while the
+    backward still recomputes and back-propagates the frozen blocks for the input gradient
+    (recording.input_grads): their checkpoint inputs, the largest one's recompute, its autocast copies and the
+    working gradients. Found by the tracer: Mistral-7B freeze bf16-mixed b2 s256 peaked in block 30's backward."""
+    keys, inputs, full = recording.frozen_tail(ctx, blocks)
+    if not keys:
+        return {}
+    return {"frozen_backward": {**res, "gradients": grads, "activations": int(inputs),
+                                "autocast_weight_copies": quant.largest_block_cast_bytes(ctx, keys),
+                                "attention_mask": checkpointed_mask_bytes(ctx),
+                                "backward_temporaries": int(full) + _backward_temp_bytes(ctx)}}
+
+
+def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
+    """Encoder-decoders whose shared embedding trains (T5, BART): the decoder's embedding backward leaves its
+    contribution in the engine's input buffer until the encoder's arrives at the very end, so the encoder's saved
+    activations are still alive beside the decoder's gradients and that contribution (counted with the gradients:
+    the shared table's). Where lm_head is tied to the table the engine first sums the decoder's contribution with
+    lm_head's out of place (logits.tied_accumulation_bytes, `tied`: both and the sum). Found by the tracer on t5-small
+    full bf16-mixed Adafactor (-4.9% before): its peak held the encoder's activations, the decoder blocks' gradients and
+    three [V, H] fp32 copies; a stress run on mt0-xxl (its own lm_head) full bf16 SGD eager b2 s1024 target 128: -12.4%
+    with the phase left out where the head is untied."""
+    if ctx.spec.arch.kind != "seq2seq" or not tied:
+        return {}
+    enc = [full if not ctx.setup.grad_ckpt else ck
+           for (full, ck), blk in zip(blocks, layout.blocks(ctx.spec)) if blk.stack == "encoder"]
+    later = 0 if held else weights.stack_trainable_bytes(ctx).get("encoder", 0)  # the encoder's do not exist yet
+    summed = tied if ctx.spec.arch.tie_word_embeddings else 0
+    return {"decoder_embedding_backward": {**res, "gradients": grads - later, "activations": int(sum(enc)),
+                                           "autocast_weight_copies": quant.autocast_copy_bytes(ctx, stack="encoder"),
+                                           "backward_temporaries": summed}}
+
+
+def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], dist.RankState]:
+    """Per-rank phases under data parallelism: the activations, logits and temporaries of `compute` (the setup the
+    engine really computes: dist.compute_setup) with the model state of dist.rank_state(ctx) in place of the
+    single-GPU weights, gradients and optimizer state; gathered (unsharded) parameters in forward and backward."""
+    rs = dist.rank_state(ctx)
+    phases = training_phases(compute)
+    accum = ctx.setup.grad_accum > 1
+    state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
+             "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
+    # ZeRO-3's flat gradient-partition buffer is allocated once, at init, and kept (stage3.py
+    # grad_partitions_flat_buffer): it exists in the forward too. Found against the DeepSpeed trace: SmolLM2-135M
+    # cut to 4 blocks, zero3 x2, -6.7% without it
+    early = rs.gradients if accum or ctx.setup.sharding == "zero3" else 0
+    grads = {"forward": early, "backward_start": early}
+    if ctx.setup.engine == "fsdp":
+        # before the last block's backward ends no FSDP unit has reduce-scattered its gradients: the sharded gradients
+        # exist only when accumulating (found by a stress run: Mistral-7B full bf16 fsdp-shard-grad-op x2 eager, +15%
+        # with them beside the last block's attention backward); ZeRO-2 keeps its partition buffer between steps
+        grads["attention_backward"] = early
+    gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_head,
+                "lm_head_backward": rs.gathered_head, "backward_end": rs.gathered_backward_end,
+                "embedding_backward": rs.gathered_backward_end, "decoder_embedding_backward": rs.gathered_backward,
+                "attention_backward": rs.gathered_backward, "frozen_backward": rs.gathered_backward_end,
+                "first_attention_backward": rs.gathered_backward_end, "backward_indexer": rs.gathered_backward,
+                "encoder_backward": rs.gathered_backward,
+                "optimizer_step": 0}
+    out = {}
+    for name, parts in phases.items():
+        kind = "forward" if name.startswith("forward") else name  # forward_block, forward_indexer: in the forward
+        # backward_start is the loss's side (its logits' gradients: the root alone gathered) or a block's recompute
+        head_side = name != "backward_start" or parts.get("logits", 0) > 0
+        parts = {**parts, **state, "gathered_params": gathered[kind] if head_side else rs.gathered_backward}
+        if kind in grads:
+            parts["gradients"] = grads[kind]
+        elif name == "lm_head_backward":  # the head's unsharded gradient, before it is reduced
+            parts["gradients"] = early + parts.get("gradients", 0)
+        else:
+            parts["gradients"] = rs.gradients
+        if name == "embedding_backward" and ctx.setup.sharding == "zero3":
+            # the tied table's whole 16-bit gradient, beside its two contributions, before it is reduce-scattered into
+            # the partition (found against the DeepSpeed trace: Llama-3.2-1B cut to 4 blocks, zero3 x4, -12.5%)
+            parts["backward_temporaries"] = parts.get("backward_temporaries", 0) + lg.tied_table_bytes(compute)
+        if name == "optimizer_step":
+            parts["optimizer_temporaries"] = rs.step_temporaries
+        elif kind != "forward":
+            parts["comm_buffers"] = rs.comm_buffers + rs.comm_backward
+        out[name] = parts
+    return out, rs
+
+
+def _larger(*items: tuple[str, int]) -> dict[str, int]:
+    """The one (component, bytes) of several non-overlapping transients that is largest."""
+    name, value = max(items, key=lambda kv: kv[1])
+    return {name: value}
+
+
+def _backward_temp_bytes(ctx: Ctx) -> int:
+    """Working gradients inside one block's backward, at the larger of two moments: a gated MLP's product backward
+    holds the residual stream's gradient and three intermediate-sized ones in the activations' dtype (the product's,
+    and the two aten mul's backward writes for act(gate) and up while that input gradient is held), a plain MLP's
+    activation backward two (fc2's input's and fc1's output's); the attention's backward the residual stream's and
+    the normed input's gradients. With LoRA on fused experts, the gradient of the largest W + BA copy
+    (moe.largest_expert_lora_copy_bytes). Found by the tracer: a Mistral-7B-shaped config with a 1k vocabulary,
+    QLoRA b8 s4096 checkpointed, -6.0% with two MLP gradients in the compute dtype (QLoRA's are fp32: act_bytes)."""
+    a = ctx.spec.arch
+    t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
+    k = a.experts_per_token if a.num_experts else 1
+    stream = a.hidden_size * ctx.residual_bytes
+    mlp = (3 if a.mlp_gated else 2) * a.intermediate_size * k * ctx.act_bytes
+    return t * (stream + max(stream, mlp, _linear_work(ctx))) + moe.largest_expert_lora_copy_bytes(ctx)
+
+
+def _linear_work(ctx: Ctx) -> float:
+    """Per token, what a linear-attention block's mixer holds in its backward beyond its saves (Arch.linear_work,
+    linfacts.measure: the trained case where the blocks' base weights train)."""
+    from memplan.inventory.linear_attention import linear_case
+
+    a = ctx.spec.arch
+    if not a.linear_work:
+        return 0.0
+    return a.linear_work[linear_case(ctx.act_bytes, ctx.setup.technique in ("full", "freeze"), ctx.mixed)]
+
+
+def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
+    """prefill (one layer's working set + the cache so far) and decode (full cache + growth + last-token logits)."""
+    res = _resident(ctx)
+    kv = inf.kv_cache_bytes(ctx)
+    deq = quant.dequant_temp_bytes(ctx)
+    prompt = {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
+              "dequant_temporaries": deq, "attention_mask": mask_bytes(ctx)}
+    # an encoder-decoder's prompt call also runs its first decoder step (memplan.runtime.steps.inference_loop, as generate
+    # does): the encoder output and the cross-attention cache of every layer, after the encoder's working set is gone
+    first_step = {**res, "kv_cache": inf.cross_cache_bytes(ctx), "activations": inf.encoder_output_bytes(ctx)}
+    steps = {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx),
+             "activations": inf.encoder_output_bytes(ctx)}
+    # generate() runs its own prompt pass first (validate measures it in its decode phase), with batch-sized positions
+    generated = {**prompt, "activations": prompt["activations"] + inf.generate_position_bytes(ctx)}
+    return {
+        "prefill": largest(prompt, first_step),
+        "decode": largest(steps, generated) if ctx.spec.arch.kind == "causal" else steps,
+    }

@@ -1,0 +1,196 @@
+"""validate: run a setup for real and measure its memory - on CUDA the ground truth, on the CPU a code-path check.
+
+Each setup runs in its own Python subprocess (`python -m memplan.measure.runner '<json>'`), so the caching allocator's
+fragmentation, a leaked tensor or an out-of-memory error cannot affect the next one; an OOM is a recorded result
+(status "oom"), a crash of the subprocess an "error" row, never an exception in the caller.
+
+CUDA (the model built with random weights directly on the GPU, bitsandbytes quantizing random weights for real):
+  cuda_context_bytes   NVML used after torch.cuda.init(), minus NVML used before it (other processes excluded)
+  allocated/reserved   torch.cuda.max_memory_allocated / max_memory_reserved over the steps (reset after the build,
+                       so the peak covers the steps with the weights resident), and per phase
+  device               the highest NVML used sample (taken at every phase change) minus the pre-init baseline
+  alloc_retries, num_ooms   from torch.cuda.memory_stats()
+A memory cap (`memory_fraction`, or `emulate` a catalog GPU) is applied with torch.cuda.set_per_process_memory_fraction:
+the allocator may reserve at most the emulated card's memory less the measured CUDA context.
+CPU (`device="cpu"`): the same steps with real tensors under the tracer's storage accounting (memplan.tracer.training's
+StorageTracker, bnb stand-ins) - allocated only; never process RSS.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+from memplan.errors import BadInput
+from memplan.measure.meter import CudaMeter, Measurement
+from memplan.setup import Setup
+
+DEFAULT_STEPS = 3
+_MARK = "MEMPLAN-VALIDATE-RESULT "
+
+
+# ---------------------------------------------------------------------------------------------------- one run
+
+def quantize_bnb(device: str):
+    """A build_model quantizer: real bitsandbytes Linear4bit / Linear8bitLt from random weights, quantized on
+    `device` the way transformers' bnb loader does (Params4bit / Int8Params quantize when moved to the GPU)."""
+    def quantize(model, names, setup: Setup, compute_dtype) -> None:
+        import bitsandbytes as bnb
+        import torch
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            src = getattr(parent, child)
+            if type(src).__name__ == "Conv1D":  # GPT-2: weight [in, out]
+                in_f, out_f = src.weight.shape
+            else:
+                in_f, out_f = src.in_features, src.out_features
+            bias = src.bias is not None
+            if setup.quant == "int8":
+                new = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias, has_fp16_weights=False, threshold=6.0,
+                                          device="meta")
+                w = torch.empty(out_f, in_f, dtype=torch.float16).normal_(0, 0.02)
+                new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+            else:
+                new = bnb.nn.Linear4bit(in_f, out_f, bias=bias, compute_dtype=compute_dtype,
+                                        compress_statistics=setup.double_quant, quant_type=setup.quant,
+                                        quant_storage=torch.uint8, device="meta")
+                # made on the device (Params4bit quantizes on its first move there): a 14B model's weights never
+                # pass through host memory
+                w = torch.empty(out_f, in_f, dtype=compute_dtype, device=device).normal_(0, 0.02)
+                new.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=setup.double_quant,
+                                               quant_type=setup.quant, quant_storage=torch.uint8, module=new)
+            if bias:
+                new.bias = torch.nn.Parameter(torch.zeros(out_f, dtype=compute_dtype), requires_grad=False)
+            new.to(device)
+            setattr(parent, child, new)
+    return quantize
+
+
+def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFAULT_STEPS,
+            memory_fraction: float | None = None, emulate_bytes: int | None = None,
+            shared_gpu: bool = False) -> Measurement:
+    """Run `setup` on `model_id` in this process and measure it (validate() runs this in a subprocess)."""
+    from memplan.measure.rows import environment
+    from memplan.estimator.memory.context import resolve
+    from memplan.model.catalog import config_dict, load_spec
+
+    spec = load_spec(model_id)
+    resolve(spec, setup)  # model-dependent setup problems, with their messages
+    env = environment(device)
+    if device == "cpu":
+        m = _measure_cpu(spec, setup, steps)
+    else:
+        m = _measure_cuda(spec, setup, config_dict(spec), steps, memory_fraction, emulate_bytes, shared_gpu)
+    m.environment = env
+    return m
+
+
+def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_gpu=False) -> Measurement:
+    import torch
+
+    from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+    meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
+    try:
+        model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"))
+        materialize(model, fake=False, device="cuda")
+        opt = make_optimizer(setup, model.parameters()) if setup.mode == "train" else None
+        meter.start()
+        if opt is None:
+            inference_loop(model, spec, setup, "cuda", meter.enter)
+        else:
+            training_loop(model, opt, spec, setup, steps, "cuda", meter.enter)
+        return meter.result("ok", steps)
+    except torch.OutOfMemoryError as e:
+        return meter.result("oom", steps, str(e).splitlines()[0])
+
+
+def _measure_cpu(spec, setup, steps) -> Measurement:
+    """The tracer's real-tensor accounting (storages rounded to 512 B like the CUDA allocator's smallest block)."""
+    import contextlib
+
+    from memplan.model.catalog import config_dict
+    from memplan.runtime.emulate.cuda import cuda_like
+    from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+
+    tracker = StorageTracker()
+    model = build_model(spec, setup, None, config_dict(spec))
+
+    def enter(phase: str) -> None:
+        tracker.phase = phase
+
+    with _dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+        materialize(model, fake=False)
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.serial_of(t)
+        if setup.mode == "train":
+            opt = make_optimizer(setup, model.parameters(), standin_tracker=tracker)
+            training_loop(model, opt, spec, setup, steps, "cpu", enter)
+        else:
+            with contextlib.suppress(AttributeError):
+                model.generation_config.eos_token_id = None
+            inference_loop(model, spec, setup, "cpu", enter)
+    return Measurement(status="ok", device="cpu", steps=steps, allocated_bytes=tracker.peak,
+                       phase_allocated=dict(tracker.phase_peaks), peak_phase=tracker.peak_phase)
+
+
+# ---------------------------------------------------------------------------------------------------- isolation
+
+def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFAULT_STEPS,
+             memory_fraction: float | None = None, emulate: str | None = None, timeout: float | None = None,
+             shared_gpu: bool = False) -> Measurement:
+    """Measure one setup in a fresh subprocess. Never raises for what happens inside it: an OOM is status "oom",
+    anything else (a crash, a timeout, a model that cannot be built) status "error" with the reason.
+    shared_gpu: other runs use the GPU at the same time (benchmarks/gpu_pool.py): the allocator's peaks are still
+    this process's own, but NVML's device-level figures (device total, CUDA context) are not recorded."""
+    if device not in ("cuda", "cpu"):
+        raise BadInput(f"device must be cuda or cpu, got {device!r}")
+    if steps < 2:
+        raise BadInput("validate needs at least 2 steps (optimizer state exists from the second on); default 3")
+    if device == "cuda":
+        require_cuda()
+    emulate_bytes = None
+    if emulate:
+        from memplan.gpus import find_gpu
+        emulate_bytes = find_gpu(emulate).memory_bytes
+    job = {"model": model_id, "setup": setup.to_dict(), "device": device, "steps": steps,
+           "memory_fraction": memory_fraction, "emulate_bytes": emulate_bytes, "shared_gpu": shared_gpu}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "memplan.measure.runner", json.dumps(job)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Measurement(status="error", device=device, steps=steps, error=f"timed out after {timeout} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            return Measurement(**json.loads(line[len(_MARK):]))
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return Measurement(status="error", device=device, steps=steps,
+                       error=f"subprocess exited {proc.returncode}: " + " | ".join(tail))
+
+
+def require_cuda() -> None:
+    """BadInput (exit 2) with what to do when no CUDA device is usable."""
+    import torch
+    if not torch.cuda.is_available():
+        raise BadInput("no CUDA device available: validate measures real GPU memory. Run it on a machine with an "
+                       "NVIDIA GPU and a CUDA build of torch, or pass --device cpu to run the same steps on the CPU "
+                       "(allocated bytes through the tracer's accounting)")
+
+
+def _worker(arg: str) -> None:
+    """Subprocess entry: run one job, print one marked JSON line (errors included)."""
+    job = json.loads(arg)
+    setup = Setup(**job["setup"])
+    try:
+        m = measure(job["model"], setup, job["device"], job["steps"], job["memory_fraction"], job["emulate_bytes"],
+                    job.get("shared_gpu", False))
+    except Exception as e:  # reported as an "error" row by the parent, with the reason
+        m = Measurement(status="error", device=job["device"], steps=job["steps"],
+                        error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+    print(_MARK + json.dumps(asdict(m)), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,4 +1,0 @@
-"""One pure function per memory component: bytes out, formula and source in each docstring.
-
-Each function takes a `memplan.memory.context.Ctx` (the resolved facts of one model + Setup).
-"""

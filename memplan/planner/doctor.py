@@ -1,0 +1,296 @@
+"""memplan doctor: a training setup that does not fit (or barely fits) a GPU, and the smallest changes that fix it.
+
+The remedies and their ranking rule: memplan.planner.remedies. A pasted OOM message (memplan.planner.oom) gives the card's real
+capacity and what the run held when it failed. "Fits" is the test fit and plan use (memplan.planner.budget): what the setup
+needs within the GPU memory less the headroom.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import click
+
+from memplan.planner.budget import DEFAULT_HEADROOM, budget_bytes, fits, need_bytes
+from memplan.cli.options import given_setup_fields, handle_errors, headroom_option, setup_options
+from memplan.errors import BadInput
+from memplan.planner.oom import OomInfo, parse_oom_message  # noqa: F401 (parse_oom_message: part of this module's API)
+from memplan.planner.remedies import REMEDIES, Remedy, _apply, _Ctx, combine, rank_key
+from memplan.setup import Setup
+from memplan.units import GiB, fmt_gib
+
+BARELY = 0.05  # a fitting setup with less than this fraction of the budget spare "barely fits"
+FRAGMENTED = 0.10  # reserved-but-unallocated above this fraction of PyTorch's reserved memory: fragmentation
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """The setup's estimate against the budget, the ranked single remedies and (none fitting) a combination."""
+
+    model: str
+    setup: Setup
+    budget_bytes: int
+    estimate: object  # Estimate
+    remedies: tuple[Remedy, ...] = ()
+    combination: tuple[Remedy, ...] = ()
+    oom: OomInfo | None = None
+    notes: tuple[str, ...] = ()
+    budget_source: str = ""
+
+    @property
+    def need_bytes(self) -> int:
+        return need_bytes(self.estimate)
+
+    @property
+    def fits(self) -> bool:
+        return fits(self.estimate, self.budget_bytes)
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.budget_bytes - self.need_bytes
+
+    @property
+    def barely_fits(self) -> bool:
+        return self.fits and self.margin_bytes < BARELY * self.budget_bytes
+
+    @property
+    def best(self) -> Remedy | None:
+        """The single smallest change that fits (the first ranked remedy, which fit ones lead)."""
+        return next((r for r in self.remedies if r.fits), None)
+
+    @property
+    def fix(self) -> tuple[Remedy, ...]:
+        """The smallest change that makes it fit: a fitting combination of smaller changes than the best single
+        remedy, else that remedy; () when nothing fits (or nothing needs to)."""
+        if self.combination and self.combination[-1].fits:
+            return self.combination
+        return (self.best,) if self.best and not self.fits else ()
+
+    @property
+    def resolved(self) -> bool:
+        return self.fits or bool(self.fix)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.resolved else 1
+
+    @property
+    def first_line(self) -> str:
+        need, budget = fmt_gib(self.need_bytes), fmt_gib(self.budget_bytes)
+        if self.fits:
+            spare = f"{fmt_gib(self.margin_bytes)} ({self.margin_bytes / self.budget_bytes:.1%}) spare"
+            tip = (f"; for more margin: {self.best.description} -> {fmt_gib(self.best.need_bytes)}"
+                   if self.best else "")
+            if self.oom:
+                return f"Estimated to fit ({need} of {budget}, {spare}), but the run ran out of memory{tip}."
+            return f"Barely fits: {need} of {budget}, only {spare}{tip}." if self.barely_fits else \
+                f"Fits: {need} of {budget}, {spare}."
+        if self.fix:
+            last = self.fix[-1]
+            if len(self.fix) == 1:
+                return (f"Smallest change that fits: {last.description} -> {fmt_gib(last.need_bytes)} "
+                        f"of {budget} (saves {fmt_gib(last.saved_bytes)}; {last.cost}).")
+            why = f"smaller changes than the best single one, {self.best.description}" if self.best else \
+                "no single change fits"
+            return (f"Smallest change that fits: {' + '.join(r.description for r in self.fix)} -> "
+                    f"{fmt_gib(last.need_bytes)} of {budget} ({why}).")
+        least = fmt_gib(self.combination[-1].need_bytes) if self.combination else need
+        return (f"Nothing fits: {need} > {budget}, and {least} even with every remedy; use a larger GPU or "
+                "shard across GPUs (FSDP / DeepSpeed ZeRO-3).")
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "setup": self.setup.to_dict(), "budget_bytes": self.budget_bytes,
+                "budget_source": self.budget_source, "need_bytes": self.need_bytes,
+                "fits": self.fits, "barely_fits": self.barely_fits, "margin_bytes": self.margin_bytes,
+                "resolved": self.resolved, "first_line": self.first_line,
+                "best": self.best.to_dict() if self.best else None, "fix": [r.to_dict() for r in self.fix],
+                "remedies": [r.to_dict() for r in self.remedies],
+                "combination": [r.to_dict() for r in self.combination],
+                "oom": self.oom.to_dict() if self.oom else None, "notes": list(self.notes)}
+
+
+def _oom_findings(oom: OomInfo, estimated: int, budget: int, memory: int) -> tuple[list[str], list[Remedy]]:
+    """Measured vs estimated, other processes on the card, and the allocator remedy when memory is fragmented."""
+    notes, extra = [], []
+    held = oom.process_in_use_bytes or oom.reserved_by_pytorch_bytes
+    if held is not None:
+        need = held + (oom.tried_to_allocate_bytes or 0)
+        verdict = ("the estimate is below what the run needed: check that the flags match the run (batch, seq_len, "
+                   "precision, attention, optimizer); the savings below are estimates" if estimated < need else
+                   "consistent: the run failed on its way to the estimated peak" if estimated > budget else
+                   "the estimate fits, yet the run failed: fragmentation, other processes or memory memplan does "
+                   "not model")
+        who = "the process held" if oom.process_in_use_bytes else "PyTorch had reserved"
+        notes.append(f"measured: {who} {fmt_gib(held)} and asked for {fmt_gib(oom.tried_to_allocate_bytes or 0)} "
+                     f"more, so the run needed at least {fmt_gib(need)}; estimated need {fmt_gib(estimated)} "
+                     f"({verdict})")
+    if oom.other_processes_bytes:
+        notes.append(f"other processes hold {fmt_gib(oom.other_processes_bytes)} on this GPU: that memory is not "
+                     "available to this run")
+    if oom.total_capacity_bytes and abs(oom.total_capacity_bytes - memory) > BARELY * memory:
+        notes.append(f"the OOM message reports {fmt_gib(oom.total_capacity_bytes)} total capacity; the GPU memory "
+                     f"used is {fmt_gib(memory)} (budget {fmt_gib(budget)})")
+    reserved, loose = oom.reserved_by_pytorch_bytes, oom.reserved_unallocated_bytes
+    if reserved and loose and loose > FRAGMENTED * reserved:
+        extra.append(Remedy("expandable-segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                            None, None, loose, None, f"fragmentation: {fmt_gib(loose)} reserved by PyTorch but "
+                            "unallocated; no speed cost; memplan cannot estimate its effect (no estimate)", 1, -1))
+    return notes, extra
+
+
+def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None = None, *, bf16: bool = True,
+             oom: OomInfo | None = None, budget_source: str = "", gpu_memory_bytes: int | None = None) -> Diagnosis:
+    """Estimate `setup` on `spec` against `budget_bytes` and rank the remedies (module docstring). `bf16`: the GPU
+    runs bf16 (else remedies use fp16). `oom`: a parsed OOM message to compare with; `gpu_memory_bytes`: the card the
+    budget was taken from (default: the budget itself). Training setups only."""
+    if setup.mode != "train":
+        raise BadInput("doctor diagnoses training setups; for inference use `memplan fit` or "
+                       "`memplan estimate --mode infer`")
+    if estimator is None:
+        from memplan.estimator.breakdown import estimate as estimator
+    c = _Ctx(spec, int(budget_bytes), estimator, bf16)
+    est = c.est(setup)
+    before = need_bytes(est)
+    memory = gpu_memory_bytes or c.budget  # the card the budget was taken from (the OOM message is compared with it)
+    notes, advice = _oom_findings(oom, before, c.budget, memory) if oom else ([], [])
+    done = partial(Diagnosis, spec.model_id, setup, c.budget, est, oom=oom, notes=tuple(notes),
+                   budget_source=budget_source)
+    if before < c.budget * (1 - BARELY) and not oom:  # fits with room to spare: nothing to change
+        return done()
+    singles = [r for i in range(len(REMEDIES)) for r in [_apply(i, setup, before, c)] if r is not None]
+    if before <= c.budget:  # barely fits (or an OOM says the run did not): what buys margin, smallest change first
+        return done(tuple(sorted((r for r in singles if r.saved_bytes > 0), key=rank_key) + advice))
+    fitting = sorted((r for r in singles if r.fits), key=rank_key)
+    rest = sorted((r for r in singles if not r.fits), key=lambda r: (-r.saved_bytes, r.order))
+    # a combination of strictly smaller changes beats the best single one (two knobs before truncating the data)
+    limit = fitting[0].size - 1 if fitting else REMEDIES[-1][1]
+    combination = combine(setup, before, c, limit) if limit else ()
+    if fitting and not (combination and combination[-1].fits):
+        combination = ()
+    return done(tuple(fitting + advice + rest), combination)
+
+
+# ------------------------------------------------------------------------------------------------ rendering, CLI
+
+def print_diagnosis(diag: Diagnosis, console=None) -> None:
+    """First line (the smallest fix), the ranked remedies, the combination and the notes, as rich tables."""
+    from rich.console import Console
+
+    from memplan.planner.explain import describe
+    from memplan.cli.report import table
+
+    console = console or Console()
+    colour = "green" if diag.fits and not diag.barely_fits else ("yellow" if diag.resolved else "red")
+    console.print(f"[bold {colour}]{diag.first_line}[/]", highlight=False)
+    console.print(f"{diag.model} · {describe(diag.setup)} · seq {diag.setup.seq_len}: "
+                  f"needs {fmt_gib(diag.need_bytes)} (peak allocated + largest tensor + memory outside the allocator) "
+                  f"of the budget {fmt_gib(diag.budget_bytes)}"
+                  + (f" ({diag.budget_source})" if diag.budget_source else ""), highlight=False)
+    if diag.remedies:
+        t = table("remedies, smallest change first (size 1 knob ... 5 data)", ("#", "right"), "change · its cost",
+                  ("size", "right"), ("saves GiB", "right"), ("new need GiB", "right"), ("fits", "center"))
+        for n, r in enumerate(diag.remedies, 1):
+            peak = "n/a" if r.need_bytes is None else f"{r.need_bytes / GiB:,.2f}"
+            fits = "?" if r.fits is None else ("[green]yes[/]" if r.fits else "[red]no[/]")
+            saves = f"{'up to ' if r.fits is None else ''}{r.saved_bytes / GiB:,.2f}"
+            t.add_row(str(n), f"{r.description}\n[dim]{r.cost}[/]", str(r.size), saves, peak, fits)
+        console.print(t)
+    if diag.combination:
+        t = table("combined (cumulative, in order of application)", "step · its cost", ("saves GiB", "right"),
+                  ("needs GiB", "right"), ("fits", "center"))
+        for r in diag.combination:
+            t.add_row(f"{r.description}\n[dim]{r.cost}[/]", f"{r.saved_bytes / GiB:,.2f}",
+                      f"{r.need_bytes / GiB:,.2f}", "[green]yes[/]" if r.fits else "[red]no[/]")
+        console.print(t)
+        console.print(f"combined setup: {describe(diag.combination[-1].setup)}", highlight=False)
+    for note in diag.notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def setup_from_plan(doc: dict, given: dict) -> Setup:
+    """The plan file's Setup with the flags in `given` overriding it (technique-specific fields a new technique
+    cannot take are dropped)."""
+    names = {f.name for f in dataclasses.fields(Setup)}
+    base = {k: v for k, v in ((doc.get("memplan") or {}).get("setup") or {}).items() if k in names}
+    tech = given.get("technique")
+    if tech and tech != base.get("technique"):
+        drop = set() if tech in ("lora", "qlora") else {"lora_targets"}
+        drop |= set() if tech == "freeze" else {"trainable"}
+        drop |= set() if tech == "qlora" else {"quant", "double_quant"}  # qlora picks its own 4-bit base
+        base = {k: v for k, v in base.items() if k not in drop - set(given)}
+    return Setup(**{**base, **given})
+
+
+def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
+    """(GPU memory bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
+    from memplan.gpus import find_gpu, resolve_gpu
+
+    if not (gpu_name or memory) and oom and oom.total_capacity_bytes:
+        return oom.total_capacity_bytes, "total capacity in the OOM message", True
+    if not (gpu_name or memory) and doc:
+        m = doc.get("memplan") or {}
+        try:
+            g = find_gpu(str(m.get("gpu")))
+            return g.memory_bytes, f"{g.name}, from the plan", g.bf16
+        except BadInput:
+            if m.get("gpu_memory_gib"):
+                return int(float(m["gpu_memory_gib"]) * GiB), f"{m.get('gpu')}, from the plan", True
+    g = resolve_gpu(gpu_name, memory)
+    return g.memory_bytes, g.name, g.bf16
+
+
+def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | None = None, from_plan: str | None = None,
+               oom_message: str | None = None, oom_file: str | None = None, given: dict | None = None,
+               trust_remote_code: bool = False, headroom: float = DEFAULT_HEADROOM) -> Diagnosis:
+    """The command's work: read the OOM text and the plan file, build the setup (plan fields, then `given` flags),
+    pick the GPU memory and its budget (memplan.planner.budget), diagnose. Raises BadInput for anything the user must fix."""
+    from memplan.planner.export import read_plan_document
+    from memplan.model.catalog import load_spec
+
+    if oom_message and oom_file:
+        raise BadInput("pass either --oom-message or --oom-file, not both")
+    if oom_file:
+        try:
+            with open(oom_file, encoding="utf-8", errors="replace") as f:
+                oom_message = f.read()
+        except OSError as e:
+            raise BadInput(f"cannot read {oom_file!r}: {e.strerror}") from None
+    oom = parse_oom_message(oom_message) if oom_message is not None else None
+    doc = read_plan_document(from_plan) if from_plan else None
+    setup = setup_from_plan(doc, given or {}) if doc else Setup(**(given or {}))
+    model = model or (doc and (doc.get("model") or {}).get("id"))
+    if not model:
+        raise BadInput("name a MODEL (e.g. meta-llama/Llama-2-7b-hf) or a plan file with --from plan.yaml")
+    gpu_bytes, source, bf16 = _gpu_memory(gpu_name, memory, oom, doc)
+    return diagnose(load_spec(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
+                    bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
+                    gpu_memory_bytes=gpu_bytes)
+
+
+@click.command("doctor")
+@click.argument("model", required=False)
+@click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060" (see `memplan gpus`)')
+@click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
+@click.option("--from", "from_plan", type=click.Path(dir_okay=False),
+              help="plan file (memplan plan -o): its model, setup and GPU; flags override them")
+@click.option("--oom-message", help='a pasted "CUDA out of memory. Tried to allocate ..." error')
+@click.option("--oom-file", type=click.Path(dir_okay=False), help="a file holding the OOM error output")
+@headroom_option
+@setup_options
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@handle_errors
+def doctor_command(model, gpu_name, memory, from_plan, oom_message, oom_file, headroom, trust_remote_code, as_json,
+                   **options):
+    """Why a training setup does not fit (or barely fits) a GPU, and the smallest changes that make it fit.
+    Exit 0: it fits or a change makes it fit; 1: nothing does; 2: bad input."""
+    diag = run_doctor(model, gpu_name, memory, from_plan, oom_message, oom_file, given_setup_fields(options),
+                      trust_remote_code, headroom)
+    if as_json:
+        click.echo(json.dumps(diag.to_dict(), indent=2))
+    else:
+        print_diagnosis(diag)
+    sys.exit(diag.exit_code)

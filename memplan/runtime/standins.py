@@ -1,0 +1,156 @@
+"""Stand-ins for bitsandbytes under the tracer: bnb layers and optimizers do not run on fake tensors, so these hold
+exactly the storages bitsandbytes allocates and allocate its temporaries (memplan.tracer.training.EMULATIONS, "bitsandbytes"
+and "bnb-8bit-optimizers"). Lazy torch: classes are built on first use.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from memplan.setup import Setup
+
+
+@functools.cache
+def standin_linear_classes():
+    """nn.Linear subclasses holding bitsandbytes' storages (bnb 0.50: Params4bit packed uint8 [n/2, 1], absmax
+    fp32 per 64 weights, or with compress_statistics uint8 absmax + fp32 absmax per 256 blocks + fp32 offset;
+    Int8Params int8 [out, in] + fp32 SCB [out]). tests/test_trace.py checks the sizes against real bnb objects."""
+    import torch
+
+    class _Dequant4(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):
+            w = layer.dequantize(x.dtype)  # bnb dequantize_4bit: a [out, in] tensor in the compute dtype
+            ctx.layer = layer
+            return torch.nn.functional.linear(x, w)
+
+        @staticmethod
+        def backward(ctx, grad):
+            w = ctx.layer.dequantize(grad.dtype)  # bnb MatMul4Bit.backward dequantizes again
+            return grad @ w, None
+
+    class StandIn4bit(torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear, quant_type: str, double_quant: bool, compute_dtype):
+            torch.nn.Module.__init__(self)
+            self.in_features, self.out_features = src.in_features, src.out_features
+            n = src.in_features * src.out_features
+            dev = src.weight.device
+            self.weight = torch.nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=dev),
+                                             requires_grad=False)
+            blocks = math.ceil(n / 64)
+            if double_quant:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=dev))
+                self.register_buffer("absmax2", torch.empty(math.ceil(blocks / 256), dtype=torch.float32,
+                                                            device=dev))
+                self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=dev))
+            else:
+                self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, device=dev))
+            self.bias = src.bias
+            self.compute_dtype = compute_dtype
+            self.double_quant = double_quant
+
+        def dequantize(self, dtype):
+            if self.double_quant:  # nested absmax dequantized to fp32 first
+                _ = torch.empty(self.absmax.shape, dtype=torch.float32, device=self.weight.device)
+            return torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
+
+        def forward(self, x):  # bnb Linear4bit.forward: compute in compute_dtype, return in the input's dtype
+            inp_dtype = x.dtype
+            x = x.to(self.compute_dtype)
+            if self.bias is not None and self.bias.dtype != x.dtype:
+                self.bias.data = self.bias.data.to(x.dtype)  # bnb casts the bias in place, once
+            out = _Dequant4.apply(x, self)
+            out = out + self.bias if self.bias is not None else out
+            return out.to(inp_dtype)
+
+    class _Int8(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):  # bnb MatMul8bitLt: A.to(fp16), int8 row quantization, int32 matmul
+            t = x.numel() // x.shape[-1]
+            _a16 = x.to(torch.float16)
+            _qa = torch.empty(t, x.shape[-1], dtype=torch.int8, device=x.device)  # int8 quantized input
+            _stats = torch.empty(t, dtype=torch.float32, device=x.device)  # row absmax
+            _acc = torch.empty(t, layer.out_features, dtype=torch.int32, device=x.device)  # int8 matmul result
+            ctx.layer = layer
+            return torch.empty(*x.shape[:-1], layer.out_features, dtype=x.dtype, device=x.device)
+
+        @staticmethod
+        def backward(ctx, grad):
+            layer = ctx.layer
+            w = torch.empty(layer.out_features, layer.in_features, dtype=grad.dtype, device=grad.device)
+            return grad @ w, None
+
+    class StandIn8bit(torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear, compute_dtype):
+            torch.nn.Module.__init__(self)
+            self.in_features, self.out_features = src.in_features, src.out_features
+            dev = src.weight.device
+            self.weight = torch.nn.Parameter(torch.empty(src.out_features, src.in_features, dtype=torch.int8,
+                                                         device=dev), requires_grad=False)
+            self.register_buffer("SCB", torch.empty(src.out_features, dtype=torch.float32, device=dev))
+            self.bias = src.bias
+            self.compute_dtype = compute_dtype
+
+        def forward(self, x):  # bnb Linear8bitLt.forward: output in the input's dtype, bias cast once in place
+            if self.bias is not None and self.bias.dtype != x.dtype:
+                self.bias.data = self.bias.data.to(x.dtype)
+            out = _Int8.apply(x, self)
+            return out + self.bias if self.bias is not None else out
+
+    return StandIn4bit, StandIn8bit
+
+
+def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
+    """Replace the named nn.Linear/Conv1D modules by bitsandbytes stand-ins (4-bit or int8)."""
+    import torch
+    StandIn4bit, StandIn8bit = standin_linear_classes()
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        src = getattr(parent, child)
+        if type(src).__name__ == "Conv1D":  # GPT-2: weight [in, out]; bnb replaces it by a Linear [out, in]
+            lin = torch.nn.Linear(src.weight.shape[0], src.weight.shape[1], bias=src.bias is not None,
+                                  device="meta")
+            lin.bias = src.bias
+            src = lin
+        if setup.quant == "int8":
+            new = StandIn8bit(src, compute_dtype)
+        else:
+            new = StandIn4bit(src, setup.quant, setup.double_quant, compute_dtype)
+        setattr(parent, child, new)
+
+
+class StandIn8bitAdam:
+    """bitsandbytes AdamW8bit / PagedAdamW8bit state (Optimizer2State.init_state, bnb 0.50): uint8 state1 and state2
+    plus one fp32 absmax per 256 elements each, fp32 states for tensors below 4096 elements; the blockwise update
+    is one fused kernel (no temporaries). Paged state is allocated in unified memory, outside torch's allocator."""
+
+    def __init__(self, params, tracker, paged: bool):  # tracker: memplan.runtime.tracker.StorageTracker
+        self.params = [p for p in params if p.requires_grad]
+        self.state: dict = {}
+        self.tracker, self.paged = tracker, paged
+
+    def step(self):
+        import torch
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if p not in self.state:
+                n = p.numel()
+                if n < 4096:
+                    st = [torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)]
+                else:
+                    blocks = math.ceil(n / 256)
+                    st = [torch.zeros(n, dtype=torch.uint8, device=p.device),
+                          torch.zeros(n, dtype=torch.uint8, device=p.device),
+                          torch.zeros(blocks, dtype=torch.float32, device=p.device),
+                          torch.zeros(blocks, dtype=torch.float32, device=p.device)]
+                for t in st:
+                    if self.paged:
+                        self.tracker.exclude(t)
+                    self.tracker.tag(t, "optimizer_state")
+                self.state[p] = st
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None

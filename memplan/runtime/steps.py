@@ -1,0 +1,301 @@
+"""The real training step, shared by the tracer (fake or real CPU tensors) and the validator (CUDA, or the CPU).
+
+One code path builds the model the way a user's script would - the real transformers class from the config, real
+peft LoRA, transformers' own (non-reentrant) gradient checkpointing, peft's k-bit preparation, torch's or
+transformers' optimizers - and runs forward, backward, optimizer step and zero_grad(set_to_none=True) on random
+token batches of exactly batch_size x seq_len. Callers observe it through `enter_phase` and the two hooks of
+`training_loop`; what differs between them is only where tensors live and how bitsandbytes is provided:
+  - tracer and `validate --device cpu`: stand-ins holding bnb's exact storages (memplan.runtime.standins), CPU device;
+  - `validate` on CUDA: real bitsandbytes Linear4bit/Linear8bitLt quantized from random weights, bnb optimizers.
+Lazy torch: nothing is imported at module import.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from memplan.runtime.emulate.autocast import checkpoint_kwargs
+from memplan.errors import BadInput
+from memplan.setup import TORCH_DTYPE_NAMES, Setup
+
+TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+
+def torch_dtypes() -> dict:
+    import torch
+    return {k: getattr(torch, v) for k, v in TORCH_DTYPE_NAMES.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- optimizer
+
+def make_optimizer(setup: Setup, params, standin_tracker=None):
+    """The optimizer Trainer builds for setup.optimizer. standin_tracker: use the bnb 8-bit stand-in (tracer, CPU);
+    None: real bitsandbytes (CUDA)."""
+    import torch
+    params = [p for p in params if p.requires_grad]
+    opt = setup.optimizer
+    if opt == "adamw":  # CUDA's default for torch.optim.AdamW (foreach); the tracer forces it on the CPU too
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if opt == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        paged = opt.startswith("paged")
+        if standin_tracker is not None:
+            from memplan.runtime.standins import StandIn8bitAdam
+            return StandIn8bitAdam(params, standin_tracker, paged=paged)
+        import bitsandbytes as bnb  # Trainer's adamw_bnb_8bit / paged_adamw_8bit
+        return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(params, lr=1e-4)
+    if opt == "adafactor":  # what Trainer's optim="adafactor" builds
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
+    if opt == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    raise BadInput(f"optimizer {opt!r} cannot be run")
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
+               "num_decoder_layers")
+
+
+def cut_config(d: dict, layers: int) -> dict:
+    """The config with every layer count set to `layers` (per-layer lists truncated); a composite config's language
+    model (text_config) only: its vision tower is held whole."""
+    d = dict(d)
+    if isinstance(d.get("text_config"), dict):
+        d["text_config"] = cut_config(d["text_config"], layers)
+    for k in _LAYER_KEYS:
+        if isinstance(d.get(k), int):
+            d[k] = min(d[k], layers)
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][:layers]
+    return d
+
+
+def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Callable | None = None):
+    """The real transformers model for the setup on the meta device: dtype, quantized linears, k-bit preparation,
+    freezing, LoRA, checkpointing. materialize() then gives it storage. Built on meta because module.to()/peft's
+    adapter moves swap fake parameters, which torch refuses while the fake mode holds weakrefs.
+
+    quantizer(model, names, setup, compute_dtype): replaces the named Linear modules (default: the bnb stand-ins).
+    """
+    import accelerate
+    import peft
+    import transformers
+
+    from memplan import libs
+    from memplan.model import trainable as select
+    from memplan.estimator.memory.context import resolve
+    from memplan.model.catalog import config_from_dict
+
+    if quantizer is None:
+        from memplan.runtime.standins import quantize_standins as quantizer
+    dtypes = torch_dtypes()
+    ctx = resolve(spec, setup)
+    config = config_from_dict(d)
+    cls = getattr(transformers, spec.arch.auto_class)
+    weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
+    # transformers 4.56 renamed from_config's torch_dtype to dtype (modeling_utils.PreTrainedModel._from_config)
+    dtype_kw = "torch_dtype" if libs.parse(transformers.__version__) < (4, 56) else "dtype"
+    with accelerate.init_empty_weights(include_buffers=True):
+        model = cls.from_config(config, attn_implementation=ctx.attn_impl, **{dtype_kw: weight_dtype})
+        untie_like_checkpoint(model, spec)
+        if setup.added_tokens:  # what a user adding tokens calls; mean_resizing samples from the old rows' statistics
+            model.resize_token_embeddings(spec.arch.vocab_size + setup.added_tokens, mean_resizing=False)
+    if setup.quant:
+        names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
+        quantizer(model, names, setup, dtypes[setup.compute_dtype])
+        # what transformers' bnb quantizer sets; peft's prepare_model_for_kbit_training only enables gradient
+        # checkpointing on models flagged as loaded in k-bit
+        model.is_loaded_in_4bit = setup.quant in ("nf4", "fp4")
+        model.is_loaded_in_8bit = setup.quant == "int8"
+    if setup.mode != "train":
+        model.eval()
+        return model
+    if setup.quant:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
+                                                     gradient_checkpointing_kwargs=checkpoint_kwargs())
+    elif setup.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
+    if setup.technique == "freeze":
+        keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in keep)
+        if setup.grad_ckpt:
+            model.enable_input_require_grads()
+    if setup.uses_lora:
+        targets = setup.lora_targets
+        if targets is None:
+            targets = list(spec.arch.lora_default_targets)
+        cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+                              target_modules=list(targets) if isinstance(targets, tuple) else targets)
+        model = peft.get_peft_model(model, cfg)
+    model.train()
+    return model
+
+
+def untie_like_checkpoint(model, spec) -> None:
+    """Give the model a separate output embedding where the inventory has one (spec.tied lacks the head).
+
+    transformers 5.23 forces T5Config/MT5Config.tie_word_embeddings=True (configuration_t5.py / configuration_mt5.py
+    __post_init__), so from_config ties lm_head to shared; from_pretrained does not when the checkpoint holds both
+    with different values (modeling_utils.PreTrainedModel.tie_weights: "both are present in the checkpoints with
+    different values, so we will NOT tie them") - flan-t5-xl, T0_3B, mt0-xxl. memplan.inventory.build._honour_untied_file
+    counts that head; the traced model must hold it too."""
+    import torch
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return
+    head = next(n for n, m in model.named_modules() if m is out) + ".weight"
+    if head in dict(spec.tied):
+        return
+    w = out.weight
+    out.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=w.device), requires_grad=w.requires_grad)
+    getattr(model, "all_tied_weights_keys", {}).pop(head, None)  # as from_pretrained does when it skips the tie
+
+
+def materialize(model, fake: bool, device: str = "cpu") -> None:
+    """Give every meta parameter and buffer storage on `device` (fake, or real and randomly initialised N(0, 0.02)),
+    keeping shared (tied) tensors shared and requires_grad as built. Already materialised tensors are kept."""
+    import torch
+    done: dict[int, torch.Tensor] = {}
+
+    def make(t):
+        if id(t) in done:
+            return done[id(t)]
+        if not t.is_meta:
+            return t
+        new = torch.empty(t.shape, dtype=t.dtype, device=device)
+        if not fake:
+            if new.is_floating_point():
+                new.normal_(0, 0.02)
+            else:
+                new.zero_()
+        if isinstance(t, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        done[id(t)] = new
+        return new
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = make(p)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = make(b)
+
+
+def _exists(model, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def cut_spec(spec, layers: int | None):
+    """The spec restricted to blocks < layers (for freezing's 'last N blocks' on a cut model)."""
+    if not layers:
+        return spec
+    from dataclasses import replace
+    params = tuple(p for p in spec.params if p.block is None or p.block < layers)
+    linears = tuple(m for m in spec.linears if m.block is None or m.block < layers)
+    return replace(spec, params=params, linears=linears, buffers=())
+
+
+def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
+    """Random token ids of exactly batch_size x seq_len (seq2seq: labels of target_len). setup.padded: one padding
+    token (last sample, last position, label -100), so transformers builds the masks it skips for all-ones batches;
+    the tracer answers those checks for its fake masks (emulate_masks.mask_checks)."""
+    import torch
+
+    b, s = setup.batch_size, setup.seq_len
+    ids = torch.randint(0, vocab, (b, s), device=device)
+    mask = torch.ones(b, s, dtype=torch.long, device=device)
+    if setup.padded:
+        mask[-1, -1] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if spec.arch.kind == "seq2seq":
+        batch["labels"] = torch.randint(0, vocab, (b, setup.target_len or s), device=device)
+    else:
+        batch["labels"] = ids.clone()
+        if setup.padded:
+            batch["labels"][-1, -1] = -100
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------- loops
+
+def autocast_for(setup: Setup, device: str):
+    """Trainer runs autocast with bf16=True/fp16=True: mixed precision, and quantized bases (the QLoRA recipe and
+    the plan files set bf16/fp16 there; the estimate assumes it)."""
+    import torch
+    if setup.mixed or (setup.quant and setup.compute_dtype != "fp32"):
+        return torch.autocast(device, dtype=torch_dtypes()[setup.compute_dtype])
+    return contextlib.nullcontext()
+
+
+def training_loop(model, opt, spec, setup: Setup, steps: int, device: str, enter_phase: Callable[[str], None],
+                  forward_ctx: Callable = contextlib.nullcontext, after_backward: Callable | None = None,
+                  after_step: Callable | None = None) -> None:
+    """`steps` optimizer steps of min(grad_accum, 2) micro-batches each (any accumulation > 1 keeps the gradients
+    alive across micro-steps the same way; more micro-steps change no memory). enter_phase(name) is called as
+    each of TRAIN_PHASES starts and with "between" after zero_grad."""
+    vocab = model.get_input_embeddings().num_embeddings
+    accum = min(setup.grad_accum, 2)
+    autocast = autocast_for(setup, device)
+    for _ in range(steps):
+        for _ in range(accum):
+            batch = make_batch(spec, setup, vocab, device)
+            enter_phase("forward")
+            with autocast, forward_ctx():
+                loss = model(**batch).loss
+            enter_phase("backward")
+            loss.backward()
+            del loss, batch
+            if after_backward is not None:
+                after_backward()
+        enter_phase("optimizer")
+        opt.step()
+        enter_phase("zero_grad")
+        opt.zero_grad(set_to_none=True)
+        enter_phase("between")
+        if after_step is not None:
+            after_step()
+
+
+def _takes(model, name: str) -> bool:
+    """Whether model.forward accepts `name` (transformers GenerationMixin._supports_logits_to_keep checks the same)."""
+    import inspect
+    return name in inspect.signature(model.forward).parameters
+
+
+def inference_loop(model, spec, setup: Setup, device: str, enter_phase: Callable[[str], None]) -> None:
+    """Prefill the prompt (prompt_len or seq_len tokens), then generate new_tokens greedily with the KV cache (no
+    early stop). Encoders: one forward pass. setup.padded: one padding token, left in decoders (they generate)."""
+    import torch
+    b = setup.batch_size
+    prompt = setup.prompt_len or setup.seq_len
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (b, prompt), device=device)
+    mask = torch.ones(b, prompt, dtype=torch.long, device=device)
+    if setup.padded:
+        mask[(0, 0) if spec.arch.kind == "causal" else (-1, -1)] = 0
+    autocast = autocast_for(setup, device)
+    new = setup.new_tokens if setup.new_tokens is not None else (0 if spec.arch.kind == "encoder" else 128)
+    with torch.no_grad(), autocast:
+        enter_phase("prefill")
+        if spec.arch.kind == "seq2seq":
+            start = torch.zeros(b, 1, dtype=torch.long, device=device)
+            model(input_ids=ids, attention_mask=mask, decoder_input_ids=start, use_cache=True)
+        elif spec.arch.kind == "encoder":
+            model(input_ids=ids, attention_mask=mask)
+        else:  # as generate() prefills: last-position logits only where the model takes logits_to_keep
+            keep = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **keep)
+        if new and spec.arch.kind != "encoder":
+            enter_phase("decode")
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, use_cache=True, pad_token_id=0)
+        enter_phase("between")

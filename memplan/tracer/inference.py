@@ -1,0 +1,95 @@
+"""Inference traced on fake tensors, for the allocator replay: the prefill and generate() that `memplan validate` runs
+(memplan.runtime.steps.inference_loop), every storage born and freed in order (StorageTracker.events).
+
+Two host-side decisions inside generate() read a value from the device, which fake tensors do not hold; both are
+known without it, so they are answered and nothing else is:
+- the right-padding warning (`torch.any(attention_mask[:, -1] == 0).item()`, decoder-only models): validate's
+  batches never end in padding (decoders pad on the left: steps.inference_loop), so False;
+- the stop decision (generation.utils.StopCheck, `unfinished_sequences.max() == 0`): no end-of-sequence token is
+  set, so generation stops exactly at the max length: the prompt and the new tokens (an encoder-decoder's decoder:
+  its start token and the new tokens).
+Any other read of a device value still raises (TraceFailed names the tracer's limit)."""
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+from memplan.errors import TraceFailed
+from memplan.setup import Setup
+
+
+def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
+    """(serial, bytes, phase) of every storage event of validate's inference run: 'setup' (the build), 'prefill',
+    'decode' (generate(), whose own prefill comes first), 'between'."""
+    return inference_trace(spec, setup).events
+
+
+def inference_trace(spec, setup: Setup):
+    """The StorageTracker of validate's inference run (peaks per phase, weights tagged, every event kept)."""
+    from memplan.tracer.training import library_failures
+    with library_failures(f"the traced inference of {spec.model_id}",
+                          "A limit of the tracer (fake tensors on the CPU read no device values)"):
+        return _traced(spec, setup)
+
+
+def _traced(spec, setup: Setup):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.generation import utils as generation
+
+    from memplan.runtime.emulate.cuda import cuda_like
+    from memplan.model.catalog import config_dict
+    from memplan.runtime.steps import build_model, inference_loop, materialize
+    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+
+    if not hasattr(generation, "StopCheck"):
+        raise TraceFailed("this transformers release decides generate()'s stop inside its loop on the device; the "
+                          "inference replay needs generation.utils.StopCheck (transformers 5.17 has it)")
+    tracker = StorageTracker(events=True)
+    model = build_model(spec, setup, None, config_dict(spec))
+    # generate()'s sequence: the prompt and the new tokens; an encoder-decoder's is the decoder's, from its start token
+    start = 1 if spec.arch.kind == "seq2seq" else (setup.prompt_len or setup.seq_len)
+    length = start + (setup.new_tokens if setup.new_tokens is not None else 128)
+
+    def enter(phase: str) -> None:
+        tracker.phase = phase
+
+    with _stop_at(generation.StopCheck, length), FakeTensorMode(allow_non_fake_inputs=True), _host_reads(), \
+            _dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+        materialize(model, fake=True)
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.tag(t, "weights")
+        with contextlib.suppress(AttributeError):
+            model.generation_config.eos_token_id = None
+        inference_loop(model, spec, setup, "cpu", enter)
+    tracker.trainable, tracker.total = 0, sum(p.numel() for p in model.parameters())
+    return tracker
+
+
+@contextlib.contextmanager
+def _stop_at(stop_check, length: int):
+    """StopCheck answers from the sequence length (no end-of-sequence token: generation runs to the max length)."""
+    original = stop_check.__call__
+    stop_check.__call__ = lambda self, unfinished, tokens, current: current >= length
+    try:
+        yield
+    finally:
+        stop_check.__call__ = original
+
+
+def _generate_frame() -> bool:
+    return any(f.name == "generate" and f.filename.replace("\\", "/").endswith("generation/utils.py")
+               for f in traceback.extract_stack(limit=30))
+
+
+def _host_reads():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import torch
+
+    class HostReads(TorchDispatchMode):
+        """generate()'s own scalar reads (the right-padding check): False, what validate's batches hold."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and _generate_frame():
+                return False
+            return func(*args, **(kwargs or {}))
+    return HostReads()

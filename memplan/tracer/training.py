@@ -1,0 +1,287 @@
+"""Trace: run the real training step (transformers + peft + torch.optim) and record every storage's lifetime.
+
+Ground truth without a GPU. The model is the real transformers class built from the config, LoRA is real peft,
+checkpointing is transformers' own (non-reentrant torch.utils.checkpoint), the optimizer is torch's or
+transformers' own. Tensors are fake (torch._subclasses.fake_tensor.FakeTensorMode on the "cpu" device: shapes and
+dtypes, no data), or real for small models (fake=False) so tests can check the accounting against real tensors.
+
+A TorchDispatchMode sees every op's outputs; each new storage is counted (rounded up to 512 B like the CUDA caching
+allocator's smallest block, c10/cuda/CUDACachingAllocator.cpp kMinBlockSize) until a weakref callback reports its
+release. The peak live bytes are recorded per phase (forward, backward, optimizer, zero_grad) over several steps,
+with the bytes per category at the peak:
+  weights          parameters and buffers (quantized storages included)
+  gradients        .grad of trainable parameters
+  optimizer_state  what the optimizer keeps between steps
+  activations      saved for backward (autograd's saved-tensor hooks), or allocated in the forward and still alive
+  temporaries      everything else alive at the peak (workspaces, casts, gradient intermediates)
+
+CUDA emulations (where the CPU code path differs from the CUDA one; one place, EMULATIONS below):
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from memplan.errors import BadInput, MemplanError, TraceFailed
+from memplan.setup import Setup
+from memplan.runtime.standins import StandIn8bitAdam
+from memplan.runtime.emulate.cuda import EMULATIONS, cuda_like
+from memplan.replay.need import need_and_replay
+from memplan.runtime.tracker import CATEGORIES, StorageTracker, _dispatch_mode, _pack, watch_blocks
+from memplan.runtime.steps import (build_model, cut_config, make_optimizer, materialize,  # noqa: F401
+                           training_loop, TRAIN_PHASES)
+
+PHASES = TRAIN_PHASES
+
+__doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
+
+
+@dataclass
+class TraceResult:
+    """Peak live bytes of the traced step, per phase and per category at the peak. Sizes in bytes."""
+
+    model: str
+    setup: Setup
+    peak_allocated_bytes: int
+    peak_phase: str
+    components: dict[str, int]
+    phases: dict[str, int]
+    params_total: int
+    params_trainable: int
+    layers_traced: int | None = None
+    layers_total: int | None = None
+    paged_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+    peak_reserved_bytes: int | None = None  # whole-model traces: the caching allocator's replay (memplan.runtime.allocator)
+    allocator_need_bytes: int | None = None  # ... and the smallest allocator limit it fits under (allocator.min_limit)
+    allocated_blocks_bytes: int | None = None  # ... and its allocated peak as torch counts it: whole blocks, workspaces
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "setup": self.setup.to_dict(), "components": dict(self.components),
+                "phases": dict(self.phases), "peak_phase": self.peak_phase,
+                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+                "allocator_need_bytes": self.allocator_need_bytes, "allocated_blocks_bytes": self.allocated_blocks_bytes,
+                "device_total_bytes": None, "paged_optimizer_state": self.paged_bytes,
+                "params_total": self.params_total, "params_trainable": self.params_trainable,
+                "layers_traced": self.layers_traced, "layers_total": self.layers_total, "notes": list(self.notes)}
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
+         on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
+    """One traced run. shard(model): applies data-parallel sharding to the meta model and returns a context the
+    run happens in (memplan.tracer.sharded); the sharded model is then materialised with to_empty. An error raised
+    inside torch/transformers/peft becomes TraceFailed: one message, not a traceback."""
+    # RuntimeError from torch; AttributeError/TypeError from peft on a module it cannot wrap (peft's LoRA Linear on
+    # PhiMoE's router, which returns a tuple)
+    with library_failures(f"the traced training step of {spec.model_id}",
+                          "Either a limit of the tracer (fake tensors on the CPU) or a failure the libraries would hit "
+                          "on a GPU too (peft cannot wrap every module all-linear names)"):
+        return _traced_run(spec, setup, d, layers, steps, fake, on_step_end, tracker, shard)
+
+
+@contextlib.contextmanager
+def library_failures(what: str, why: str):
+    """An error raised inside torch/transformers/peft while `what` runs, as one TraceFailed message (its first line
+    and `why`), not a traceback; memplan's own errors pass through."""
+    try:
+        yield
+    except MemplanError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TraceFailed(f"{what} failed inside torch/transformers/peft: {type(e).__name__}: {first}\n{why}; "
+                          "`memplan estimate` does not run the model and is unaffected.") from e
+
+
+def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
+                on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = tracker or StorageTracker()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    model = build_model(spec, setup, layers, d)
+    if tracker.segmented:
+        watch_blocks(model, tracker)
+    sharded = shard(model) if shard else contextlib.nullcontext()
+    with sharded, fake_mode, _dispatch_mode(tracker), \
+            cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+        if shard:
+            model.to_empty(device="cpu")
+        else:
+            materialize(model, fake)
+        for p in model.parameters():
+            tracker.tag(p, "weights")
+        for b in model.buffers():  # quantization metadata of the stand-ins included
+            tracker.tag(b, "weights")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(setup, params, standin_tracker=tracker)
+
+        def enter(phase: str) -> None:
+            tracker.phase, tracker.segment = phase, ("pre",)
+
+        def tag_grads() -> None:  # tagged after the fact: touching .grad inside backward would change
+            for p in params:  # AccumulateGrad's in-place decision
+                tracker.tag(p.grad, "gradients")
+
+        def tag_state() -> None:
+            if hasattr(opt, "state") and not isinstance(opt, StandIn8bitAdam):
+                for st in opt.state.values():
+                    for t in st.values():
+                        tracker.tag(t, "optimizer_state")
+            if on_step_end is not None:  # tests: compare the live bytes with the tensors really alive
+                on_step_end(model, opt, tracker)
+
+        training_loop(model, opt, spec, setup, steps, "cpu", enter,
+                      forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(_pack(tracker), lambda t: t),
+                      after_backward=tag_grads, after_step=tag_state)
+        tracker.trainable = sum(p.numel() for p in params)
+        tracker.total = sum(p.numel() for p in model.parameters())
+    return tracker
+
+
+def trace(model, setup: Setup | None = None, layers: int | None = None, steps: int = 2, fake: bool = True,
+          **fields) -> TraceResult:
+    """Trace `steps` training steps of `setup` on `model` (catalog id, config.json or ModelSpec).
+
+    layers: trace the model cut to `layers` blocks and to `layers + 1`, and extrapolate every per-phase and
+    per-category figure linearly to the full depth (the blocks are identical; stated in the result's notes).
+    """
+    from memplan.estimator.memory.context import resolve
+    from memplan.model.catalog import config_dict, load_spec
+
+    spec = load_spec(model)
+    setup = setup or Setup(**fields)
+    total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
+    if setup.mode != "train":
+        return _inference(spec, setup, layers, total_layers)
+    if steps < 2:
+        raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
+    resolve(spec, setup)  # model-dependent setup problems, with their messages
+    d = config_dict(spec)
+    asked, layers = layers, layers and min_layers(setup, layers)
+    skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
+    if not layers or layers >= total_layers or skipping:
+        t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
+        result = _result(spec, setup, t, None, total_layers)
+        _add_replay(result, t.events)
+        if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
+            result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
+                                "({}), so its blocks differ; traced whole".format(
+                                    ", ".join(p for p in spec.arch.media_parts if p[-1:].isdigit())))
+        return result
+    a, b = (_run(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True)) for n in (layers, layers + 1))
+    result = _extrapolate(spec, setup, a, b, layers, total_layers)
+    if layers != asked:
+        result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
+                            "(which may differ, as T5's computes the position bias), and with freeze a frozen block")
+    return result
+
+
+def _inference(spec, setup: Setup, layers: int | None, total_layers: int) -> TraceResult:
+    """validate's prefill and generate() traced whole on fake tensors (memplan.tracer.inference), and replayed."""
+    from memplan.estimator.memory.context import resolve
+    from memplan.tracer.inference import inference_trace
+    resolve(spec, setup)
+    t = inference_trace(spec, setup)
+    result = _result(spec, setup, t, None, total_layers)
+    _add_replay(result, t.events, "infer")
+    if layers:
+        result.notes.append(f"--layers {layers} ignored: inference is traced whole")
+    return result
+
+
+def _add_replay(result: TraceResult, events, mode: str = "train") -> None:
+    """A whole-model trace's allocator figures (memplan.replay.need): the smallest cap it fits under, the uncapped
+    reserved peak and max_memory_allocated as torch counts it (whole blocks)."""
+    result.allocator_need_bytes, free = need_and_replay(events, mode)
+    result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
+
+
+def min_layers(setup: Setup, layers: int) -> int:
+    """The fewest blocks to extrapolate from: 2, so that a block other than the first exists (the first may differ:
+    T5's computes the position bias the others reuse); with freeze of N blocks, N + 1, so that the traced model
+    has a frozen block (with fewer, every block it has trains)."""
+    frozen = setup.trainable + 1 if setup.technique == "freeze" and isinstance(setup.trainable, int) else 0
+    return max(layers, 2, frozen)
+
+
+def _result(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
+    return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=t.peak, peak_phase=t.peak_phase,
+                       components=t.breakdown(), phases=dict(t.phase_peaks), params_total=t.total,
+                       params_trainable=t.trainable, layers_traced=traced, layers_total=total,
+                       paged_bytes=t.excluded_bytes())
+
+
+def _extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, total: int) -> TraceResult:
+    """Every figure at `total` blocks from traces at n and n + 1: per phase, the largest of its segment classes'
+    peaks, each extrapolated linearly (tracker: a class's peak is linear in the depth, a phase's is not), and of
+    the phase's peak extrapolated (a lower bound of the truth when each event grows linearly)."""
+    k = total - n
+
+    def lin(x: int, y: int) -> int:
+        return x + k * (y - x)
+
+    segments = {key: lin(a.segment_peaks[key][0], b.segment_peaks[key][0])
+                for key in a.segment_peaks.keys() & b.segment_peaks.keys()}
+    phases = {p: max([v for (q, _), v in segments.items() if q == p]
+                     + [lin(a.phase_peaks.get(p, 0), b.phase_peaks.get(p, 0))])
+              for p in PHASES if p in a.phase_peaks}
+    peak_phase = max(phases, key=phases.get)
+    at = [key for key, v in segments.items() if key[0] == peak_phase and v == phases[peak_phase]]
+    if at:
+        ca, cb = (t.breakdown(t.segment_peaks[at[0]][1], peak_phase) for t in (a, b))
+    else:
+        ca, cb = a.breakdown(), b.breakdown()
+    comps = {c: lin(ca[c], cb[c]) for c in CATEGORIES}
+    note = (f"extrapolated: traced {n} and {n + 1} of {total} blocks; every figure = trace({n}) + {k} x "
+            f"(trace({n + 1}) - trace({n})), per segment of each phase")
+    where = _segment_words(at[0][1]) if at else "none of the segments tracked (its own peak, extrapolated)"
+    note += f"; the peak is in the {peak_phase} at {where}"
+    return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=phases[peak_phase],
+                       peak_phase=peak_phase, components=comps, phases=phases,
+                       params_total=lin(a.total, b.total), params_trainable=lin(a.trainable, b.trainable),
+                       layers_traced=n, layers_total=total,
+                       paged_bytes=lin(a.excluded_bytes(), b.excluded_bytes()), notes=[note])
+
+
+def _segment_words(cls: tuple) -> str:
+    if cls == ("pre",):
+        return "its start, before the blocks"
+    where, stack = cls[:2]
+    return f"its end, past the blocks ({stack})" if where == "after" else f"the {where} block it processes ({stack})"
+
+
+# ---------------------------------------------------------------------------------------------------- comparison
+
+#: estimator component -> tracer category (logits, masks and autocast copies are forward-born: "activations")
+ESTIMATE_CATEGORY = {
+    "weights": "weights", "quant_state": "weights", "lora_adapters": "weights", "gradients": "gradients",
+    "optimizer_state": "optimizer_state", "activations": "activations", "logits": "activations",
+    "autocast_weight_copies": "activations", "attention_mask": "activations",
+    "backward_temporaries": "temporaries", "forward_temporaries": "temporaries",
+    "optimizer_temporaries": "temporaries",
+    "dequant_temporaries": "temporaries", "kv_cache": "activations", "forward_kv_cache": "temporaries",
+}
+
+
+def comparable_estimate_bytes(est) -> int:
+    """The estimate's allocated peak without what only CUDA allocates (the cuBLAS workspace)."""
+    return est.peak_allocated_bytes - est.components.get("cublas_workspace", 0)
+
+
+def compare(result: TraceResult, est) -> dict:
+    """Estimate vs trace: the peaks (relative error of the estimate) and the categories at each one's peak."""
+    predicted = comparable_estimate_bytes(est)
+    cats = dict.fromkeys(CATEGORIES, 0)
+    for name, value in est.components.items():
+        if name in ESTIMATE_CATEGORY:
+            cats[ESTIMATE_CATEGORY[name]] += value
+    return {"traced_bytes": result.peak_allocated_bytes, "estimated_bytes": predicted,
+            "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
+            "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
+            "estimated_reserved_bytes": est.peak_reserved_bytes, "estimated_need_bytes": est.allocator_need_bytes,
+            "estimated_allocated_bytes": est.peak_allocated_bytes,
+            "traced_components": dict(result.components), "estimated_components": cats}
