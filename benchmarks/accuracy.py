@@ -39,7 +39,7 @@ def group_of(setup) -> str:
 
 def measured_errors(data: Path) -> list[dict]:
     """One dict per usable GPU row: model, label, group, gated, and the relative error of each quantity."""
-    from memplan.measure.gate import _label, estimate_row
+    from memplan.measure.gate import row_label, estimate_row
     from memplan.measure.rows import int_or_none, measured_files, read_rows, setup_from_row
 
     out = []
@@ -50,7 +50,7 @@ def measured_errors(data: Path) -> list[dict]:
                 continue
             setup = setup_from_row(row)
             est = estimate_row(row)
-            rec = {"model": row["model"], "label": _label(row), "group": group_of(setup),
+            rec = {"model": row["model"], "label": row_label(row), "group": group_of(setup),
                    "gated": (row.get("gate") or "yes").lower() not in ("no", "false", "0")}
             for name, attr in QUANTITIES:
                 measured = int_or_none(row.get(f"measured_{name}_bytes"))

@@ -61,13 +61,13 @@ class Pool:
         """Run one job capped to `fraction` of the GPU and append its row (to `out`, default the pool's CSV);
         returns the row's status."""
         from memplan.measure.rows import append_row, make_row
-        from memplan.measure.sweep import _now
+        from memplan.measure.sweep import now_iso
         from memplan.measure.runner import validate
         m = validate(job.model, job.setup, device="cuda", steps=3, memory_fraction=fraction, timeout=400,
                      shared_gpu=True)
         with self.lock:
             append_row(out or self.out, make_row(job.model, job.setup, key=job.key("cuda"), source="memplan validate",
-                                          notes=notes, measured_at=_now(), **m.row_values()))
+                                          notes=notes, measured_at=now_iso(), **m.row_values()))
             self.counts[m.status] = self.counts.get(m.status, 0) + 1
         print(f"{m.status:5s} {job.model} {job.setup.technique} {job.setup.precision} b{job.setup.batch_size} "
               f"s{job.setup.seq_len} {m.error[:120] if m.error else ''}", flush=True)

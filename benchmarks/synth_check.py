@@ -55,7 +55,8 @@ def main() -> int:
     from memplan.runtime.allocator import min_limit
     from memplan.fileio import write_text_atomic
     from memplan.setup import Setup
-    from memplan.replay.need import _replayed, cuda_workspaces, traced_events
+    from memplan.replay.need import traced_events
+    from memplan.runtime.allocator import cuda_workspaces, replayed
 
     lines = ["# Synthesized events vs whole-model traces", "",
              f"`python benchmarks/synth_check.py` ({datetime.date.today()}, torch {torch.__version__}, transformers "
@@ -80,7 +81,7 @@ def main() -> int:
         used = any(isinstance(e[0], tuple) for e in made)
         equal = synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
         bad += not equal
-        r = _replayed(made)
+        r = replayed(made)
         need = min_limit(made, cuda_workspaces(), uncapped=r)
         verdict = ("yes" if equal else "**NO**") if used else "traced whole (declined)"
         print(f"{model} {label}: {verdict}, {t2 - t1:.1f} s vs {t3 - t2:.1f} s", flush=True)

@@ -232,8 +232,7 @@ def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path, monk
 
 
 def test_case_indices_follow_the_measured_tables_order():
-    from memplan.inventory.activation import ACT_CASES, act_case
-    from memplan.inventory.probes import NORM_CASES, norm_case
+    from memplan.model.spec import ACT_CASES, NORM_CASES, act_case, norm_case
 
     for trains in (False, True):
         for mixed in (False, True):
@@ -323,7 +322,7 @@ def test_linear_attention_layers_are_measured():
     """Qwen3-Next's gated DeltaNet layers (config layer_types "linear_attention") run on fake tensors when the
     inventory is built: per token, what they save (over 300 KB for this 512-wide shape: fp32 copies of q, k, v and
     their chunked products) and their backward's working memory; no longer named as not modelled. Families without such layers measure nothing."""
-    from memplan.inventory.linear_attention import LINEAR_CASES
+    from memplan.model.spec import LINEAR_CASES
     arch = load_spec(str(SHAPES / "qwen3_next" / "config.json")).arch
     assert arch.linear_layers == (0, 1, 2) and arch.unmodelled_layers == ()
     assert len(arch.linear_saves) == len(arch.linear_work) == len(LINEAR_CASES)

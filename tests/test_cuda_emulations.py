@@ -87,7 +87,7 @@ def _peaks(fn, *inputs, safe_softmax_mask: bool = False) -> tuple[int, int]:
     """(forward, backward) peak live bytes above the inputs while fn runs under the tracer's storage accounting;
     safe_softmax_mask: each aten._safe_softmax the mode sees also makes the bool mask torch's composite makes inside
     it (test_safe_softmax_allocates_its_output_and_a_bool_mask), after its output."""
-    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     tracker = StorageTracker()
     tracker.phase = "forward"
@@ -103,7 +103,7 @@ def _peaks(fn, *inputs, safe_softmax_mask: bool = False) -> tuple[int, int]:
             for m in masks:
                 tracker.serial_of(m)
         return out
-    with _dispatch_mode(tracker, compute):
+    with dispatch_mode(tracker, compute):
         out = fn()
         if out.requires_grad:
             tracker.phase = "backward"
@@ -188,11 +188,11 @@ def _traced_softmax_backward_peak(emulated: bool) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memplan.runtime.emulate.cuda import cuda_like
-    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     tracker = StorageTracker()
     tracker.phase = "backward"  # the tracker counts peaks inside a step's phases only
-    with FakeTensorMode(), _dispatch_mode(tracker), (cuda_like() if emulated else contextlib.nullcontext()):
+    with FakeTensorMode(), dispatch_mode(tracker), (cuda_like() if emulated else contextlib.nullcontext()):
         x = torch.empty(2, 4, 64, 64, requires_grad=True)
         y = torch.softmax(x, -1)
         y.backward(torch.empty_like(y))

@@ -111,7 +111,7 @@ def _optimizer_allocations(dev: str, optimizer: str) -> dict:
 
     from memplan.setup import Setup
     from memplan.runtime.steps import make_optimizer
-    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     class OnDevice(StorageTracker):  # GPU memory only: Adafactor's torch.zeros(...).to(grad) makes a CPU temporary
         def serial_of(self, t):
@@ -121,7 +121,7 @@ def _optimizer_allocations(dev: str, optimizer: str) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         params = [torch.nn.Parameter(torch.empty(shape, device=dev)) for shape in PARAM_SHAPES]
         opt = make_optimizer(Setup(optimizer=optimizer), params)
-        with _dispatch_mode(tracker):
+        with dispatch_mode(tracker):
             for step in range(3):
                 tracker.phase = f"step {step}"
                 for p in params:

@@ -9,7 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from memplan.planner.budget import budget_bytes
-from memplan.planner.doctor import diagnose, doctor_command, parse_oom_message, rank_key
+from memplan.cli.doctor import doctor_command
+from memplan.planner.doctor import diagnose, rank_key
+from memplan.planner.oom import parse_oom_message
 from memplan.errors import BadInput
 from memplan.estimator.breakdown import estimate
 from memplan.planner.export import write_plan
@@ -91,10 +93,10 @@ def test_llama2_7b_full_on_rtx_3060_leads_with_a_change_that_fits():
     assert final.fits and estimate(spec, final.setup).cap_need_bytes <= gpu.memory_bytes
     assert d.first_line.startswith("Smallest change that fits: ") and final.description in d.first_line
     # every step of a combination is needed: without any one of them it no longer fits
-    from memplan.planner.remedies import _chain, _Ctx
-    c = _Ctx(spec, gpu.memory_bytes, estimate, True)
+    from memplan.planner.remedies import chain, RemedyContext
+    c = RemedyContext(spec, gpu.memory_bytes, estimate, True)
     for step in d.combination:
-        rest = _chain(setup, d.need_bytes, [r.order for r in d.combination if r is not step], c)
+        rest = chain(setup, d.need_bytes, [r.order for r in d.combination if r is not step], c)
         assert not rest or not rest[-1].fits
 
 
@@ -219,7 +221,7 @@ def test_cli_nothing_fits_exit_1():
 def test_either_module_may_be_imported_first():
     import subprocess
     import sys
-    code = "import memplan.planner.doctor as d, memplan.cli.main as c; assert d.doctor_command.name == 'doctor'"
+    code = "import memplan.cli.doctor as d, memplan.cli.main as c; assert d.doctor_command.name == 'doctor'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.estimator.breakdown import estimate
-from memplan.estimator.memory.overhead import cublas_workspace_bytes
+from memplan.gpus import cublas_workspace_bytes
 
 CUBLAS_WORKSPACE_BYTES = cublas_workspace_bytes(training=True)  # two threads (forward, autograd) x 32 MiB
-from memplan.estimator.memory.optimizer import _bnb8_state
+from memplan.estimator.memory.optimizer import bnb8_state_bytes
 from memplan.estimator.memory.weights import NF4_BLOCK, nf4_state_bytes
 from memplan.setup import Setup
 
@@ -57,8 +57,8 @@ def test_lora_pure_bf16_hand_derived(tiny):
 
 def test_bnb_8bit_state_rule():
     # bitsandbytes Optimizer2State.init_state: uint8 state1/state2 + fp32 absmax per 256 block; < 4096 elems -> fp32.
-    assert _bnb8_state((4096,), 4) == 2 * (4096 + 16 * 4)
-    assert _bnb8_state((64, 63), 4) == 2 * 64 * 63 * 4
+    assert bnb8_state_bytes((4096,), 4) == 2 * (4096 + 16 * 4)
+    assert bnb8_state_bytes((64, 63), 4) == 2 * 64 * 63 * 4
 
 
 def test_qlora_nf4_weights_and_state(tiny):

@@ -10,7 +10,7 @@ from memplan.errors import MemplanError
 from memplan.estimator.breakdown import estimate
 from memplan.estimator.memory.context import resolve
 from memplan.estimator.memory.logits import logits_forward_bytes
-from memplan.estimator.memory.overhead import cublas_workspace_bytes
+from memplan.gpus import cublas_workspace_bytes
 from memplan.model.catalog import load_spec
 from memplan.setup import Setup
 

@@ -21,14 +21,14 @@ def _events(model, setup, synthesize):
 def test_synthesized_gpt2_events_equal_the_whole_trace(fields):
     from memplan.replay import synth
     from memplan.model.catalog import load_spec
-    from memplan.replay.need import _replayed
+    from memplan.runtime.allocator import replayed
 
     setup = Setup(**fields)
     made = synth.events(load_spec("openai-community/gpt2"), setup, 3)
     assert made is not None, "gpt2's 12 identical blocks are synthesized"
     whole = _events("openai-community/gpt2", setup, synthesize=False)
     assert synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
-    a, b = _replayed(made), _replayed(whole)
+    a, b = replayed(made), replayed(whole)
     assert (a.peak_reserved, a.peak_allocated) == (b.peak_reserved, b.peak_allocated)
 
 

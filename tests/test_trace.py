@@ -166,7 +166,8 @@ def test_whole_model_trace_reports_the_replayed_reserved_peak():
     assert d["peak_allocated_bytes"] + workspaces <= d["allocated_blocks_bytes"] <= d["peak_reserved_bytes"]
     # the need: a cap at it fits the replay, 2 MiB less does not (min_limit bisects to 2 MiB)
     from memplan.runtime.allocator import replay
-    from memplan.replay.need import cuda_workspaces, traced_events
+    from memplan.replay.need import traced_events
+    from memplan.runtime.allocator import cuda_workspaces
     from memplan.setup import Setup
     need = d["allocator_need_bytes"]
     assert d["peak_allocated_bytes"] + workspaces <= need <= d["peak_reserved_bytes"]

@@ -201,7 +201,7 @@ def refresh_catalog():
 
 
 from memplan.cli.measure import check_cmd, validate_cmd  # noqa: E402  (command modules import cli_common only)
-from memplan.planner.doctor import doctor_command  # noqa: E402
+from memplan.cli.doctor import doctor_command  # noqa: E402
 from memplan.cli.plot import plot_command  # noqa: E402
 
 for _command in (validate_cmd, check_cmd, doctor_command, plot_command):

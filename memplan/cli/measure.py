@@ -59,7 +59,7 @@ def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json
     from memplan.measure.rows import append_row, make_row
     from memplan.model.catalog import load_spec
     from memplan.setup import Setup
-    from memplan.measure.sweep import _now
+    from memplan.measure.sweep import now_iso
     from memplan.measure.runner import validate
 
     setup = Setup(**given_setup_fields(options))
@@ -68,7 +68,7 @@ def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json
     m = validate(model, setup, device=device, steps=steps, memory_fraction=fraction, emulate=emulate,
                  timeout=timeout)
     if out:
-        append_row(out, make_row(model, setup, source="memplan validate", measured_at=_now(),
+        append_row(out, make_row(model, setup, source="memplan validate", measured_at=now_iso(),
                                  notes=f"emulating {emulate}" if emulate else "", **m.row_values()))
     from memplan.cli.report import validation_rows
     rows = validation_rows(m, est)

@@ -10,7 +10,8 @@ from memplan.estimator.memory import distributed as dist
 from memplan.estimator.memory import inference as inf
 from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory import optimizer as opt
-from memplan.estimator.memory import block_ends, forward_block, moe, overhead, quant, recording, weights
+from memplan.estimator.memory import block_ends, forward_block, moe, quant, recording, weights
+from memplan.gpus import cublas_workspace_bytes
 from memplan.model import layout
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.masks import checkpointed_mask_bytes, mask_bytes
@@ -23,7 +24,7 @@ def _resident(ctx: Ctx) -> dict[str, int]:
         "quant_state": weights.quant_state_bytes(ctx),
         "lora_adapters": weights.lora_bytes(ctx) if ctx.training else 0,
         "optimizer_state": opt.optimizer_state_bytes(ctx) if ctx.training and not paged else 0,
-        "cublas_workspace": overhead.cublas_workspace_bytes(ctx.training),
+        "cublas_workspace": cublas_workspace_bytes(ctx.training),
     }
 
 
@@ -257,7 +258,7 @@ def _backward_temp_bytes(ctx: Ctx) -> int:
 def _linear_work(ctx: Ctx) -> float:
     """Per token, what a linear-attention block's mixer holds in its backward beyond its saves (Arch.linear_work,
     linfacts.measure: the trained case where the blocks' base weights train)."""
-    from memplan.inventory.linear_attention import linear_case
+    from memplan.model.spec import linear_case
 
     a = ctx.spec.arch
     if not a.linear_work:

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import functools
 
-#: (the activation's own parameters train, input dtype, under autocast) in the order Arch.act_saves lists them
-ACT_CASES = tuple((trains, dtype, mixed) for trains in (False, True) for mixed in (False, True)
-                  for dtype in ("bfloat16", "float32"))
-
-
-def act_case(trains: bool, mixed: bool, input_bytes: int) -> int:
-    """Index into Arch.act_saves (ACT_CASES order), computed: the estimator asks per block."""
-    return 4 * trains + 2 * mixed + (input_bytes >= 4)
+from memplan.model.spec import ACT_CASES
 
 
 def act_saves(name: str) -> tuple[float, ...]:

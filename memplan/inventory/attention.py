@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from memplan.inventory.modules import block_module
+
 #: a softmax call that runs in fp32: `softmax(x, dim=-1, dtype=torch.float32)` (Llama's eager_attention_forward and
 #: every family generated from it), or on an fp32 copy, `softmax(scores.float(), ...)` (T5 before 5.15)
 _FP32_SOFTMAX = re.compile(r"softmax\([^\n]*(dtype=torch\.float32|\.float\(\))")
@@ -78,7 +80,6 @@ def returns_attn_probs(model) -> bool:
     layer's attention. Read from the forward of the model's first block."""
     import inspect
 
-    from memplan.inventory.probes import block_module  # codefacts reads this module's facts: imported when called
 
     block = block_module(model)
     if block is None:

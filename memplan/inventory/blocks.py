@@ -3,7 +3,7 @@ in (its own Dropout between the projections), whether the norm centres, what a M
 gradient. Like memplan.inventory.probes, they follow the installed transformers and cover families no hand-kept list names."""
 from __future__ import annotations
 
-from memplan.inventory.probes import BLOCK_PATH, _block_norm, block_module, is_norm_module
+from memplan.inventory.modules import BLOCK_PATH, block_module, block_norm, is_norm_module
 
 
 def mlp_dropout(model, linears) -> float:
@@ -49,7 +49,7 @@ def norm_centres(model, hidden: int) -> bool | None:
 
     import torch
 
-    module = _block_norm(model, hidden)
+    module = block_norm(model, hidden)
     if module is None:
         return None
     try:

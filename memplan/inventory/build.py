@@ -6,7 +6,6 @@ Counting, not guessing: every unique parameter of the real module tree is record
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 from memplan.inventory import blocks as blockfacts, config as configfacts, kv_cache as cachefacts
@@ -14,13 +13,11 @@ from memplan.inventory import linear_attention as linfacts, probes as codefacts
 from memplan.model.hf import (auto_class, check_flat, check_remote_code, check_uniform, is_composite, skipped_layers,
                                 split_media, text_body)
 from memplan.errors import BadInput
-from memplan.model.layout import slot
+from memplan.model.layout import BLOCK_INDEX, slot
 from memplan.model.spec import Arch, Buffer, Linear, ModelSpec, Param
 
 #: the names transformers gives a model's ModuleList of blocks (GPT-2 h, T5 block, BERT layer, Llama layers, ALBERT
 #: albert_layers: the one shared layer, run num_hidden_layers times - Arch.block_runs)
-BLOCK_LISTS = "layers|layer|h|block|blocks|albert_layers"
-_BLOCK_RE = re.compile(rf"\.(?:{BLOCK_LISTS})\.(\d+)\.")
 
 
 def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_remote_code: bool = False) -> ModelSpec:
@@ -77,7 +74,7 @@ def _buffers(model) -> list[Buffer]:
 def _stack(name: str, model) -> str | None:
     if model.config.is_encoder_decoder:
         return "encoder" if "encoder." in name else ("decoder" if "decoder." in name else None)
-    if _BLOCK_RE.search(name) is None:
+    if BLOCK_INDEX.search(name) is None:
         return None
     return "encoder" if _is_encoder_only(model) else "decoder"
 
@@ -116,7 +113,7 @@ def _params(model, torch):
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in seen:
             seen[id(p)] = kept = canonical.get(id(p), name)
-            m = _BLOCK_RE.search(kept)
+            m = BLOCK_INDEX.search(kept)
             params.append(Param(kept, tuple(p.shape), _role(kept, owners[kept], model, torch),
                                 int(m.group(1)) if m else None, _stack(kept, model)))
         if name != seen[id(p)]:
@@ -153,7 +150,7 @@ def _linears(model, torch):
             continue
         w = module.weight
         fin, fout = (w.shape[0], w.shape[1]) if kind == "Conv1D" else (w.shape[1], w.shape[0])
-        m = _BLOCK_RE.search(name + ".")
+        m = BLOCK_INDEX.search(name + ".")
         rows.append(Linear(name, int(fin), int(fout), module.bias is not None, int(m.group(1)) if m else None,
                            _stack(name + ".", model), "conv1d" if kind == "Conv1D" else "linear",
                            module is out_emb))

@@ -7,9 +7,9 @@ Qwen3-Next-shaped layer against 10 KB for its attention layer. Unmodelled, a Qwe
 the tracer (benchmarks/family_survey.py)."""
 from __future__ import annotations
 
-#: (the layer's dtypes: 2 = bf16 input and weights, 4 = fp32, "mixed" = fp32 input and weights under bf16 autocast;
-#: its parameters train), in the order Arch.linear_saves and Arch.linear_work list them
-LINEAR_CASES = ((2, False), (2, True), (4, False), (4, True), ("mixed", False), ("mixed", True))
+from memplan.inventory.modules import block_module
+from memplan.model.spec import LINEAR_CASES
+
 #: the names transformers gives a decoder layer's token mixer, in the order they are tried
 _MIXERS = ("linear_attn", "self_attn", "attention", "mixer")
 
@@ -17,12 +17,6 @@ _MIXERS = ("linear_attn", "self_attn", "attention", "mixer")
 def linear_layers(config) -> tuple[int, ...]:
     """Decoder layers whose token mixer is a linear attention (config.layer_types)."""
     return tuple(i for i, t in enumerate(getattr(config, "layer_types", None) or ()) if t == "linear_attention")
-
-
-def linear_case(input_bytes: int, trains: bool, mixed: bool = False) -> int:
-    """Index into Arch.linear_saves / linear_work (LINEAR_CASES) for the activations' bytes, whether the block trains
-    and whether autocast runs (mixed precision, QLoRA)."""
-    return LINEAR_CASES.index(("mixed" if mixed else 4 if input_bytes == 4 else 2, trains))
 
 
 def measure(model, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -61,7 +55,7 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
 
     from memplan.runtime.emulate.autocast import cuda_autocast_fp32
     from memplan.runtime.steps import materialize
-    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     dtypes, trains = case
     dtype = torch.bfloat16 if dtypes == 2 else torch.float32
@@ -90,7 +84,7 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
         tracker = StorageTracker()
         x = torch.empty(1, tokens, hidden, dtype=dtype, requires_grad=True)
         try:
-            with _dispatch_mode(tracker):
+            with dispatch_mode(tracker):
                 tracker.phase = "forward"
                 with contextlib.ExitStack() as stack:
                     for c in autocast:
@@ -123,7 +117,6 @@ def _required_none(mod) -> dict:
 
 def _mixer(model, layers: tuple[int, ...]):
     """The token mixer of the first linear-attention layer: its child named in _MIXERS."""
-    from memplan.inventory.probes import block_module
 
     block = block_module(model, layers[0]) if layers else None
     if block is None:

@@ -8,6 +8,8 @@ import re
 
 from memplan.inventory.activation import act_out_bytes, act_saves
 from memplan.inventory.attention import eager_facts
+from memplan.model.spec import NORM_CASES
+from memplan.inventory.modules import BLOCK_PATH, block_module, block_norm, is_norm_module
 
 
 def read(model, model_type: str, hidden: int, activation: str, body=None) -> dict:
@@ -21,10 +23,6 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
                 expert_gate_saves=expert_gate_saves(body), relative_bias_layers=relative_bias_layers(body),
                 experts_dense=experts_dense(body))
-
-
-#: (residual stream bytes, weight trains) in the order Arch.norm_saves lists them
-NORM_CASES = ((2, False), (2, True), (4, False), (4, True))
 
 
 def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
@@ -44,7 +42,7 @@ def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
 
     import torch
 
-    module = _block_norm(model, hidden)
+    module = block_norm(model, hidden)
     if module is None:
         return ()
     out = []
@@ -74,11 +72,6 @@ def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
         out.append((sum(n for n, shape in per_row if shape[-1] == hidden) / (rows * hidden),
                     sum(n for n, shape in per_row if shape[-1] == 1) / rows, own / (rows * hidden)))
     return tuple(out)
-
-
-def norm_case(residual_bytes: int, trains: bool) -> int:
-    """Index into Arch.norm_saves (NORM_CASES order)."""
-    return 2 * (residual_bytes >= 4) + trains
 
 
 def expert_gate_saves(model) -> tuple[float, ...]:
@@ -156,26 +149,6 @@ def relative_bias_layers(model) -> int:
     return sum(1 for m in model.modules() if getattr(m, "relative_attention_bias", None) is not None)
 
 
-#: a module path inside one of the model's blocks (`model.layers.3.mlp`, `transformer.h.0`, `encoder.block.1`)
-BLOCK_PATH = re.compile(r"(^|\.)(layers|layer|h|block|blocks)\.\d+(\.|$)")
-
-
-def is_norm_module(m) -> bool:
-    """A normalisation layer: a class named *Norm* (every family's own) or torch's nn.LayerNorm."""
-    from torch import nn
-
-    return "Norm" in type(m).__name__ or isinstance(m, nn.LayerNorm)
-
-
-def block_module(model, index: int = 0):
-    """The model's block `index` (the first module named like `layers.0`, `h.0`, `block.0`), None without one."""
-    pattern = re.compile(rf"(^|\.)(layers|layer|h|block|blocks)\.{index}$")
-    # the outermost match: T5's `encoder.block.0.layer.1` (a sublayer) comes before `encoder.block.1`
-    found = [(name.count("."), i, module) for i, (name, module) in enumerate(model.named_modules())
-             if pattern.search(name)]
-    return min(found, key=lambda f: f[:2])[2] if found else None
-
-
 def weightless_norms(model) -> int:
     """Normalisation layers without parameters in the model's first block (OLMo's OlmoLayerNorm): the inventory
     counts norms by their weights (memplan.model.layout), so these add to every block."""
@@ -206,16 +179,6 @@ def plain_cross_entropy(model) -> bool:
     except (OSError, TypeError):  # no source: the loss_function, the common case
         return False
     return "self.loss_function" not in source and bool(re.search(r"CrossEntropyLoss|cross_entropy\(|loss_fct", source))
-
-
-def _block_norm(model, hidden: int):
-    """The model's normalisation layer: the first module named *Norm* (or an nn.LayerNorm) with a [hidden] weight,
-    else the first *Norm* module (OLMo's has no parameters)."""
-    norms = [m for m in model.modules() if is_norm_module(m)]
-    for m in norms:
-        if any(tuple(p.shape) == (hidden,) for p in m.parameters(recurse=False)):
-            return m
-    return norms[0] if norms else None
 
 
 def peft_expert_targets(model_type: str) -> tuple[str, ...]:

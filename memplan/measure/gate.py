@@ -65,7 +65,7 @@ class CheckResult:
         return sorted(self.rows, key=lambda r: (order[r.verdict], -abs(r.rel_error or 0)))
 
 
-def _label(row: dict) -> str:
+def row_label(row: dict) -> str:
     s = setup_from_row(row)
     parts = [s.mode, s.technique, s.precision] + ([s.quant] if s.quant else []) + [s.optimizer] * (s.mode == "train")
     parts += [f"b{s.batch_size}", f"s{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) + ([s.attn_impl] if s.attn_impl else [])
@@ -106,7 +106,7 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
     status = (row.get("status") or "ok").strip()
     base = dict(file=file, key=row.get("key", ""), model=row["model"], status=status, tolerance=tol, gated=gated)
     try:
-        label = _label(row)
+        label = row_label(row)
         est = estimate_row(row, estimator)
     except MemplanError as e:
         return CheckRow(label=row.get("technique", ""), quantity="", measured_bytes=None, predicted_bytes=None,

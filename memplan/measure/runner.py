@@ -73,11 +73,11 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
             shared_gpu: bool = False) -> Measurement:
     """Run `setup` on `model_id` in this process and measure it (validate() runs this in a subprocess)."""
     from memplan.measure.rows import environment
-    from memplan.estimator.memory.context import resolve
+    from memplan.model.compat import check_setup
     from memplan.model.catalog import config_dict, load_spec
 
     spec = load_spec(model_id)
-    resolve(spec, setup)  # model-dependent setup problems, with their messages
+    check_setup(spec, setup)  # model-dependent setup problems, with their messages
     env = environment(device)
     if device == "cpu":
         m = _measure_cpu(spec, setup, steps)
@@ -113,7 +113,7 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
     from memplan.model.catalog import config_dict
     from memplan.runtime.emulate.cuda import cuda_like
     from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
-    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     tracker = StorageTracker()
     model = build_model(spec, setup, None, config_dict(spec))
@@ -121,7 +121,7 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
     def enter(phase: str) -> None:
         tracker.phase = phase
 
-    with _dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+    with dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         materialize(model, fake=False)
         for t in [*model.parameters(), *model.buffers()]:
             tracker.serial_of(t)

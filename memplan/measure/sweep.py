@@ -122,7 +122,7 @@ def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int
         m = runner(job.model, job.setup, device, steps, job.emulate, timeout)
         row_notes = "; ".join(n for n in (f"emulating {job.emulate}" if job.emulate else "", notes) if n)
         append_row(out, make_row(job.model, job.setup, key=key, source="memplan validate", notes=row_notes,
-                                 measured_at=_now(), **m.row_values()))
+                                 measured_at=now_iso(), **m.row_values()))
         done.add(key)
         counts["run"] += 1
         counts[m.status] = counts.get(m.status, 0) + 1
@@ -131,6 +131,6 @@ def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int
     return counts
 
 
-def _now() -> str:
+def now_iso() -> str:
     from datetime import datetime, timezone
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

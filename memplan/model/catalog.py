@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from memplan.errors import BadInput, OfflineError, not_found
+from memplan.model.hf import config_from_dict
 from memplan.model.spec import ModelSpec
 
 DATA = Path(__file__).parents[1] / "data" / "models"
@@ -143,15 +144,6 @@ def config_dict(model) -> dict:
         return AutoConfig.from_pretrained(ref[4:]).to_dict()
     path = Path(ref)
     return read_config(path if path.is_absolute() else DATA / path)
-
-
-def config_from_dict(d: dict, **overrides):
-    """A transformers PretrainedConfig from config.json content (never remote code: auto_map is dropped)."""
-    from transformers import AutoConfig
-
-    d = {k: v for k, v in d.items() if k not in ("auto_map", "transformers_version")}
-    d.update(overrides)
-    return AutoConfig.for_model(**d)
 
 
 def hf_config(model, **overrides):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 from memplan.errors import BadInput
+from memplan.model.layout import BLOCK_LIST_NAMES
 
 
 def auto_class(config_dict: dict, config):
@@ -110,9 +111,18 @@ def split_media(model, params, linears, skipped: frozenset[int] = frozenset()):
 def _part(model, name: str) -> str:
     """The top-level module a media parameter belongs to: model.vision_tower, model.multi_modal_projector; a skipped
     language-model layer: model.language_model.layers.2."""
-    layer = re.match(r"(.*\.(?:layers|layer|h|block|blocks)\.\d+)\.", name)
+    layer = re.match(rf"(.*\.(?:{'|'.join(BLOCK_LIST_NAMES)})\.\d+)\.", name)
     if layer and layer.group(1).startswith(_module_name(model, text_body(model)) + "."):
         return layer.group(1)
     parts = name.split(".")
     inner = getattr(model, "base_model_prefix", "model")
     return ".".join(parts[:2]) if parts[0] == inner else parts[0]
+
+
+def config_from_dict(d: dict, **overrides):
+    """A transformers PretrainedConfig from config.json content (never remote code: auto_map is dropped)."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in d.items() if k not in ("auto_map", "transformers_version")}
+    d.update(overrides)
+    return AutoConfig.for_model(**d)

@@ -13,9 +13,17 @@ kv_a_proj_with_mqa read the normed hidden state, q_b_proj and kv_b_proj their lo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from memplan.model.spec import Linear, ModelSpec
+
+#: the attribute names transformers gives a model's ModuleList of blocks (`model.layers`, GPT-2's `transformer.h`,
+#: T5's `encoder.block`, BERT's `encoder.layer`, ALBERT's shared `albert_layers`)
+BLOCK_LIST_NAMES = ("layers", "layer", "h", "block", "blocks")
+BLOCK_LISTS = "|".join(BLOCK_LIST_NAMES + ("albert_layers",))
+#: `...layers.3.` inside a parameter or module name: group 1 is the block index
+BLOCK_INDEX = re.compile(rf"\.(?:{BLOCK_LISTS})\.(\d+)\.")
 
 _ATTN_IN = {"q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "c_attn", "query_key_value",
             "qkv_proj", "Wqkv", "q_attn", "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj",

@@ -298,3 +298,35 @@ class ModelSpec:
 def _padded(values, defaults: tuple) -> tuple:
     """An inventory's tuple field with the values later releases of memplan appended: the defaults past its length."""
     return tuple(values) + defaults[len(values):]
+
+
+# Which entry of Arch's measured per-case tables (act_saves, norm_saves, linear_saves/linear_work) a setup reads.
+
+#: (the activation's own parameters train, input dtype, under autocast) in the order Arch.act_saves lists them
+ACT_CASES = tuple((trains, dtype, mixed) for trains in (False, True) for mixed in (False, True)
+                  for dtype in ("bfloat16", "float32"))
+
+
+def act_case(trains: bool, mixed: bool, input_bytes: int) -> int:
+    """Index into Arch.act_saves (ACT_CASES order), computed: the estimator asks per block."""
+    return 4 * trains + 2 * mixed + (input_bytes >= 4)
+
+
+#: (residual stream bytes, weight trains) in the order Arch.norm_saves lists them
+NORM_CASES = ((2, False), (2, True), (4, False), (4, True))
+
+
+def norm_case(residual_bytes: int, trains: bool) -> int:
+    """Index into Arch.norm_saves (NORM_CASES order)."""
+    return 2 * (residual_bytes >= 4) + trains
+
+
+#: (the layer's dtypes: 2 = bf16 input and weights, 4 = fp32, "mixed" = fp32 input and weights under bf16 autocast;
+#: its parameters train), in the order Arch.linear_saves and Arch.linear_work list them
+LINEAR_CASES = ((2, False), (2, True), (4, False), (4, True), ("mixed", False), ("mixed", True))
+
+
+def linear_case(input_bytes: int, trains: bool, mixed: bool = False) -> int:
+    """Index into Arch.linear_saves / linear_work (LINEAR_CASES) for the activations' bytes, whether the block trains
+    and whether autocast runs (mixed precision, QLoRA)."""
+    return LINEAR_CASES.index(("mixed" if mixed else 4 if input_bytes == 4 else 2, trains))

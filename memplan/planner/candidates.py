@@ -55,14 +55,14 @@ def _precisions(technique: str, bf16: bool) -> tuple[str, ...]:
     return (f"{half}-mixed", "fp32", half)
 
 
-def _world(pinned: dict) -> int:
+def world_size(pinned: dict) -> int:
     """The GPU count the pins ask for (1 when none is pinned)."""
     return pinned.get("num_gpus", 1) * pinned.get("num_nodes", 1)
 
 
 def _shardings(pinned: dict) -> tuple[tuple[str, str], ...]:
     """(sharding, offload) pairs to search: none on one GPU unless pinned, SHARDING_ORDER across several."""
-    pairs = tuple((sh, off) for sh, off, _ in SHARDING_ORDER) if _world(pinned) > 1 else (("none", "none"),)
+    pairs = tuple((sh, off) for sh, off, _ in SHARDING_ORDER) if world_size(pinned) > 1 else (("none", "none"),)
     if "sharding" in pinned:  # invalid offloads for it are dropped with the Setup's validation
         pairs = tuple((pinned["sharding"], off) for off in ("none", "optimizer", "params+optimizer"))
     if "offload" in pinned:
@@ -123,7 +123,7 @@ class Pool:
         base = {k: v for k, v in pinned.items() if k in _BASE_PINS}
         base.update(mode="train", batch_size=pinned.get("batch_size", 1), grad_accum=pinned.get("grad_accum", 1))
         base.setdefault("seq_len", seq_len)
-        world = _world(pinned)
+        world = world_size(pinned)
         self.fields: list[dict] = []
         self.error: SetupError | None = None  # the first invalid candidate's: it explains an empty search
         self._built: dict[int, Setup | None] = {}

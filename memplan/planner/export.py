@@ -24,7 +24,7 @@ from pathlib import Path
 from memplan.planner.budget import need_bytes
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
-from memplan.estimator.memory.context import default_attn_impl
+from memplan.model.compat import default_attn_impl
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from memplan.planner.budget import fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.planner.fit_table import largest_fitting, max_batch_size
-from memplan.estimator.memory.context import default_attn_impl, sdpa_supported
+from memplan.model.compat import default_attn_impl, sdpa_supported
 from memplan.planner.candidates import speed_score, split_batch
 from memplan.setup import Setup
 
@@ -50,7 +50,7 @@ class Remedy:
                 "setup": self.setup.to_dict() if self.setup else None}
 
 
-class _Ctx:
+class RemedyContext:
     """What the remedies need: the model, the budget, a memoised estimator and the GPU's bf16 support."""
 
     def __init__(self, spec, budget: int, estimator: Callable, bf16: bool):
@@ -92,7 +92,7 @@ _DYNAMIC = {"largest-micro-batch", "shorter-sequences"}  # sized against the bud
 _ADAMW = ("adamw", "adamw-fused")
 
 
-def _change(name: str, s: Setup, c: _Ctx) -> tuple[Setup, str, str] | None:
+def _change(name: str, s: Setup, c: RemedyContext) -> tuple[Setup, str, str] | None:
     """Remedy `name` applied to `s`: (changed Setup, description, speed/quality cost), None where it does not apply.
     Raises SetupError for an invalid combination."""
     lora, half, arch = s.technique in ("lora", "qlora"), c.half, c.spec.arch
@@ -163,7 +163,7 @@ def rank_key(r: Remedy) -> tuple:
     return (r.size, round(r.slowdown, 3) if r.size == 1 else 0.0, r.order, r.need_bytes or 0)
 
 
-def _apply(i: int, s: Setup, before: int, c: _Ctx) -> Remedy | None:
+def apply_remedy(i: int, s: Setup, before: int, c: RemedyContext) -> Remedy | None:
     """REMEDIES[i] applied to `s` (which needs `before`), estimated; None when it does not apply."""
     name, size = REMEDIES[i]
     try:
@@ -177,19 +177,19 @@ def _apply(i: int, s: Setup, before: int, c: _Ctx) -> Remedy | None:
     return Remedy(name, out[1], out[0], total, before - total, total <= c.budget, out[2], size, i, slowdown)
 
 
-def _chain(base: Setup, before: int, indices, c: _Ctx) -> list[Remedy]:
+def chain(base: Setup, before: int, indices, c: RemedyContext) -> list[Remedy]:
     """Apply remedies, largest change first and the budget-sized ones last; each step carries the cumulative setup
     and peak. A remedy that no longer applies (LoRA after QLoRA) drops out."""
     steps, s = [], base
     for i in sorted(set(indices), key=lambda j: (REMEDIES[j][0] in _DYNAMIC, -REMEDIES[j][1], j)):
-        r = _apply(i, s, before, c)
+        r = apply_remedy(i, s, before, c)
         if r is not None:
             steps.append(r)
             s, before = r.setup, r.need_bytes
     return steps
 
 
-def _combo_key(steps: list[Remedy], base: Setup, c: _Ctx) -> tuple:
+def _combo_key(steps: list[Remedy], base: Setup, c: RemedyContext) -> tuple:
     """Smaller is better: the sizes, largest first (a smaller biggest change, then fewer and smaller others), then
     the smaller slowdown of the final setup, then the REMEDIES order."""
     sizes = tuple(sorted((r.size for r in steps), reverse=True))
@@ -197,7 +197,7 @@ def _combo_key(steps: list[Remedy], base: Setup, c: _Ctx) -> tuple:
     return (sizes, round(slowdown, 3), tuple(sorted(r.order for r in steps)))
 
 
-def combine(base: Setup, before: int, c: _Ctx, max_size: int = 5) -> tuple[Remedy, ...]:
+def combine(base: Setup, before: int, c: RemedyContext, max_size: int = 5) -> tuple[Remedy, ...]:
     """Remedies of at most `max_size` combined until the setup fits (module docstring): greedy, then improved one
     swap or removal at a time while a combination with a smaller _combo_key still fits. Not fitting: the greedy
     chain, for its peak."""
@@ -205,14 +205,14 @@ def combine(base: Setup, before: int, c: _Ctx, max_size: int = 5) -> tuple[Remed
     chosen, s, total = [], base, before
     while total > c.budget:
         options = [r for i in allowed if i not in chosen
-                   for r in [_apply(i, s, total, c)] if r is not None and r.saved_bytes > 0]
+                   for r in [apply_remedy(i, s, total, c)] if r is not None and r.saved_bytes > 0]
         if not options:
             break
         fitting = [r for r in options if r.fits]
         pick = min(fitting, key=rank_key) if fitting else min(options, key=lambda r: (r.size, -r.saved_bytes))
         chosen.append(pick.order)
         s, total = pick.setup, pick.need_bytes
-    best = _chain(base, before, chosen, c)
+    best = chain(base, before, chosen, c)
     if not best or not best[-1].fits:
         return tuple(best)
     key, improved = _combo_key(best, base, c), True
@@ -222,7 +222,7 @@ def combine(base: Setup, before: int, c: _Ctx, max_size: int = 5) -> tuple[Remed
         trials = [[j for j in now if j != i] for i in now]
         trials += [[k if k != i else j for k in now] for i in now for j in allowed if j not in now]
         for trial in trials:
-            steps = _chain(base, before, trial, c) if trial else []
+            steps = chain(base, before, trial, c) if trial else []
             if steps and steps[-1].fits and _combo_key(steps, base, c) < key:
                 best, key, improved = steps, _combo_key(steps, base, c), True
                 break

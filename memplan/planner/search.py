@@ -23,13 +23,16 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
-from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, need_bytes, split
-from memplan.planner.candidates import RANKS, Pool, _world, quality_key, speed_score, split_batch
 from memplan.errors import BadInput, MemplanError
+from memplan.gpus import Gpu, load_gpus
+from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, fits, need_bytes, split
+from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, quality_key, speed_score, split_batch,
+                                        world_size)
+from memplan.planner.explain import describe, lost_reason
 from memplan.planner.fit_table import largest_fitting
-from memplan.gpus import Gpu
-from memplan.planner.types import Candidate, Plan
+from memplan.planner.types import Alternative, Candidate, Plan
 from memplan.setup import Setup
+from memplan.units import fmt_gib
 
 PREFERENCES = ("quality", "speed", "memory")
 DEFAULT_EFFECTIVE_BATCH = 32
@@ -37,7 +40,7 @@ DEFAULT_EFFECTIVE_BATCH = 32
 
 # ---------------------------------------------------------------------------------------------------- the search
 
-class _Search:
+class Search:
     def __init__(self, spec, gpu: Gpu, seq_len: int, effective: int, prefer: str, pinned: dict,
                  estimator: Callable, budget: int, host_budget: int | None = None):
         self.spec, self.gpu, self.seq_len, self.effective = spec, gpu, seq_len, effective
@@ -245,10 +248,10 @@ def _lean(fields: dict, pinned: dict) -> bool:
         and (fields.get("lora_r") in (None, min(RANKS)) or "lora_r" in pinned)
 
 
-def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> _Search:
+def _search(spec, gpu: Gpu, pinned: dict, opts: dict) -> Search:
     budget = budget_bytes(gpu.memory_bytes, opts["headroom"])
-    per_rank = max(1, math.ceil(opts["effective_batch"] / _world(pinned)))
-    return _Search(spec, gpu, opts["seq_len"], per_rank, opts["prefer"], pinned, opts["estimator"], budget,
+    per_rank = max(1, math.ceil(opts["effective_batch"] / world_size(pinned)))
+    return Search(spec, gpu, opts["seq_len"], per_rank, opts["prefer"], pinned, opts["estimator"], budget,
                    opts["host_budget"])
 
 
@@ -287,12 +290,89 @@ def _plan_at(spec, gpu: Gpu, pinned: dict, opts: dict) -> Plan:
         if not model_errors and setups.error:
             raise setups.error
         raise BadInput(model_errors[0] if model_errors else "no candidate setup applies to this model")
-    from memplan.planner.explain import alternatives as explain_alternatives
-    from memplan.planner.explain import nothing_fits
-
     if best is None:
         return nothing_fits(search, setups, results, common)
     if prefer == "memory":
         order = sorted(results, key=lambda i: (not results[i].fits, results[i].key, i))
-    alts = explain_alternatives(search, setups, results, best_i, order, opts["alternatives"])
+    alts = alternatives(search, setups, results, best_i, order, opts["alternatives"])
     return Plan(setup=best.setup, estimate=best.estimate, alternatives=alts, evaluated=search.evaluated, **common)
+
+
+def alternatives(search: Search, setups, results, best_i: int, order, limit: int) -> tuple[Alternative, ...]:
+    """What the choice beat: the most preferred candidate that does not fit and the one just above the choice
+    (what more memory would buy), then the runner-up in preference order and the best fitting candidate of each
+    other technique, each with the reason it lost."""
+    best = results[best_i]
+    out: list[Alternative] = []
+    pos = order.index(best_i)
+    failing = [results[i] for i in order[:pos] if i in results and not results[i].fits]
+    for c in failing[:1] + failing[-1:] if len(failing) > 1 else failing:
+        out.append(Alternative(c.setup, False, c.need_bytes,
+                               f"does not fit: needs {fmt_gib(c.need_bytes)} at micro-batch "
+                               f"{c.setup.batch_size}, budget {fmt_gib(search.budget)}"))
+
+    def first_fitting(indices) -> Candidate | None:
+        for i in indices:
+            if i == best_i:
+                continue
+            if i not in results:
+                if setups[i] is None:
+                    continue
+                try:
+                    results[i] = search.evaluate(setups[i])
+                except MemplanError:
+                    continue
+            if results[i].fits:
+                return results[i]
+        return None
+
+    runners = [first_fitting(order[pos + 1:])]
+    for tech in TECHNIQUE_ORDER:
+        if tech != best.setup.technique:
+            runners.append(first_fitting(i for i in order if setups.fields[i]["technique"] == tech))
+    seen = set()
+    for c in runners:
+        if c is not None and c.setup not in seen and len(out) < limit + 2:
+            seen.add(c.setup)
+            out.append(Alternative(c.setup, True, c.need_bytes, lost_reason(c, best, search.prefer)))
+    return tuple(out)
+
+
+def nothing_fits(search: Search, setups, results, common) -> Plan:
+    """Nothing fits: the setup needing least memory at micro-batch 1, and what would make it fit."""
+    smallest = min(results.values(), key=lambda c: c.need_bytes)
+    need = smallest.need_bytes
+    s = smallest.setup
+    tips = []
+    headroom = common["headroom"]
+    bigger = sorted((g for g in load_gpus() if budget_bytes(g.memory_bytes, headroom) >= need),
+                    key=lambda g: g.memory_bytes)
+    if bigger:
+        tips.append(f"a larger GPU: {bigger[0].name} ({fmt_gib(bigger[0].memory_bytes)}) fits {describe(s)}")
+    shorter = _largest_seq_len(search, s)
+    if shorter:
+        tips.append(f"a shorter sequence: --seq-len {shorter} fits on this GPU ({describe(dataclasses.replace(s, seq_len=shorter))})")
+    if s.world_size == 1:
+        tips.append("more GPUs: sharding the model (DeepSpeed ZeRO-3 / FSDP) splits weights and optimizer state; "
+                    "`memplan plan` without --num-gpus finds the fewest GPUs that fit, --num-gpus N plans for N")
+    else:
+        tips.append(f"more GPUs than {s.world_size}, or CPU offload with more host RAM (--host-memory)")
+    alt = Alternative(s, False, need, f"needs {fmt_gib(need)} at micro-batch 1; budget {fmt_gib(search.budget)}")
+    return Plan(setup=None, estimate=None, evaluated=search.evaluated, smallest=alt, suggestions=tuple(tips), **common)
+
+
+def _largest_seq_len(search: Search, s: Setup) -> int:
+    """Largest seq_len below the current one at which `s` fits at micro-batch 1 (0 if none >= 16)."""
+    def fits_at(n: int) -> bool:
+        try:
+            return fits(search.estimate(dataclasses.replace(s, seq_len=n)), search.budget)
+        except MemplanError:
+            return False
+
+    lo, hi = 16, s.seq_len  # invariant once checked: lo fits, hi does not
+    if not fits_at(lo):
+        return 0
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+    return lo // 16 * 16 if lo >= 32 else lo

@@ -3,40 +3,27 @@ model (traced, or synthesized from a cut trace: memplan.replay.synth), their rep
 smallest allocator limit they fit under."""
 from __future__ import annotations
 
+from memplan.runtime.allocator import need_and_replay, replayed
 from memplan.setup import Setup
-
-
-def cuda_workspaces(mode: str = "train") -> dict[str, int]:
-    """The cuBLAS workspace of each handle, allocated at its first matmul (memory.overhead.cublas_workspace_bytes):
-    training, forward's and autograd's backward thread's; inference, the prefill's (generate() runs on its thread)."""
-    from memplan.estimator.memory.overhead import cublas_workspace_bytes
-    per_handle = cublas_workspace_bytes(True) // 2
-    return {"forward": per_handle, "backward": per_handle} if mode == "train" else {"prefill": per_handle}
-
-
-def _replayed(events, limit: int | None = None, mode: str = "train"):
-    """The caching allocator's replay of a run's events, cuBLAS workspaces included."""
-    from memplan.runtime.allocator import replay
-    return replay(events, limit, cuda_workspaces(mode))
 
 
 def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
     """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
     model synthesized from a trace cut to a few blocks where that is exact (memplan.replay.synth), else traced whole.
     Inference setups: validate's prefill and generate() (memplan.tracer.inference; `steps` does not apply)."""
-    from memplan.estimator.memory.context import resolve
+    from memplan.model.compat import check_setup
     from memplan.model.catalog import config_dict, load_spec
     from memplan.replay.synth import events as synthesized
-    from memplan.tracer.training import _run
+    from memplan.tracer.training import run
     from memplan.runtime.tracker import StorageTracker
     spec = load_spec(model)
-    resolve(spec, setup)
+    check_setup(spec, setup)
     if setup.mode != "train":
         from memplan.tracer.inference import inference_events
         return inference_events(spec, setup)
     made = synthesized(spec, setup, steps) if synthesize else None
     return made if made is not None else \
-        _run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
+        run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
 
 
 def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
@@ -47,16 +34,9 @@ def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
     return need, free.peak_reserved
 
 
-def need_and_replay(events, mode: str = "train"):
-    """(the smallest allocator limit `events` fit under, their uncapped replay)."""
-    from memplan.runtime.allocator import min_limit
-    free = _replayed(events, None, mode)
-    return min_limit(events, cuda_workspaces(mode), uncapped=free), free
-
-
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
     """The caching allocator's replay (memplan.runtime.allocator) over a traced run of the whole model: `steps` training
     steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
     workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward.
     Inference setups replay validate's prefill and generate()."""
-    return _replayed(traced_events(model, setup, steps), limit, setup.mode)
+    return replayed(traced_events(model, setup, steps), limit, setup.mode)

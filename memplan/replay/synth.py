@@ -184,7 +184,8 @@ def _kinds_alike(cut: Run, opt: Run) -> bool:
 def events(spec, setup, steps: int) -> list | None:
     """The whole model's training events (StorageTracker.events form) synthesized from a cut trace, or None where
     synthesis does not apply or its check against a VERIFY-block trace fails (module docstring)."""
-    from memplan.model.catalog import config_dict, config_from_dict
+    from memplan.model.catalog import config_dict
+    from memplan.model.hf import config_from_dict
     d = config_dict(spec)
     types = getattr(config_from_dict(d), "layer_types", None)
     depths = [n for n in (spec.arch.num_encoder_layers, spec.arch.num_decoder_layers) if n]

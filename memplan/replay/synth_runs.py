@@ -73,10 +73,10 @@ def layout(model):
 def cut_run(spec, setup, d: dict, layers: int, steps: int) -> Run:
     """The traced training steps of the model cut to `layers` blocks."""
     from memplan.runtime.steps import build_model, cut_config
-    from memplan.tracer.training import _run
+    from memplan.tracer.training import run
     cut = cut_config(d, layers)
     tracker = SegTracker()
-    _run(spec, setup, cut, layers, steps, True, tracker=tracker)
+    run(spec, setup, cut, layers, steps, True, tracker=tracker)
     blocks, trainable, depth, kinds, names = layout(build_model(spec, setup, layers, cut))
     return Run(tracker.seg_events, tracker.step_grads(trainable), blocks, depth, kinds,
                dict(zip(tracker.weight_order, names)))
@@ -90,13 +90,13 @@ def optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> Run:
 
     from memplan.runtime.emulate.cuda import cuda_like
     from memplan.runtime.steps import build_model, cut_config, make_optimizer, materialize
-    from memplan.runtime.tracker import _dispatch_mode
+    from memplan.runtime.tracker import dispatch_mode
 
     d = cut_config(d, layers) if layers else d
     model = build_model(spec, setup, layers, d)
     blocks, trainable, depth, kinds, names = layout(model)
     tracker = SegTracker()
-    with FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(tracker), \
+    with FakeTensorMode(allow_non_fake_inputs=True), dispatch_mode(tracker), \
             cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         materialize(model, True)
         for t in list(model.parameters()) + list(model.buffers()):

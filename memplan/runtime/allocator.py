@@ -24,6 +24,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from memplan.gpus import cublas_workspace_bytes
+
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20
@@ -253,3 +255,21 @@ def min_limit(events, workspaces: dict[str, int] | None = None, step: int = ROUN
         probe = replay(events, mid, workspaces)
         lo, hi = (mid, hi) if probe.oom else (lo, probe.run_reserved)
     return hi
+
+
+def cuda_workspaces(mode: str = "train") -> dict[str, int]:
+    """The cuBLAS workspace of each handle, allocated at its first matmul (memplan.gpus.cublas_workspace_bytes):
+    training, forward's and autograd's backward thread's; inference, the prefill's (generate() runs on its thread)."""
+    per_handle = cublas_workspace_bytes(True) // 2
+    return {"forward": per_handle, "backward": per_handle} if mode == "train" else {"prefill": per_handle}
+
+
+def need_and_replay(events, mode: str = "train"):
+    """(the smallest allocator limit `events` fit under, their uncapped replay)."""
+    free = replayed(events, None, mode)
+    return min_limit(events, cuda_workspaces(mode), uncapped=free), free
+
+
+def replayed(events, limit: int | None = None, mode: str = "train"):
+    """The caching allocator's replay of a run's events, cuBLAS workspaces included."""
+    return replay(events, limit, cuda_workspaces(mode))

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Callable
 
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
-from memplan.errors import BadInput
+from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
@@ -86,20 +86,20 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
 
     from memplan import libs
     from memplan.model import trainable as select
-    from memplan.estimator.memory.context import resolve
-    from memplan.model.catalog import config_from_dict
+    from memplan.model.compat import attn_impl, check_setup
+    from memplan.model.hf import config_from_dict
 
     if quantizer is None:
         from memplan.runtime.standins import quantize_standins as quantizer
     dtypes = torch_dtypes()
-    ctx = resolve(spec, setup)
+    check_setup(spec, setup)
     config = config_from_dict(d)
     cls = getattr(transformers, spec.arch.auto_class)
     weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
     # transformers 4.56 renamed from_config's torch_dtype to dtype (modeling_utils.PreTrainedModel._from_config)
     dtype_kw = "torch_dtype" if libs.parse(transformers.__version__) < (4, 56) else "dtype"
     with accelerate.init_empty_weights(include_buffers=True):
-        model = cls.from_config(config, attn_implementation=ctx.attn_impl, **{dtype_kw: weight_dtype})
+        model = cls.from_config(config, attn_implementation=attn_impl(spec, setup), **{dtype_kw: weight_dtype})
         untie_like_checkpoint(model, spec)
         if setup.added_tokens:  # what a user adding tokens calls; mean_resizing samples from the old rows' statistics
             model.resize_token_embeddings(spec.arch.vocab_size + setup.added_tokens, mean_resizing=False)
@@ -299,3 +299,17 @@ def inference_loop(model, spec, setup: Setup, device: str, enter_phase: Callable
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, use_cache=True, pad_token_id=0)
         enter_phase("between")
+
+
+@contextlib.contextmanager
+def library_failures(what: str, why: str):
+    """An error raised inside torch/transformers/peft while `what` runs, as one TraceFailed message (its first line
+    and `why`), not a traceback; memplan's own errors pass through."""
+    try:
+        yield
+    except MemplanError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TraceFailed(f"{what} failed inside torch/transformers/peft: {type(e).__name__}: {first}\n{why}; "
+                          "`memplan estimate` does not run the model and is unaffected.") from e

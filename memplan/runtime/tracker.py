@@ -23,7 +23,7 @@ BLOCK = 512
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 
 
-def _round(n: int) -> int:
+def round_block(n: int) -> int:
     return -(-n // BLOCK) * BLOCK if n else 0
 
 
@@ -62,7 +62,7 @@ class StorageTracker:
         hit = self.live.get(key)
         if hit is not None:
             return hit[0]
-        n = _round(st.nbytes())
+        n = round_block(st.nbytes())
         if n == 0:
             return None
         serial = next(self.serials)
@@ -147,7 +147,7 @@ class StorageTracker:
         return sum(n for s, n in self.live.values() if s in self.excluded)
 
 
-def _dispatch_mode(tracker: StorageTracker, compute=None):
+def dispatch_mode(tracker: StorageTracker, compute=None):
     """The tracking mode; compute(func, args, kwargs), when given, runs each op instead of func itself."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -165,7 +165,7 @@ def _dispatch_mode(tracker: StorageTracker, compute=None):
     return _Mode()
 
 
-def _pack(tracker: StorageTracker):
+def pack_hooks(tracker: StorageTracker):
     def pack(t):
         s = tracker.serial_of(t)
         if s is not None:
@@ -179,7 +179,8 @@ def block_stacks(model) -> dict[str, list]:
     decoder.block; the outermost list where blocks nest lists, as T5's block.i.layer)."""
     import re
 
-    from memplan.inventory.build import BLOCK_LISTS
+    from memplan.model.layout import BLOCK_LISTS
+
     pattern = re.compile(rf"(?:.*\.)?(?:{BLOCK_LISTS})\.\d+")
     stacks: dict[str, list] = {}
     inside = ()  # prefixes of the blocks found: a list within a block is not a stack

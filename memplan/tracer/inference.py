@@ -26,7 +26,7 @@ def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
 
 def inference_trace(spec, setup: Setup):
     """The StorageTracker of validate's inference run (peaks per phase, weights tagged, every event kept)."""
-    from memplan.tracer.training import library_failures
+    from memplan.runtime.steps import library_failures
     with library_failures(f"the traced inference of {spec.model_id}",
                           "A limit of the tracer (fake tensors on the CPU read no device values)"):
         return _traced(spec, setup)
@@ -39,7 +39,7 @@ def _traced(spec, setup: Setup):
     from memplan.runtime.emulate.cuda import cuda_like
     from memplan.model.catalog import config_dict
     from memplan.runtime.steps import build_model, inference_loop, materialize
-    from memplan.runtime.tracker import StorageTracker, _dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     if not hasattr(generation, "StopCheck"):
         raise TraceFailed("this transformers release decides generate()'s stop inside its loop on the device; the "
@@ -54,7 +54,7 @@ def _traced(spec, setup: Setup):
         tracker.phase = phase
 
     with _stop_at(generation.StopCheck, length), FakeTensorMode(allow_non_fake_inputs=True), _host_reads(), \
-            _dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+            dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         materialize(model, fake=True)
         for t in [*model.parameters(), *model.buffers()]:
             tracker.tag(t, "weights")

@@ -26,8 +26,8 @@ import contextlib
 
 from memplan.errors import BadInput
 from memplan.setup import FSDP_SHARDINGS, Setup
-from memplan.tracer.training import TraceResult, _extrapolate, _result, _run
-from memplan.runtime.tracker import StorageTracker, _dispatch_mode, _round
+from memplan.tracer.training import TraceResult, extrapolate, result_from, run
+from memplan.runtime.tracker import StorageTracker, dispatch_mode, round_block
 
 
 class ShardedTracker(StorageTracker):
@@ -46,7 +46,7 @@ class ShardedTracker(StorageTracker):
         if hit is None:
             return
         serial, old = hit
-        new = _round(storage.nbytes())
+        new = round_block(storage.nbytes())
         self.live[key] = (serial, new)
         if serial not in self.excluded:
             self.current += new - old
@@ -118,7 +118,7 @@ def _sharder(setup: Setup, mesh, tracker: ShardedTracker):
 def trace_sharded(model, setup: Setup, layers: int | None = None, steps: int = 2) -> TraceResult:
     """Trace rank 0 of an FSDP setup (sharding fsdp-full-shard or fsdp-shard-grad-op, no offload, no quantization)
     on fake tensors. layers: trace N and N+1 blocks and extrapolate to the full depth (as memplan.tracer.training)."""
-    from memplan.estimator.memory.context import resolve
+    from memplan.model.compat import check_setup
     from memplan.model.catalog import config_dict, load_spec
     from memplan.runtime.steps import cut_config
 
@@ -134,20 +134,20 @@ def trace_sharded(model, setup: Setup, layers: int | None = None, steps: int = 2
         problems.append("trace runs at least 2 training steps")
     if problems:
         raise BadInput("; ".join(problems))
-    resolve(spec, setup)
+    check_setup(spec, setup)
     d = config_dict(spec)
     total = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
 
-    def run(n: int | None):
+    def sharded_run(n: int | None):
         tracker = ShardedTracker()
         with fake_process_group(setup.world_size) as mesh:
-            return _run(spec, setup, cut_config(d, n) if n else d, n, steps, True, tracker=tracker,
+            return run(spec, setup, cut_config(d, n) if n else d, n, steps, True, tracker=tracker,
                         shard=_sharder(setup, mesh, tracker))
 
     layers = _fewest_blocks(layers)
     if not layers or layers >= total:
-        return _result(spec, setup, run(None), None, total)
-    return _extrapolate(spec, setup, run(layers), run(layers + 1), layers, total)
+        return result_from(spec, setup, sharded_run(None), None, total)
+    return extrapolate(spec, setup, sharded_run(layers), sharded_run(layers + 1), layers, total)
 
 
 #: the fewest blocks a sharded trace extrapolates from. With 2, the first block is also the penultimate and the second
@@ -181,7 +181,7 @@ def _fp32_matmul_mode(tracker: StorageTracker):
             return func(*tree_map(up, args), **kwargs).to(torch.bfloat16)
         return func(*args, **kwargs)
 
-    return _dispatch_mode(tracker, compute)
+    return dispatch_mode(tracker, compute)
 
 
 @contextlib.contextmanager
@@ -279,19 +279,19 @@ def trace_deepspeed(model, setup: Setup, layers: int | None = None, steps: int =
 
 
 def _trace_deepspeed_here(model, setup: Setup, layers: int | None, steps: int) -> TraceResult:
-    from memplan.estimator.memory.context import resolve
+    from memplan.model.compat import check_setup
     from memplan.model.catalog import config_dict, load_spec
     from memplan.runtime.steps import cut_config
 
     spec = load_spec(model)
     if setup.engine != "deepspeed" or setup.offload != "none" or setup.quant or setup.mode != "train" or steps < 2:
         raise BadInput("trace_deepspeed traces ZeRO-1/2/3 training (no offload, no quantized base, >= 2 steps)")
-    resolve(spec, setup)
+    check_setup(spec, setup)
     d = config_dict(spec)
     total = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
     layers = _fewest_blocks(layers)
     if not layers or layers >= total:
-        return _result(spec, setup, _run_deepspeed(spec, setup, d, None, steps), None, total)
+        return result_from(spec, setup, _run_deepspeed(spec, setup, d, None, steps), None, total)
     a = _run_deepspeed(spec, setup, cut_config(d, layers), layers, steps)
     b = _run_deepspeed(spec, setup, cut_config(d, layers + 1), layers + 1, steps)
-    return _extrapolate(spec, setup, a, b, layers, total)
+    return extrapolate(spec, setup, a, b, layers, total)

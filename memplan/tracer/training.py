@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from memplan.errors import BadInput, MemplanError, TraceFailed
+from memplan.errors import BadInput
 from memplan.setup import Setup
 from memplan.runtime.standins import StandIn8bitAdam
 from memplan.runtime.emulate.cuda import EMULATIONS, cuda_like
-from memplan.replay.need import need_and_replay
-from memplan.runtime.tracker import CATEGORIES, StorageTracker, _dispatch_mode, _pack, watch_blocks
-from memplan.runtime.steps import (build_model, cut_config, make_optimizer, materialize,  # noqa: F401
+from memplan.runtime.allocator import need_and_replay
+from memplan.runtime.tracker import CATEGORIES, StorageTracker, dispatch_mode, pack_hooks, watch_blocks
+from memplan.runtime.steps import (build_model, cut_config, library_failures, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
 
 PHASES = TRAIN_PHASES
@@ -68,7 +68,7 @@ class TraceResult:
 
 # ---------------------------------------------------------------------------------------------------- run
 
-def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
+def run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
          on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
     """One traced run. shard(model): applies data-parallel sharding to the meta model and returns a context the
     run happens in (memplan.tracer.sharded); the sharded model is then materialised with to_empty. An error raised
@@ -79,20 +79,6 @@ def _run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool
                           "Either a limit of the tracer (fake tensors on the CPU) or a failure the libraries would hit "
                           "on a GPU too (peft cannot wrap every module all-linear names)"):
         return _traced_run(spec, setup, d, layers, steps, fake, on_step_end, tracker, shard)
-
-
-@contextlib.contextmanager
-def library_failures(what: str, why: str):
-    """An error raised inside torch/transformers/peft while `what` runs, as one TraceFailed message (its first line
-    and `why`), not a traceback; memplan's own errors pass through."""
-    try:
-        yield
-    except MemplanError:
-        raise
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise TraceFailed(f"{what} failed inside torch/transformers/peft: {type(e).__name__}: {first}\n{why}; "
-                          "`memplan estimate` does not run the model and is unaffected.") from e
 
 
 def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
@@ -106,7 +92,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     if tracker.segmented:
         watch_blocks(model, tracker)
     sharded = shard(model) if shard else contextlib.nullcontext()
-    with sharded, fake_mode, _dispatch_mode(tracker), \
+    with sharded, fake_mode, dispatch_mode(tracker), \
             cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         if shard:
             model.to_empty(device="cpu")
@@ -135,7 +121,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
                 on_step_end(model, opt, tracker)
 
         training_loop(model, opt, spec, setup, steps, "cpu", enter,
-                      forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(_pack(tracker), lambda t: t),
+                      forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(pack_hooks(tracker), lambda t: t),
                       after_backward=tag_grads, after_step=tag_state)
         tracker.trainable = sum(p.numel() for p in params)
         tracker.total = sum(p.numel() for p in model.parameters())
@@ -149,7 +135,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     layers: trace the model cut to `layers` blocks and to `layers + 1`, and extrapolate every per-phase and
     per-category figure linearly to the full depth (the blocks are identical; stated in the result's notes).
     """
-    from memplan.estimator.memory.context import resolve
+    from memplan.model.compat import check_setup
     from memplan.model.catalog import config_dict, load_spec
 
     spec = load_spec(model)
@@ -159,21 +145,21 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
         return _inference(spec, setup, layers, total_layers)
     if steps < 2:
         raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
-    resolve(spec, setup)  # model-dependent setup problems, with their messages
+    check_setup(spec, setup)  # model-dependent setup problems, with their messages
     d = config_dict(spec)
     asked, layers = layers, layers and min_layers(setup, layers)
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
     if not layers or layers >= total_layers or skipping:
-        t = _run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
-        result = _result(spec, setup, t, None, total_layers)
+        t = run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
+        result = result_from(spec, setup, t, None, total_layers)
         _add_replay(result, t.events)
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
             result.notes.append(f"--layers {asked} ignored: the model skips some of its layers in text-only steps "
                                 "({}), so its blocks differ; traced whole".format(
                                     ", ".join(p for p in spec.arch.media_parts if p[-1:].isdigit())))
         return result
-    a, b = (_run(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True)) for n in (layers, layers + 1))
-    result = _extrapolate(spec, setup, a, b, layers, total_layers)
+    a, b = (run(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True)) for n in (layers, layers + 1))
+    result = extrapolate(spec, setup, a, b, layers, total_layers)
     if layers != asked:
         result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
                             "(which may differ, as T5's computes the position bias), and with freeze a frozen block")
@@ -182,11 +168,11 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
 
 def _inference(spec, setup: Setup, layers: int | None, total_layers: int) -> TraceResult:
     """validate's prefill and generate() traced whole on fake tensors (memplan.tracer.inference), and replayed."""
-    from memplan.estimator.memory.context import resolve
+    from memplan.model.compat import check_setup
     from memplan.tracer.inference import inference_trace
-    resolve(spec, setup)
+    check_setup(spec, setup)
     t = inference_trace(spec, setup)
-    result = _result(spec, setup, t, None, total_layers)
+    result = result_from(spec, setup, t, None, total_layers)
     _add_replay(result, t.events, "infer")
     if layers:
         result.notes.append(f"--layers {layers} ignored: inference is traced whole")
@@ -208,14 +194,14 @@ def min_layers(setup: Setup, layers: int) -> int:
     return max(layers, 2, frozen)
 
 
-def _result(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
+def result_from(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
     return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=t.peak, peak_phase=t.peak_phase,
                        components=t.breakdown(), phases=dict(t.phase_peaks), params_total=t.total,
                        params_trainable=t.trainable, layers_traced=traced, layers_total=total,
                        paged_bytes=t.excluded_bytes())
 
 
-def _extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, total: int) -> TraceResult:
+def extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, total: int) -> TraceResult:
     """Every figure at `total` blocks from traces at n and n + 1: per phase, the largest of its segment classes'
     peaks, each extrapolated linearly (tracker: a class's peak is linear in the depth, a phase's is not), and of
     the phase's peak extrapolated (a lower bound of the truth when each event grows linearly)."""

@@ -15,7 +15,7 @@ from memplan.estimator.memory.attention import (CACHE_COPIES_SINCE, FUSED_QKV_CA
                                       windowed)
 from memplan.estimator.memory.position_bias import bias_bucket_bytes, position_bias_bytes, self_bias_mask_bytes
 from memplan.estimator.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
-from memplan.inventory.linear_attention import linear_case
+from memplan.model.spec import linear_case
 from memplan.model.trainable import gets_no_grad
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.qkv import fused_qkv_pin_bytes

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from memplan import libs
 from memplan.model import trainable as select
+from memplan.model.compat import attn_impl, setup_problems
 from memplan.errors import BadInput
 from memplan.setup import Setup
 from memplan.model.spec import Linear, ModelSpec, Param
@@ -58,7 +59,7 @@ class Ctx:
 def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     """Resolve a (spec, setup) pair, raising BadInput for model-dependent problems (all reported together)."""
     spec = _resized_spec(spec, setup)
-    problems = _model_problems(spec, setup)
+    problems = setup_problems(spec, setup)
     if problems:
         raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
     quant_train = setup.quant is not None and setup.mode == "train"
@@ -73,7 +74,7 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     # k-bit preparation the normed inputs are fp32, so projections and the activations computed from them are fp32
     # even under autocast (found by the tracer); autocast still runs the attention matmuls in the compute dtype.
     act = 4 if (quant_train and setup.quant) else compute
-    return Ctx(spec=spec, setup=setup, attn_impl=_attn_impl(spec, setup), compute_bytes=compute, act_bytes=act,
+    return Ctx(spec=spec, setup=setup, attn_impl=attn_impl(spec, setup), compute_bytes=compute, act_bytes=act,
                residual_bytes=weight_bytes, weight_bytes=weight_bytes, trainable=trainable, lora=lora,
                quantized=quantized, vocab=spec.arch.vocab_size + setup.added_tokens, src_len=src, tgt_len=tgt)
 
@@ -171,62 +172,6 @@ def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Lin
         return trainable, lora, quantized
     key = ("selection", id(spec), *_releases()) + tuple(getattr(setup, n) for n in SELECTION_FIELDS)
     return _memo_get(key, spec, compute)
-
-
-#: Families whose transformers class gained sdpa after the oldest release memplan installs with (4.46): T5 and mT5
-#: from 5.15 (T5PreTrainedModel._supports_sdpa = True; absent in 4.48.1 and 5.14.0, where from_config(...,
-#: attn_implementation="sdpa") raises "does not support an attention implementation through
-#: torch.nn.functional.scaled_dot_product_attention").
-SDPA_SINCE = {"t5": (5, 15), "mt5": (5, 15)}
-
-
-def sdpa_supported(spec: ModelSpec) -> bool:
-    """The model class supports sdpa in the transformers release estimated for (memplan.libs)."""
-    a = spec.arch
-    return a.supports_sdpa and not libs.older_than("transformers", SDPA_SINCE.get(a.model_type, ()))
-
-
-def default_attn_impl(spec: ModelSpec) -> str:
-    """What transformers picks without attn_implementation: sdpa where the class supports it
-    (PreTrainedModel._check_and_adjust_attn_implementation), else eager."""
-    default = spec.arch.default_attn_impl
-    return "eager" if default == "sdpa" and not sdpa_supported(spec) else default
-
-
-def _attn_impl(spec: ModelSpec, setup: Setup) -> str:
-    """The attention implementation transformers would use: the user's choice, else the model's default."""
-    return setup.attn_impl or default_attn_impl(spec)
-
-
-def _model_problems(spec: ModelSpec, setup: Setup) -> list[str]:
-    a = spec.arch
-    p: list[str] = []
-    total_len = (setup.prompt_len or setup.seq_len) + (setup.new_tokens or 0) if setup.mode == "infer" else setup.seq_len
-    if a.max_positions and total_len > a.max_positions:
-        p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
-                 f"use --seq-len <= {a.max_positions}")
-    if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
-        since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
-        where = (f"before transformers {libs.dotted(since)} (estimating for "
-                 f"{libs.dotted(libs.version('transformers'))})") if since else "in transformers"
-        p.append(f"{a.model_type} does not support sdpa attention {where}; use --attn-impl eager")
-    if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
-        p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")
-    if setup.grad_ckpt and setup.mode == "train" and not a.supports_grad_ckpt:
-        p.append(f"{spec.model_id} does not support gradient checkpointing in transformers "
-                 "(supports_gradient_checkpointing is False: ALBERT); use --no-grad-ckpt")
-    if setup.target_len is not None and a.kind != "seq2seq":
-        p.append("target_len applies to encoder-decoder models only")
-    if setup.mode == "infer" and a.kind == "encoder" and setup.new_tokens:
-        p.append(f"{spec.model_id} is an encoder: it does not generate; drop --new-tokens")
-    if setup.uses_lora and setup.lora_dropout and a.lora_expert_targets:
-        wrapped = sorted({m.kind for m in select.lora_linears(spec, setup.lora_targets)} & {"expert", "router"})
-        if wrapped:
-            # peft/tuners/lora/layer.py ParamWrapper: "does not work with lora_dropout != 0" (found by a stress run)
-            p.append(f"peft adapts {spec.model_id}'s {' and '.join(w + 's' for w in wrapped)} as parameters "
-                     "(lora.ParamWrapper), which refuse LoRA dropout: use --lora-dropout 0, or target the attention "
-                     "only (e.g. --lora-targets q_proj,v_proj)")
-    return p
 
 
 def params_bytes(params: list[Param] | tuple[Param, ...], bytes_per: float) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from memplan.estimator.memory.attention import QK_FP32, attention_kernel, heads_broadcast, kernel_bytes, softmax_out_bytes
 from memplan.estimator.memory.context import Ctx
-from memplan.estimator.memory.inference import MATH_SCORE_BYTES
 
 
 def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
@@ -22,7 +21,7 @@ def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
     of the probabilities it returns to its layer - 0 for sdpa's kernels, which return none), for the eager code as
     the family writes it (Arch.eager_held, attnfacts.eager_held) and aten's math kernel
     (_scaled_dot_product_attention_math: fp32 scores, the mask added in place, the softmax a new tensor beside
-    _safe_softmax's bool mask: inference.MATH_SCORE_BYTES). masked: the
+    _safe_softmax's bool mask: MATH_SCORE_BYTES). masked: the
     attention adds a float mask (causal self-attention; an unpadded encoder's and cross-attention get none).
 
     Eager, per element: the scores (kb: the matmul's dtype, fp32 for QK_FP32 families outside autocast) scaled into a
@@ -78,11 +77,10 @@ def working_bytes(ctx: Ctx) -> int:
     (act_bytes, q and k as query_bytes; a fused projection's whole output, which its views keep, plus rotated q and
     k), K and V repeated to every head for an eager attention over grouped K/V (transformers repeat_kv), the math
     kernel's fp32 copies
-    (inference.MATH_QSIZED_FP32), and the score-sized tensors (score_bytes); or at its MLP, where the layer still holds
+    (MATH_QSIZED_FP32), and the score-sized tensors (score_bytes); or at its MLP, where the layer still holds
     the probabilities its attention returned (found by the tracer: gemma-7b QLoRA eager b4 s1024 checkpointed, the
     fp32 probabilities beside three fp32 intermediates). 0 for fused kernels, whose forward holds less than the
     backward's recompute of the same block."""
-    from memplan.estimator.memory.inference import MATH_QSIZED_FP32
     from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 
     kernel = attention_kernel(ctx, relative_bias=True)
@@ -119,7 +117,6 @@ def working_bytes(ctx: Ctx) -> int:
 def _mlp_bytes(ctx: Ctx, tokens: int, held: int) -> int:
     """A block's forward at its MLP: the residual sum and its norm, the intermediates (inference.mlp_live) in the
     activations' dtype, and `held`, the probabilities the layer keeps from its attentions' returns."""
-    from memplan.estimator.memory.inference import mlp_live
 
     a = ctx.spec.arch
     k = a.experts_per_token if a.num_experts else 1
@@ -223,3 +220,31 @@ def _mla_locals_bytes(ctx: Ctx) -> int:
     q_dim = a.num_heads * a.head_dim
     return a.hidden_size * ctx.residual_bytes + projected * ctx.act_bytes + (a.num_heads + 1) * r * rot \
         + q_dim * rot + q_dim * ctx.act_bytes
+
+
+#: What PyTorch's math SDPA kernel holds at its softmax (aten _scaled_dot_product_attention_math, attention.cpp):
+#: four fp32 q-sized tensors (q, k and v upcast, kept named to the end, and the scaled q) and per score element the
+#: fp32 scores, the softmax's fp32 output and _safe_softmax's bool mask of the scores (its composite's isneginf,
+#: freed when it returns): 9 bytes. Measured: t5-base bf16 b8 s512 inference held 0.2579 GiB at
+#: sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + [8, 12, 512, 512] bool + 4 x [8, 512, 768] fp32, which the
+#: tracer's stand-in reproduces block for block (memplan.runtime.emulate.sdpa; the replay's allocated peak equals the GPU's).
+#: Inside QK^T's matmul the kernel holds more q-sized tensors (the scaled k^T and bmm's contiguous copies of q and k:
+#: 7) but one score tensor: the softmax's moment is the larger from a sequence of about 2.4 head sizes on.
+MATH_QSIZED_FP32 = 4
+
+
+MATH_SCORE_BYTES = 9
+
+
+#: Intermediate-sized tensors live at the MLP peak. Gated (down(act(gate(x)) * up(x))): gate(x) dies when act
+#: returns, so act, up and their product: 3. Plain: fc1's output and the activation's output: 2, plus the
+#: temporaries of activations written as several python ops: transformers NewGELUActivation ("gelu_new",
+#: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) keeps fc1's output and three temporaries: 4 (measured: gpt2 and
+#: gpt2-xl prefill held 3 blocks at activations.py:66 beside fc1's output).
+MLP_LIVE_PLAIN = {"gelu_new": 4}
+
+
+def mlp_live(a) -> int:
+    if a.mlp_gated:
+        return 3
+    return MLP_LIVE_PLAIN.get(a.hidden_act, 2)

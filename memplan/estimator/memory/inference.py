@@ -8,6 +8,7 @@ from memplan.estimator.memory.attention import (CACHE_COPIES_SINCE, attention_ke
 from memplan.estimator.memory.position_bias import has_position_bias
 from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 from memplan.estimator.memory.context import Ctx
+from memplan.estimator.memory.forward_block import MATH_QSIZED_FP32, mlp_live, score_bytes
 
 
 def kv_cache_bytes(ctx: Ctx) -> int:
@@ -144,30 +145,6 @@ def kv_growth_bytes(ctx: Ctx) -> int:
 PREFILL_HIDDEN = 4
 HOLDS_ATTN_OUTPUT = {"gpt2"}
 
-#: What PyTorch's math SDPA kernel holds at its softmax (aten _scaled_dot_product_attention_math, attention.cpp):
-#: four fp32 q-sized tensors (q, k and v upcast, kept named to the end, and the scaled q) and per score element the
-#: fp32 scores, the softmax's fp32 output and _safe_softmax's bool mask of the scores (its composite's isneginf,
-#: freed when it returns): 9 bytes. Measured: t5-base bf16 b8 s512 inference held 0.2579 GiB at
-#: sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + [8, 12, 512, 512] bool + 4 x [8, 512, 768] fp32, which the
-#: tracer's stand-in reproduces block for block (memplan.runtime.emulate.sdpa; the replay's allocated peak equals the GPU's).
-#: Inside QK^T's matmul the kernel holds more q-sized tensors (the scaled k^T and bmm's contiguous copies of q and k:
-#: 7) but one score tensor: the softmax's moment is the larger from a sequence of about 2.4 head sizes on.
-MATH_QSIZED_FP32 = 4
-MATH_SCORE_BYTES = 9
-
-#: Intermediate-sized tensors live at the MLP peak. Gated (down(act(gate(x)) * up(x))): gate(x) dies when act
-#: returns, so act, up and their product: 3. Plain: fc1's output and the activation's output: 2, plus the
-#: temporaries of activations written as several python ops: transformers NewGELUActivation ("gelu_new",
-#: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) keeps fc1's output and three temporaries: 4 (measured: gpt2 and
-#: gpt2-xl prefill held 3 blocks at activations.py:66 beside fc1's output).
-MLP_LIVE_PLAIN = {"gelu_new": 4}
-
-
-def mlp_live(a) -> int:
-    if a.mlp_gated:
-        return 3
-    return MLP_LIVE_PLAIN.get(a.hidden_act, 2)
-
 
 def prefill_working_bytes(ctx: Ctx) -> int:
     """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad,
@@ -179,7 +156,6 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     and, where the layer returns them too, the previous layer's. Measured on the H100: bloom-560m bf16 b4 prompt 1000
     held 382 MiB more than (2 c + 4) bytes per score at its softmax (scores, sum, fp32 copy, softmax, the previous
     layer's probabilities), -15.7%."""
-    from memplan.estimator.memory.forward_block import score_bytes
 
     a = ctx.spec.arch
     c = ctx.compute_bytes

@@ -43,7 +43,7 @@ def _adam_state(shape: tuple[int, ...], pbytes: int) -> int:
     return 2 * _numel(shape) * pbytes
 
 
-def _bnb8_state(shape: tuple[int, ...], pbytes: int) -> int:
+def bnb8_state_bytes(shape: tuple[int, ...], pbytes: int) -> int:
     n = _numel(shape)
     if n < BNB_MIN_8BIT_SIZE:
         return 2 * n * 4
@@ -66,8 +66,8 @@ def _adafactor_state(shape: tuple[int, ...], pbytes: int) -> int:
 STATE_FN = {
     "adamw": _adam_state,
     "adamw-fused": _adam_state,
-    "adamw-8bit": _bnb8_state,
-    "paged-adamw-8bit": _bnb8_state,  # same bytes, but in CUDA unified (paged) memory: see is_paged()
+    "adamw-8bit": bnb8_state_bytes,
+    "paged-adamw-8bit": bnb8_state_bytes,  # same bytes, but in CUDA unified (paged) memory: see is_paged()
     "adafactor": _adafactor_state,
     "sgd": lambda shape, pbytes: 0,  # torch.optim.SGD with momentum=0 (Trainer optim="sgd") keeps no state
 }

@@ -43,7 +43,7 @@ def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim
 def _norm_saves_input(ctx: Ctx, trains: bool) -> bool:
     """The family's norm saves its input tensor itself when it reads the compute dtype (Arch.norm_saves' third value:
     LayerNorm); without a measurement, a LayerNorm does."""
-    from memplan.inventory.probes import norm_case
+    from memplan.model.spec import norm_case
     from memplan.estimator.memory.saves import autocast_casts_norm_input
 
     table = ctx.spec.arch.norm_saves

@@ -3,8 +3,7 @@ function, a normalisation layer. memplan.estimator.memory.activations adds them 
 rule, from torch's tools/autograd/derivatives.yaml)."""
 from __future__ import annotations
 
-from memplan.inventory.activation import act_case
-from memplan.inventory.probes import norm_case
+from memplan.model.spec import act_case, norm_case
 from memplan.estimator.memory.context import Ctx
 
 

@@ -1,0 +1,79 @@
+"""Which setups a model accepts, and what transformers picks when the setup leaves a choice to the model: the
+attention implementation. Shared by the estimator, the runtime and the planner, so that each refuses the same setups
+with the same message."""
+from __future__ import annotations
+
+from memplan import libs
+from memplan.errors import BadInput
+from memplan.model import trainable as select
+from memplan.model.spec import ModelSpec
+from memplan.setup import Setup
+
+
+#: Families whose transformers class gained sdpa after the oldest release memplan installs with (4.46): T5 and mT5
+#: from 5.15 (T5PreTrainedModel._supports_sdpa = True; absent in 4.48.1 and 5.14.0, where from_config(...,
+#: attn_implementation="sdpa") raises "does not support an attention implementation through
+#: torch.nn.functional.scaled_dot_product_attention").
+SDPA_SINCE = {"t5": (5, 15), "mt5": (5, 15)}
+
+
+def sdpa_supported(spec: ModelSpec) -> bool:
+    """The model class supports sdpa in the transformers release estimated for (memplan.libs)."""
+    a = spec.arch
+    return a.supports_sdpa and not libs.older_than("transformers", SDPA_SINCE.get(a.model_type, ()))
+
+
+def default_attn_impl(spec: ModelSpec) -> str:
+    """What transformers picks without attn_implementation: sdpa where the class supports it
+    (PreTrainedModel._check_and_adjust_attn_implementation), else eager."""
+    default = spec.arch.default_attn_impl
+    return "eager" if default == "sdpa" and not sdpa_supported(spec) else default
+
+
+def attn_impl(spec: ModelSpec, setup: Setup) -> str:
+    """The attention implementation transformers would use: the user's choice, else the model's default."""
+    return setup.attn_impl or default_attn_impl(spec)
+
+
+def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
+    a = spec.arch
+    p: list[str] = []
+    total_len = (setup.prompt_len or setup.seq_len) + (setup.new_tokens or 0) if setup.mode == "infer" else setup.seq_len
+    if a.max_positions and total_len > a.max_positions:
+        p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
+                 f"use --seq-len <= {a.max_positions}")
+    if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
+        since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
+        where = (f"before transformers {libs.dotted(since)} (estimating for "
+                 f"{libs.dotted(libs.version('transformers'))})") if since else "in transformers"
+        p.append(f"{a.model_type} does not support sdpa attention {where}; use --attn-impl eager")
+    if setup.attn_impl == "flash_attention_2" and not a.supports_flash:
+        p.append(f"{a.model_type} does not support flash_attention_2; use --attn-impl sdpa or eager")
+    if setup.grad_ckpt and setup.mode == "train" and not a.supports_grad_ckpt:
+        p.append(f"{spec.model_id} does not support gradient checkpointing in transformers "
+                 "(supports_gradient_checkpointing is False: ALBERT); use --no-grad-ckpt")
+    if setup.target_len is not None and a.kind != "seq2seq":
+        p.append("target_len applies to encoder-decoder models only")
+    if setup.mode == "infer" and a.kind == "encoder" and setup.new_tokens:
+        p.append(f"{spec.model_id} is an encoder: it does not generate; drop --new-tokens")
+    if setup.uses_lora and setup.lora_dropout and a.lora_expert_targets:
+        wrapped = sorted({m.kind for m in select.lora_linears(spec, setup.lora_targets)} & {"expert", "router"})
+        if wrapped:
+            # peft/tuners/lora/layer.py ParamWrapper: "does not work with lora_dropout != 0" (found by a stress run)
+            p.append(f"peft adapts {spec.model_id}'s {' and '.join(w + 's' for w in wrapped)} as parameters "
+                     "(lora.ParamWrapper), which refuse LoRA dropout: use --lora-dropout 0, or target the attention "
+                     "only (e.g. --lora-targets q_proj,v_proj)")
+    return p
+
+
+def check_setup(spec: ModelSpec, setup: Setup) -> None:
+    """Raise BadInput for every setup problem the model has (all reported together), then for the parameter
+    selection's (unknown LoRA targets or freeze patterns): the checks the estimate makes, for the tracer, the
+    validator and the runtime, which build the model without estimating it."""
+    problems = setup_problems(spec, setup)
+    if problems:
+        raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
+    if setup.mode == "train":
+        select.trainable_params(spec, setup)
+    if setup.uses_lora:
+        select.lora_linears(spec, setup.lora_targets)
