@@ -10,8 +10,11 @@ import sys
 
 import click
 
-from memplan.cli.options import (  # noqa: F401  (re-exported for command modules)
-    emit_json as _emit_json, given_setup_fields, handle_errors, headroom_option, setup_from_options, setup_options)
+from memplan.cli.doctor import doctor_command
+from memplan.cli.measure import check_cmd, validate_cmd
+from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, headroom_option, setup_from_options,
+                                 setup_options)
+from memplan.cli.plot import plot_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,7 +47,7 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
         gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
         click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=as_json)
     if as_json:
-        _emit_json(result.to_dict())
+        emit_json(result.to_dict())
     else:
         from memplan.cli.report import print_estimate
         print_estimate(result)
@@ -73,7 +76,7 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
     result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len,
                  num_gpus=num_gpus, headroom=headroom)
     if as_json:
-        _emit_json(result.to_dict())
+        emit_json(result.to_dict())
     else:
         from memplan.cli.report import print_fit
         print_fit(result)
@@ -115,7 +118,7 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
         from memplan.planner.export import write_plan
         written = str(write_plan(result, spec, output, fmt))
     if as_json:
-        _emit_json(dict(result.to_dict(), written=written))
+        emit_json(dict(result.to_dict(), written=written))
     else:
         from memplan.cli.report import print_plan
         print_plan(result, written)
@@ -155,7 +158,7 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
         from memplan.estimator.breakdown import estimate
         cmp = compare_fn(result, estimate(spec, setup))
     if as_json:
-        _emit_json(dict(result.to_dict(), comparison=cmp))
+        emit_json(dict(result.to_dict(), comparison=cmp))
     else:
         from memplan.cli.report import print_trace
         print_trace(result, cmp)
@@ -170,7 +173,7 @@ def models(as_json):
 
     index = catalog_index()
     if as_json:
-        _emit_json(index)
+        emit_json(index)
     else:
         from memplan.cli.report import print_models
         print_models(index)
@@ -185,7 +188,7 @@ def gpus(as_json):
 
     rows = load_gpus()
     if as_json:
-        _emit_json([dataclasses.asdict(g) for g in rows])
+        emit_json([dataclasses.asdict(g) for g in rows])
     else:
         from memplan.cli.report import print_gpus
         print_gpus(rows)
@@ -199,10 +202,6 @@ def refresh_catalog():
 
     click.echo(f"{run(echo=click.echo)} models refreshed")
 
-
-from memplan.cli.measure import check_cmd, validate_cmd  # noqa: E402  (command modules import cli_common only)
-from memplan.cli.doctor import doctor_command  # noqa: E402
-from memplan.cli.plot import plot_command  # noqa: E402
 
 for _command in (validate_cmd, check_cmd, doctor_command, plot_command):
     main.add_command(_command)

@@ -15,7 +15,8 @@ with the bytes per category at the peak:
   activations      saved for backward (autograd's saved-tensor hooks), or allocated in the forward and still alive
   temporaries      everything else alive at the peak (workspaces, casts, gradient intermediates)
 
-CUDA emulations (where the CPU code path differs from the CUDA one; one place, EMULATIONS below):
+Where the CPU's code path differs from CUDA's, the step runs CUDA's: memplan.runtime.emulate.cuda.EMULATIONS lists
+each emulation.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from memplan.errors import BadInput
 from memplan.setup import Setup
 from memplan.runtime.standins import StandIn8bitAdam
-from memplan.runtime.emulate.cuda import EMULATIONS, cuda_like
+from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.allocator import need_and_replay
 from memplan.runtime.tracker import CATEGORIES, StorageTracker, dispatch_mode, pack_hooks, watch_blocks
 from memplan.runtime.steps import (build_model, cut_config, library_failures, make_optimizer, materialize,  # noqa: F401
@@ -33,7 +34,6 @@ from memplan.runtime.steps import (build_model, cut_config, library_failures, ma
 
 PHASES = TRAIN_PHASES
 
-__doc__ += "\n".join(f"  {k}: {v}" for k, v in EMULATIONS.items()) + "\n"
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Where the CPU path differs from CUDA, what the tracer does instead: one place for every emulation.
 
-cuda_like() applies them around a traced (or CPU-validated) step; trace.EMULATIONS documents each one. Lazy torch:
+cuda_like() applies them around a traced (or CPU-validated) step; memplan.runtime.emulate.cuda.EMULATIONS documents each one. Lazy torch:
 nothing is imported at module import.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ EMULATIONS = {
 
 @contextlib.contextmanager
 def cuda_like(padded: bool = False, seq2seq: bool = False):
-    """The CUDA code paths the CPU would not take (memplan.tracer.training.EMULATIONS): native_dropout for dropout, the
+    """The CUDA code paths the CPU would not take (memplan.runtime.emulate.cuda.EMULATIONS): native_dropout for dropout, the
     flash-style sdpa kernel with attention dropout, grouped_mm's output for fp32/fp16 experts, the softmax
     backward's temporary, CUDA autocast's fp32 op list, and transformers' mask checks answered for fake masks
     (padded: the batch holds padding; seq2seq: an encoder-decoder, whose decoder mask is all ones)."""
