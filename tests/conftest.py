@@ -1,7 +1,30 @@
-"""Shared fixtures: a hand-built tiny Llama-shaped ModelSpec (pure, no torch) whose numbers are easy to derive."""
+"""Shared fixtures: a hand-built tiny Llama-shaped ModelSpec (pure, no torch) whose numbers are easy to derive.
+
+Test tiers (CONTRIBUTING.md): tests/unit is the fast tier, `python -m pytest -m "not slow"` (under a minute on two
+cores); every test under tests/integration (the tracer, DeepSpeed, subprocesses, real Trainer steps) is marked slow
+here, as are the few slow tests in tests/unit; `python -m pytest` runs both, as CI does. Tests marked gpu are skipped
+without CUDA.
+"""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = None
+    for item in items:
+        if INTEGRATION in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu"):
+            if cuda is None:
+                import torch
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 from memplan.model.spec import Arch, Linear, ModelSpec, Param
 

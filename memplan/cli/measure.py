@@ -73,8 +73,10 @@ def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json
     from memplan.cli.report import validation_rows
     rows = validation_rows(m, est)
     if as_json:
-        emit_json({"model": spec.model_id, "setup": setup.to_dict(), "measurement": m.row_values(),
-                   "comparison": rows})
+        emit_json({"model": spec.model_id, "setup": setup.to_dict(), "status": m.status,
+                   "measured": {r["key"]: r["measured_bytes"] for r in rows},
+                   "predicted": {r["key"]: r["predicted_bytes"] for r in rows},
+                   "comparison": rows, "row": m.row_values()})
     else:
         from memplan.cli.report import print_validation
         print_validation(spec.model_id, setup, m, rows)

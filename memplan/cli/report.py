@@ -218,15 +218,16 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
             row.append(_gib(comparison["estimated_components"][name]))
         t.add_row(*row)
     t.add_section()
-    row = [f"peak allocated ({result.peak_phase})", _gib(result.peak_allocated_bytes)]
+    row = [f"peak of live tensors ({result.peak_phase})", _gib(result.peak_tensor_bytes)]
     if comparison:
-        row.append(f"{_gib(comparison['estimated_bytes'])} ({comparison['estimated_phase']})")
+        row.append(f"{_gib(comparison['estimated_peak_tensor_bytes'])} ({comparison['estimated_peak_phase']})")
     t.add_row(*row, style="bold")
-    for label, value, est in (("max_memory_allocated (allocator replay)", result.allocated_blocks_bytes,
-                               "estimated_allocated_bytes"),
-                              ("peak reserved (allocator replay)", result.peak_reserved_bytes, "estimated_reserved_bytes"),
+    for label, value, est in (("max_memory_allocated (allocator replay)", result.peak_allocated_bytes,
+                               "estimated_peak_allocated_bytes"),
+                              ("peak reserved (allocator replay)", result.peak_reserved_bytes,
+                               "estimated_peak_reserved_bytes"),
                               ("allocator need (smallest cap it fits)", result.allocator_need_bytes,
-                               "estimated_need_bytes")):
+                               "estimated_allocator_need_bytes")):
         if value is not None:
             t.add_row(label, _gib(value), *([_gib(comparison[est])] if comparison else []))
     console.print(t)
@@ -243,13 +244,14 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
 def validation_rows(m, est) -> list[dict]:
     """Predicted vs measured for each quantity the measurement has (CPU: allocated less the cuBLAS workspace)."""
     from memplan.tracer.training import comparable_estimate_bytes
-    pairs = [("peak allocated", comparable_estimate_bytes(est) if m.device == "cpu" else est.peak_allocated_bytes,
-              m.allocated_bytes),
-             ("peak reserved", est.peak_reserved_bytes, m.reserved_bytes),
-             ("device total (NVML)", est.device_total_bytes, m.device_bytes),
-             ("CUDA context", est.components.get("cuda_context", 0), m.cuda_context_bytes)]
-    return [{"quantity": q, "predicted_bytes": p, "measured_bytes": v,
-             "rel_error": (p - v) / v if v else None} for q, p, v in pairs if v is not None]
+    cpu = m.device == "cpu"  # the tracer's accounting: live tensors, no allocator blocks
+    pairs = [("peak allocated", "peak_tensor_bytes" if cpu else "peak_allocated_bytes",
+              comparable_estimate_bytes(est) if cpu else est.peak_allocated_bytes, m.allocated_bytes),
+             ("peak reserved", "peak_reserved_bytes", est.peak_reserved_bytes, m.reserved_bytes),
+             ("device total (NVML)", "device_total_bytes", est.device_total_bytes, m.device_bytes),
+             ("CUDA context", "cuda_context_bytes", est.components.get("cuda_context", 0), m.cuda_context_bytes)]
+    return [{"quantity": q, "key": k, "predicted_bytes": p, "measured_bytes": v,
+             "rel_error": (p - v) / v if v else None} for q, k, p, v in pairs if v is not None]
 
 
 def print_validation(model: str, setup, m, rows, console: Console | None = None) -> None:

@@ -76,6 +76,7 @@ class Estimate:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
+            "allocator_need_bytes": self.allocator_need_bytes,
             "need_bytes": self.cap_need_bytes,
             "host_bytes_per_gpu": self.host_bytes,
             "host_bytes_per_node": self.host_bytes * self.setup.num_gpus,

@@ -42,7 +42,7 @@ class TraceResult:
 
     model: str
     setup: Setup
-    peak_allocated_bytes: int
+    peak_tensor_bytes: int  # live storages at the peak, each rounded up to the allocator's 512 B
     peak_phase: str
     components: dict[str, int]
     phases: dict[str, int]
@@ -54,13 +54,13 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     peak_reserved_bytes: int | None = None  # whole-model traces: the caching allocator's replay (memplan.runtime.allocator)
     allocator_need_bytes: int | None = None  # ... and the smallest allocator limit it fits under (allocator.min_limit)
-    allocated_blocks_bytes: int | None = None  # ... and its allocated peak as torch counts it: whole blocks, workspaces
+    peak_allocated_bytes: int | None = None  # ... and torch.cuda.max_memory_allocated: whole blocks, workspaces
 
     def to_dict(self) -> dict:
         return {"model": self.model, "setup": self.setup.to_dict(), "components": dict(self.components),
                 "phases": dict(self.phases), "peak_phase": self.peak_phase,
-                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
-                "allocator_need_bytes": self.allocator_need_bytes, "allocated_blocks_bytes": self.allocated_blocks_bytes,
+                "peak_tensor_bytes": self.peak_tensor_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes, "allocator_need_bytes": self.allocator_need_bytes,
                 "device_total_bytes": None, "paged_optimizer_state": self.paged_bytes,
                 "params_total": self.params_total, "params_trainable": self.params_trainable,
                 "layers_traced": self.layers_traced, "layers_total": self.layers_total, "notes": list(self.notes)}
@@ -183,7 +183,7 @@ def _add_replay(result: TraceResult, events, mode: str = "train") -> None:
     """A whole-model trace's allocator figures (memplan.replay.need): the smallest cap it fits under, the uncapped
     reserved peak and max_memory_allocated as torch counts it (whole blocks)."""
     result.allocator_need_bytes, free = need_and_replay(events, mode)
-    result.peak_reserved_bytes, result.allocated_blocks_bytes = free.peak_reserved, free.peak_allocated
+    result.peak_reserved_bytes, result.peak_allocated_bytes = free.peak_reserved, free.peak_allocated
 
 
 def min_layers(setup: Setup, layers: int) -> int:
@@ -195,7 +195,7 @@ def min_layers(setup: Setup, layers: int) -> int:
 
 
 def result_from(spec, setup, t: StorageTracker, traced, total) -> TraceResult:
-    return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=t.peak, peak_phase=t.peak_phase,
+    return TraceResult(model=spec.model_id, setup=setup, peak_tensor_bytes=t.peak, peak_phase=t.peak_phase,
                        components=t.breakdown(), phases=dict(t.phase_peaks), params_total=t.total,
                        params_trainable=t.trainable, layers_traced=traced, layers_total=total,
                        paged_bytes=t.excluded_bytes())
@@ -226,7 +226,7 @@ def extrapolate(spec, setup, a: StorageTracker, b: StorageTracker, n: int, total
             f"(trace({n + 1}) - trace({n})), per segment of each phase")
     where = _segment_words(at[0][1]) if at else "none of the segments tracked (its own peak, extrapolated)"
     note += f"; the peak is in the {peak_phase} at {where}"
-    return TraceResult(model=spec.model_id, setup=setup, peak_allocated_bytes=phases[peak_phase],
+    return TraceResult(model=spec.model_id, setup=setup, peak_tensor_bytes=phases[peak_phase],
                        peak_phase=peak_phase, components=comps, phases=phases,
                        params_total=lin(a.total, b.total), params_trainable=lin(a.trainable, b.trainable),
                        layers_traced=n, layers_total=total,
@@ -265,9 +265,10 @@ def compare(result: TraceResult, est) -> dict:
     for name, value in est.components.items():
         if name in ESTIMATE_CATEGORY:
             cats[ESTIMATE_CATEGORY[name]] += value
-    return {"traced_bytes": result.peak_allocated_bytes, "estimated_bytes": predicted,
-            "rel_error": (predicted - result.peak_allocated_bytes) / result.peak_allocated_bytes,
-            "traced_phase": result.peak_phase, "estimated_phase": est.peak_phase,
-            "estimated_reserved_bytes": est.peak_reserved_bytes, "estimated_need_bytes": est.allocator_need_bytes,
-            "estimated_allocated_bytes": est.peak_allocated_bytes,
+    return {"traced_peak_tensor_bytes": result.peak_tensor_bytes, "estimated_peak_tensor_bytes": predicted,
+            "rel_error": (predicted - result.peak_tensor_bytes) / result.peak_tensor_bytes,
+            "traced_peak_phase": result.peak_phase, "estimated_peak_phase": est.peak_phase,
+            "estimated_peak_allocated_bytes": est.peak_allocated_bytes,
+            "estimated_peak_reserved_bytes": est.peak_reserved_bytes,
+            "estimated_allocator_need_bytes": est.allocator_need_bytes,
             "traced_components": dict(result.components), "estimated_components": cats}

@@ -14,7 +14,7 @@ from memplan.model.trainable import lora_params, quantized_linears, trainable_pa
 from memplan.setup import Setup
 from memplan.model.spec import ModelSpec
 
-SHAPES = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes"
+SHAPES = Path(__file__).resolve().parents[2] / "benchmarks" / "shapes"
 
 
 def _copy(tmp_path, family: str) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSV = ROOT.parent / "shared" / "reference" / "published_peaks_visible.csv"
 
 

@@ -108,6 +108,7 @@ _MODELS = ["openai-community/gpt2", "meta-llama/Llama-3.2-1B", "google-t5/t5-bas
            "meta-llama/Llama-2-7b-hf"]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(model=st.sampled_from(_MODELS), mem_gib=st.integers(2, 96), seq=st.sampled_from([128, 512, 1024]),
        prefer=st.sampled_from(["quality", "speed", "memory"]), headroom=st.sampled_from([0.0, 0.05, 0.2]))
@@ -236,13 +237,14 @@ def test_load_plan_refuses_overriding_a_planned_memory_knob(tmp_path):
 def _example():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).parents[1] / "examples" / "train_with_plan.py"
+    path = Path(__file__).parents[2] / "examples" / "train_with_plan.py"
     spec = importlib.util.spec_from_file_location("train_with_plan", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,pins", [
     ("openai-community/gpt2", ["--technique", "lora", "--lora-r", "8"]),
     ("google-t5/t5-small", ["--technique", "freeze", "--target-len", "16"]),

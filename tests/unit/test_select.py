@@ -52,6 +52,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stem,overrides,targets,r", CASES)
 def test_lora_count_matches_peft(tmp_path, stem, overrides, targets, r):
     path = _small(tmp_path, stem, **overrides)

@@ -23,7 +23,7 @@ from memplan.setup import Setup
 from memplan.measure.sweep import Job, load_sweep, run_sweep
 from memplan.measure.runner import Measurement, validate
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 #: a 2-block Llama (hidden 64, vocab 512): real CPU steps take well under a second
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -52,7 +52,7 @@ def test_cpu_validate_equals_the_trace(tiny_model):
     spec = load_spec(tiny_model)
     real = run(spec, s, config_dict(spec), None, 3, fake=False)
     assert m.allocated_bytes == real.peak  # the tracer's real-tensor accounting, exactly
-    fake = trace(tiny_model, s, steps=3).peak_allocated_bytes
+    fake = trace(tiny_model, s, steps=3).peak_tensor_bytes
     assert abs(m.allocated_bytes - fake) / fake < 0.03  # fake tensors: same within 3% (1.7% on this tiny model)
     assert {"forward", "backward", "optimizer"} <= set(m.phase_allocated)
     assert m.environment["torch"] and m.environment["transformers"]
@@ -86,6 +86,8 @@ def test_validate_cli_cpu_prints_comparison_and_appends_row(tiny_model, tmp_path
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["comparison"][0]["quantity"] == "peak allocated"
+    # the CPU measures live tensors (the tracer's accounting): named as `trace --json` names that quantity
+    assert doc["measured"]["peak_tensor_bytes"] > 0 and set(doc["predicted"]) == set(doc["measured"])
     rows = measured.read_rows(out)
     assert len(rows) == 1 and rows[0]["status"] == "ok" and int(rows[0]["measured_allocated_bytes"]) > 0
 
