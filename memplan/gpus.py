@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from memplan.errors import BadInput, not_found
 from memplan.units import GiB, MiB, fmt_gib, parse_size
+from memplan.errors import BadInput, not_found, MemplanError
 
 CSV = Path(__file__).parent / "data" / "gpus.csv"
 
@@ -122,7 +122,6 @@ def assume_gpu(gpu: "Gpu | str | None"):
     """Estimate for this GPU's architecture (a Gpu or a name as NVML reports it; unknown names assume nothing):
     the cuBLAS workspace size depends on it (cublas_workspace_bytes)."""
     from memplan import libs
-    from memplan.errors import MemplanError
     if isinstance(gpu, str):
         try:
             gpu = find_gpu(gpu)

@@ -13,14 +13,16 @@ from memplan.planner.doctor import Diagnosis, diagnose, setup_from_plan
 from memplan.planner.oom import OomInfo, parse_oom_message
 from memplan.setup import Setup
 from memplan.units import GiB, fmt_gib
+from memplan.cli.report import table
+from memplan.gpus import find_gpu, resolve_gpu
+from memplan.model.catalog import load_spec
+from memplan.planner.explain import describe
+from memplan.planner.export import read_plan_document
 
 
 def print_diagnosis(diag: Diagnosis, console=None) -> None:
     """First line (the smallest fix), the ranked remedies, the combination and the notes, as rich tables."""
     from rich.console import Console
-
-    from memplan.planner.explain import describe
-    from memplan.cli.report import table
 
     console = console or Console()
     colour = "green" if diag.fits and not diag.barely_fits else ("yellow" if diag.resolved else "red")
@@ -52,7 +54,6 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
 
 def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
     """(GPU memory bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
-    from memplan.gpus import find_gpu, resolve_gpu
 
     if not (gpu_name or memory) and oom and oom.total_capacity_bytes:
         return oom.total_capacity_bytes, "total capacity in the OOM message", True
@@ -73,8 +74,6 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
                trust_remote_code: bool = False, headroom: float = DEFAULT_HEADROOM) -> Diagnosis:
     """The command's work: read the OOM text and the plan file, build the setup (plan fields, then `given` flags),
     pick the GPU memory and its budget (memplan.planner.budget), diagnose. Raises BadInput for anything the user must fix."""
-    from memplan.planner.export import read_plan_document
-    from memplan.model.catalog import load_spec
 
     if oom_message and oom_file:
         raise BadInput("pass either --oom-message or --oom-file, not both")

@@ -15,6 +15,16 @@ from memplan.cli.measure import check_cmd, validate_cmd
 from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, headroom_option, setup_from_options,
                                  setup_options)
 from memplan.cli.plot import plot_command
+from memplan.cli.plots import write_breakdown_png
+from memplan.cli.report import print_estimate, print_fit, print_plan, print_trace, print_models, print_gpus
+from memplan.gpus import resolve_gpu, load_gpus
+from memplan.estimator import breakdown
+from memplan.model import catalog
+from memplan.model.catalog import catalog_index, load_spec
+from memplan.planner import fit_table, search
+from memplan.planner.export import write_plan
+from memplan.tracer.sharded import trace_deepspeed, trace_sharded
+from memplan.tracer.training import compare as compare_fn, trace
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,21 +45,16 @@ def main():
 @handle_errors
 def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **options):
     """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
-    from memplan.estimator.breakdown import estimate as run
-    from memplan.model.catalog import load_spec
 
     setup = setup_from_options(options)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
-    result = run(spec, setup)
+    result = breakdown.estimate(spec, setup)
     if plot_path:
-        from memplan.gpus import resolve_gpu
-        from memplan.cli.plots import write_breakdown_png
         gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
         click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=as_json)
     if as_json:
         emit_json(result.to_dict())
     else:
-        from memplan.cli.report import print_estimate
         print_estimate(result)
 
 
@@ -67,18 +72,14 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
 def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code, as_json):
     """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits, then the
     multi-GPU training options (DeepSpeed ZeRO-3, FSDP, DDP) with the fewest GPUs each needs."""
-    from memplan.planner.fit_table import fit as run
-    from memplan.gpus import resolve_gpu
-    from memplan.model.catalog import load_spec
 
     if seq_len < 1:
         raise click.BadParameter("must be >= 1", param_hint="--seq-len")
-    result = run(load_spec(model, trust_remote_code=trust_remote_code), resolve_gpu(gpu_name, memory), seq_len,
-                 num_gpus=num_gpus, headroom=headroom)
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    result = fit_table.fit(spec, resolve_gpu(gpu_name, memory), seq_len, num_gpus=num_gpus, headroom=headroom)
     if as_json:
         emit_json(result.to_dict())
     else:
-        from memplan.cli.report import print_fit
         print_fit(result)
     fits = any(r.fits for r in result.scale_out) if num_gpus else result.any_fits
     sys.exit(0 if fits else 1)
@@ -105,22 +106,17 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
 def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory, output, fmt, replay,
          trust_remote_code, as_json, **options):
     """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
-    from memplan.gpus import resolve_gpu
-    from memplan.model.catalog import load_spec
-    from memplan.planner.search import plan as run
 
     pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
-    result = run(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
-                 headroom=headroom, host_memory=host_memory, replay=replay, **pins)
+    result = search.plan(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
+                         headroom=headroom, host_memory=host_memory, replay=replay, **pins)
     written = None
     if output and result.fits:
-        from memplan.planner.export import write_plan
         written = str(write_plan(result, spec, output, fmt))
     if as_json:
         emit_json(dict(result.to_dict(), written=written))
     else:
-        from memplan.cli.report import print_plan
         print_plan(result, written)
     sys.exit(0 if result.fits else 1)
 
@@ -141,26 +137,20 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
     estimate. With --mode infer: the prefill and generate() that `memplan validate` runs, traced whole. With
     --sharding fsdp-full-shard|fsdp-shard-grad-op|zero1|zero2|zero3 --num-gpus N: rank 0 of real FSDP2 / DeepSpeed
     ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
-    from memplan.model.catalog import load_spec
-    from memplan.tracer.training import compare as compare_fn
-    from memplan.tracer.training import trace
 
     setup = setup_from_options(options)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
     if setup.sharding != "none":  # one rank over a fake process group (memplan.tracer.sharded)
-        from memplan.tracer.sharded import trace_deepspeed, trace_sharded
         run = trace_deepspeed if setup.engine == "deepspeed" else trace_sharded
         result = run(spec, setup, layers=layers, steps=steps)
     else:
         result = trace(spec, setup, layers=layers, steps=steps)
     cmp = None
     if compare:
-        from memplan.estimator.breakdown import estimate
-        cmp = compare_fn(result, estimate(spec, setup))
+        cmp = compare_fn(result, breakdown.estimate(spec, setup))
     if as_json:
         emit_json(dict(result.to_dict(), comparison=cmp))
     else:
-        from memplan.cli.report import print_trace
         print_trace(result, cmp)
 
 
@@ -169,13 +159,11 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
 @handle_errors
 def models(as_json):
     """List the built-in model catalog."""
-    from memplan.model.catalog import catalog_index
 
     index = catalog_index()
     if as_json:
         emit_json(index)
     else:
-        from memplan.cli.report import print_models
         print_models(index)
 
 
@@ -184,13 +172,11 @@ def models(as_json):
 @handle_errors
 def gpus(as_json):
     """List the GPU catalog."""
-    from memplan.gpus import load_gpus
 
     rows = load_gpus()
     if as_json:
         emit_json([dataclasses.asdict(g) for g in rows])
     else:
-        from memplan.cli.report import print_gpus
         print_gpus(rows)
 
 
@@ -198,9 +184,8 @@ def gpus(as_json):
 @handle_errors
 def refresh_catalog():
     """Rebuild the model inventories after adding a config.json to memplan/data/models/configs/."""
-    from memplan.model.catalog import refresh_catalog as run
 
-    click.echo(f"{run(echo=click.echo)} models refreshed")
+    click.echo(f"{catalog.refresh_catalog(echo=click.echo)} models refreshed")
 
 
 for _command in (validate_cmd, check_cmd, doctor_command, plot_command):

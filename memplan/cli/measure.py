@@ -7,6 +7,15 @@ import click
 
 from memplan.cli.options import emit_json, given_setup_fields, handle_errors, setup_options
 from memplan.errors import BadInput
+from memplan.cli.report import validation_rows, print_validation, print_check
+from memplan.estimator.breakdown import estimate
+from memplan.fileio import write_text_atomic
+from memplan.measure.gate import check, markdown
+from memplan.measure.rows import append_row, make_row
+from memplan.measure.runner import require_cuda, validate
+from memplan.measure.sweep import now_iso, load_sweep, run_sweep
+from memplan.model.catalog import load_spec
+from memplan.setup import Setup
 
 
 def _fraction(value: str | None) -> float | None:
@@ -41,7 +50,6 @@ def validate_cmd(model, device, steps, memory_fraction, emulate, sweep_file, out
     if memory_fraction and emulate:
         raise BadInput("pass either --memory-fraction or --emulate, not both")
     if device == "cuda":
-        from memplan.measure.runner import require_cuda
         require_cuda()
     if sweep_file:
         if model or given_setup_fields(options):
@@ -55,13 +63,6 @@ def validate_cmd(model, device, steps, memory_fraction, emulate, sweep_file, out
 
 
 def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json, options):
-    from memplan.estimator.breakdown import estimate
-    from memplan.measure.rows import append_row, make_row
-    from memplan.model.catalog import load_spec
-    from memplan.setup import Setup
-    from memplan.measure.sweep import now_iso
-    from memplan.measure.runner import validate
-
     setup = Setup(**given_setup_fields(options))
     spec = load_spec(model)
     est = estimate(spec, setup)  # setup problems surface before a GPU is touched
@@ -70,7 +71,6 @@ def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json
     if out:
         append_row(out, make_row(model, setup, source="memplan validate", measured_at=now_iso(),
                                  notes=f"emulating {emulate}" if emulate else "", **m.row_values()))
-    from memplan.cli.report import validation_rows
     rows = validation_rows(m, est)
     if as_json:
         emit_json({"model": spec.model_id, "setup": setup.to_dict(), "status": m.status,
@@ -78,15 +78,12 @@ def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json
                    "predicted": {r["key"]: r["predicted_bytes"] for r in rows},
                    "comparison": rows, "row": m.row_values()})
     else:
-        from memplan.cli.report import print_validation
         print_validation(spec.model_id, setup, m, rows)
     sys.exit(0 if m.status == "ok" else 1)
 
 
 def _run_sweep(sweep_file, out, device, steps, timeout):
     from rich.progress import Progress
-
-    from memplan.measure.sweep import load_sweep, run_sweep
 
     jobs, skipped, file_steps = load_sweep(sweep_file)
     for s in skipped:
@@ -122,8 +119,6 @@ def _run_sweep(sweep_file, out, device, steps, timeout):
 def check_cmd(paths, tolerance, measure, report_path, as_json):
     """Re-estimate every stored measurement (default data/measured/) with the current estimator; exit 1 when a
     row is outside the tolerance or a measured OOM is predicted to fit."""
-    from memplan.measure.gate import check, markdown
-    from memplan.fileio import write_text_atomic
 
     tol = _fraction(tolerance)
     result = check(paths or ("data/measured",), tolerance=tol, measure=measure)
@@ -135,6 +130,5 @@ def check_cmd(paths, tolerance, measure, report_path, as_json):
                                  rel_error=r.rel_error, tolerance=r.tolerance, reason=r.reason, file=r.file)
                             for r in result.worst_first()]})
     else:
-        from memplan.cli.report import print_check
         print_check(result, report_path)
     sys.exit(0 if result.ok else 1)

@@ -16,6 +16,7 @@ import click
 from memplan.errors import MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
                            Setup, parse_targets, parse_trainable)
+from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
             "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS, "sharding": SHARDINGS, "offload": OFFLOADS}
@@ -80,7 +81,6 @@ def _parse_headroom(ctx, param, value: str | None) -> float | None:
 def headroom_option(func=None, *, replay: bool = False):
     """--headroom: the memory kept spare (memplan.planner.budget), the same default for fit, plan, doctor and plot; plan
     (replay=True) leaves it unset, so that --replay gets its own default."""
-    from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
     if func is None:
         return lambda f: headroom_option(f, replay=replay)
     help_text = ("memory kept spare, as a share of the GPU memory beyond the CUDA context (a fraction or a "

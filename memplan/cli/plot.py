@@ -12,6 +12,9 @@ from memplan.errors import BadInput
 from memplan.cli.plots import (KNOBS, card_name, curve_figure, default_values, largest_fitting_value, save_figure, sweep,
                            trim)
 from memplan.units import GiB
+from memplan.estimator.breakdown import estimate
+from memplan.gpus import detect_gpus, resolve_gpu
+from memplan.model.catalog import load_spec
 
 
 def _parse_values(text: str) -> list[int]:
@@ -38,8 +41,6 @@ def _parse_values(text: str) -> list[int]:
 def plot_command(model, knob, gpu_name, memory, values, output, headroom, trust_remote_code, **options):
     """Peak allocated / reserved / device total and the need the fit test uses against batch_size, seq_len or
     lora_r, with the card's memory and budget, the range that fits shaded and the largest value that fits."""
-    from memplan.gpus import detect_gpus, resolve_gpu
-    from memplan.model.catalog import load_spec
 
     setup = setup_from_options(options)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
@@ -50,7 +51,6 @@ def plot_command(model, knob, gpu_name, memory, values, output, headroom, trust_
     if gpu and not values:
         points = trim(points, budget)
     if all(e is None for _, e in points):  # re-run one to raise the estimator's own reason
-        from memplan.estimator.breakdown import estimate
         estimate(spec, dataclasses.replace(setup, **{knob: xs[0]}))
     best = largest_fitting_value(spec, setup, knob, budget) if gpu else None
     written = save_figure(curve_figure(points, knob, gpu, best, headroom), output)

@@ -15,6 +15,9 @@ from memplan.errors import BadInput
 from memplan.fileio import write_bytes_atomic
 from memplan.planner.fit_table import largest_fitting
 from memplan.units import GiB
+from memplan.estimator.breakdown import COMPONENTS, estimate
+from memplan.estimator.memory.context import resolve
+from memplan.estimator.phases import inference_phases, training_phases
 
 KNOBS = ("batch_size", "seq_len", "lora_r")
 FORMATS = (".png", ".svg", ".pdf")
@@ -40,9 +43,6 @@ def phase_breakdown(spec, setup) -> dict[str, dict[str, int]]:
     """Phase -> component -> bytes (COMPONENTS order): the estimator's phases plus the device-only terms the
     Estimate reports at its peak (reserve, paged optimizer state, CUDA context). The allocated components of a
     phase sum to Estimate.phases[phase]; the peak phase's bar sums to Estimate.device_total_bytes."""
-    from memplan.estimator.breakdown import COMPONENTS, estimate
-    from memplan.estimator.phases import inference_phases, training_phases
-    from memplan.estimator.memory.context import resolve
 
     ctx = resolve(spec, setup)
     phases = training_phases(ctx) if setup.mode == "train" else inference_phases(ctx)

@@ -7,6 +7,11 @@ from rich.table import Table
 
 from memplan.planner.budget import need_bytes
 from memplan.units import GiB, fmt_count
+from memplan.measure.gate import error_text, summary
+from memplan.planner.explain import describe
+from memplan.planner.export import launcher_paths
+from memplan.setup import sharding_label
+from memplan.tracer.training import comparable_estimate_bytes
 
 
 def _gib(n: float) -> str:
@@ -33,7 +38,6 @@ def estimate_table(e) -> Table:
     what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
             + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""))
     if s.sharding != "none":
-        from memplan.setup import sharding_label
         what += f" · per GPU: {sharding_label(s)}"
     t = Table(title=f"{e.model}\n{what}", title_justify="left")
     t.add_column("component")
@@ -155,7 +159,6 @@ def replay_line(r: dict) -> str:
 
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
     """The chosen setup with its breakdown, the budget, and the alternatives with why each lost."""
-    from memplan.planner.explain import describe
 
     console = console or Console()
     g = plan.gpu
@@ -193,7 +196,6 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
     if written:
         console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")
         if plan.setup.sharding != "none":
-            from memplan.planner.export import launcher_paths
             acc, ds = launcher_paths(written)
             extra = f" and {ds}" if plan.setup.engine == "deepspeed" else ""
             console.print(f"wrote {acc}{extra}: accelerate launch --config_file {acc} "
@@ -243,7 +245,6 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
 
 def validation_rows(m, est) -> list[dict]:
     """Predicted vs measured for each quantity the measurement has (CPU: allocated less the cuBLAS workspace)."""
-    from memplan.tracer.training import comparable_estimate_bytes
     cpu = m.device == "cpu"  # the tracer's accounting: live tensors, no allocator blocks
     pairs = [("peak allocated", "peak_tensor_bytes" if cpu else "peak_allocated_bytes",
               comparable_estimate_bytes(est) if cpu else est.peak_allocated_bytes, m.allocated_bytes),
@@ -282,7 +283,6 @@ def print_check(result, report_path: str, console: Console | None = None) -> Non
     t.add_column("quantity", overflow="fold", max_width=12)
     for col in ("meas", "pred", "error", "tol"):
         t.add_column(col, justify="right", no_wrap=True)
-    from memplan.measure.gate import error_text, summary
 
     style = {"fail": "red", "pass": "green", "info": "yellow", "skip": "dim"}
     notes = []

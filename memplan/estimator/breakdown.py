@@ -17,6 +17,8 @@ from memplan.estimator.memory.context import Ctx, resolve, reties_head
 from memplan.estimator.phases import inference_phases, sharded_phases, training_phases
 from memplan.setup import Setup, sharding_label
 from memplan.model.spec import ModelSpec
+from memplan.gpus import assume_gpu
+from memplan.model.catalog import load_spec
 
 #: display order of components; device-only terms last.
 COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
@@ -89,8 +91,6 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
     if isinstance(model, ModelSpec):
         spec = model
     else:
-        from memplan.model.catalog import load_spec
-
         spec = load_spec(model)
     if setup is None:
         setup = Setup(**fields)
@@ -106,7 +106,6 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
 def estimator_for(gpu):
     """estimate() as for `gpu` (its architecture sets the cuBLAS workspace: memory.overhead); fit, plan and doctor
     estimate through it for the card they plan for."""
-    from memplan.gpus import assume_gpu
 
     def run(model, setup: Setup | None = None, **fields) -> Estimate:
         with assume_gpu(gpu):

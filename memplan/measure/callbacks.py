@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 
 from memplan.setup import Setup
+from memplan.estimator.breakdown import estimate
+from memplan.measure.rows import append_row, environment, make_row
 
 try:  # a TrainerCallback when transformers is installed (always, with memplan's dependencies)
     from transformers import TrainerCallback as _Base
@@ -29,7 +31,6 @@ class MemoryCallback(_Base):
 
     def __init__(self, model: str, setup: Setup, out: str | Path | None = None, tolerance: float = 0.05,
                  card_bytes: int | None = None, source: str = "memplan.measure.callbacks.MemoryCallback"):
-        from memplan.estimator.breakdown import estimate
         self.model, self.setup, self.out, self.tolerance, self.source = model, setup, out, tolerance, source
         self.estimate = estimate(model, setup)
         self.card_bytes = card_bytes
@@ -106,7 +107,6 @@ class MemoryCallback(_Base):
             return None
         from datetime import datetime, timezone
 
-        from memplan.measure.rows import append_row, environment, make_row
         device = "cuda" if self.peak_allocated else "cpu"
         row = make_row(self.model, self.setup, status=status, error=error, device=device,
                        measured_allocated_bytes=self.peak_allocated or None,

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memplan import libs
-from memplan.errors import MemplanError
 from memplan.gpus import assume_gpu
 from memplan.measure.rows import QUANTITIES, int_or_none, measured_files, read_rows, setup_from_row
 from memplan.units import GiB
+from memplan.errors import MemplanError, BadInput
+from memplan.tracer.training import comparable_estimate_bytes
 
 DEFAULT_TOLERANCE = 0.05
 
@@ -83,7 +84,6 @@ def _tolerance(row: dict, default: float) -> float:
 def _predicted(est, quantity: str, device: str) -> int:
     if quantity == "allocated":
         if device == "cpu":
-            from memplan.tracer.training import comparable_estimate_bytes
             return comparable_estimate_bytes(est)
         return est.peak_allocated_bytes
     return est.peak_reserved_bytes if quantity == "reserved" else est.device_total_bytes
@@ -158,7 +158,6 @@ def check(paths, tolerance: float = DEFAULT_TOLERANCE, measure: str = "allocated
     if estimator is None:
         from memplan.estimator.breakdown import estimate as estimator
     if measure not in QUANTITIES:
-        from memplan.errors import BadInput
         raise BadInput(f"measure must be one of {', '.join(QUANTITIES)}, got {measure!r}")
     out = []
     for f in measured_files(paths):

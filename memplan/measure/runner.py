@@ -25,6 +25,13 @@ from dataclasses import asdict
 from memplan.errors import BadInput
 from memplan.measure.meter import CudaMeter, Measurement
 from memplan.setup import Setup
+from memplan.gpus import find_gpu
+from memplan.measure.rows import environment
+from memplan.model.catalog import config_dict, load_spec
+from memplan.model.compat import check_setup
+from memplan.runtime.emulate.cuda import cuda_like
+from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
 DEFAULT_STEPS = 3
 _MARK = "MEMPLAN-VALIDATE-RESULT "
@@ -72,9 +79,6 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
             memory_fraction: float | None = None, emulate_bytes: int | None = None,
             shared_gpu: bool = False) -> Measurement:
     """Run `setup` on `model_id` in this process and measure it (validate() runs this in a subprocess)."""
-    from memplan.measure.rows import environment
-    from memplan.model.compat import check_setup
-    from memplan.model.catalog import config_dict, load_spec
 
     spec = load_spec(model_id)
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
@@ -90,7 +94,6 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
 def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_gpu=False) -> Measurement:
     import torch
 
-    from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
     meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
     try:
         model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"))
@@ -109,11 +112,6 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
 def _measure_cpu(spec, setup, steps) -> Measurement:
     """The tracer's real-tensor accounting (storages rounded to 512 B like the CUDA allocator's smallest block)."""
     import contextlib
-
-    from memplan.model.catalog import config_dict
-    from memplan.runtime.emulate.cuda import cuda_like
-    from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
-    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     tracker = StorageTracker()
     model = build_model(spec, setup, None, config_dict(spec))
@@ -153,7 +151,6 @@ def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEF
         require_cuda()
     emulate_bytes = None
     if emulate:
-        from memplan.gpus import find_gpu
         emulate_bytes = find_gpu(emulate).memory_bytes
     job = {"model": model_id, "setup": setup.to_dict(), "device": device, "steps": steps,
            "memory_fraction": memory_fraction, "emulate_bytes": emulate_bytes, "shared_gpu": shared_gpu}

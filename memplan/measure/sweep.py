@@ -28,6 +28,7 @@ from pathlib import Path
 from memplan.errors import BadInput, SetupError
 from memplan.measure.rows import SETUP_FIELDS, append_row, done_keys, make_row, row_key
 from memplan.setup import Setup
+from memplan.measure.runner import validate
 
 _KEYS = {"model", "models", "base", "matrix", "include", "exclude", "emulate", "steps"}
 
@@ -108,8 +109,6 @@ def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int
     on_done(job, measurement) after each row is written (progress); `notes` goes into every row's notes column.
     Returns counts: run, skipped_done, by status."""
     if runner is None:
-        from memplan.measure.runner import validate
-
         def runner(model, setup, device, steps, emulate, timeout):
             return validate(model, setup, device=device, steps=steps, emulate=emulate, timeout=timeout)
     done = done_keys(out)

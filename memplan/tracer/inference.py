@@ -16,6 +16,10 @@ import traceback
 
 from memplan.errors import TraceFailed
 from memplan.setup import Setup
+from memplan.model.catalog import config_dict
+from memplan.runtime.emulate.cuda import cuda_like
+from memplan.runtime.steps import library_failures, build_model, inference_loop, materialize
+from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
 
 def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
@@ -26,7 +30,6 @@ def inference_events(spec, setup: Setup) -> list[tuple[int, int, str]]:
 
 def inference_trace(spec, setup: Setup):
     """The StorageTracker of validate's inference run (peaks per phase, weights tagged, every event kept)."""
-    from memplan.runtime.steps import library_failures
     with library_failures(f"the traced inference of {spec.model_id}",
                           "A limit of the tracer (fake tensors on the CPU read no device values)"):
         return _traced(spec, setup)
@@ -35,11 +38,6 @@ def inference_trace(spec, setup: Setup):
 def _traced(spec, setup: Setup):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.generation import utils as generation
-
-    from memplan.runtime.emulate.cuda import cuda_like
-    from memplan.model.catalog import config_dict
-    from memplan.runtime.steps import build_model, inference_loop, materialize
-    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     if not hasattr(generation, "StopCheck"):
         raise TraceFailed("this transformers release decides generate()'s stop inside its loop on the device; the "

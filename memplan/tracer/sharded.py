@@ -28,6 +28,10 @@ from memplan.errors import BadInput
 from memplan.setup import FSDP_SHARDINGS, Setup
 from memplan.tracer.training import TraceResult, extrapolate, result_from, run
 from memplan.runtime.tracker import StorageTracker, dispatch_mode, round_block
+from memplan.estimator.launch import deepspeed_config
+from memplan.model.catalog import config_dict, load_spec
+from memplan.model.compat import check_setup
+from memplan.runtime.steps import cut_config, build_model, make_batch, make_optimizer, materialize
 
 
 class ShardedTracker(StorageTracker):
@@ -118,9 +122,6 @@ def _sharder(setup: Setup, mesh, tracker: ShardedTracker):
 def trace_sharded(model, setup: Setup, layers: int | None = None, steps: int = 2) -> TraceResult:
     """Trace rank 0 of an FSDP setup (sharding fsdp-full-shard or fsdp-shard-grad-op, no offload, no quantization)
     on fake tensors. layers: trace N and N+1 blocks and extrapolate to the full depth (as memplan.tracer.training)."""
-    from memplan.model.compat import check_setup
-    from memplan.model.catalog import config_dict, load_spec
-    from memplan.runtime.steps import cut_config
 
     spec = load_spec(model)
     problems = []
@@ -234,9 +235,6 @@ def _fresh_deepspeed_groups():
 def _run_deepspeed(spec, setup: Setup, d: dict, layers: int | None, steps: int) -> StorageTracker:
     import torch
 
-    from memplan.estimator.launch import deepspeed_config
-    from memplan.runtime.steps import build_model, make_batch, make_optimizer, materialize
-
     tracker = ShardedTracker()
     model = build_model(spec, setup, layers, d)
     with fake_process_group(setup.world_size), _rank_environment(setup.world_size):
@@ -279,10 +277,6 @@ def trace_deepspeed(model, setup: Setup, layers: int | None = None, steps: int =
 
 
 def _trace_deepspeed_here(model, setup: Setup, layers: int | None, steps: int) -> TraceResult:
-    from memplan.model.compat import check_setup
-    from memplan.model.catalog import config_dict, load_spec
-    from memplan.runtime.steps import cut_config
-
     spec = load_spec(model)
     if setup.engine != "deepspeed" or setup.offload != "none" or setup.quant or setup.mode != "train" or steps < 2:
         raise BadInput("trace_deepspeed traces ZeRO-1/2/3 training (no offload, no quantized base, >= 2 steps)")

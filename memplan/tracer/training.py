@@ -31,6 +31,9 @@ from memplan.runtime.allocator import need_and_replay
 from memplan.runtime.tracker import CATEGORIES, StorageTracker, dispatch_mode, pack_hooks, watch_blocks
 from memplan.runtime.steps import (build_model, cut_config, library_failures, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
+from memplan.model.catalog import config_dict, load_spec
+from memplan.model.compat import check_setup
+from memplan.tracer.inference import inference_trace
 
 PHASES = TRAIN_PHASES
 
@@ -135,8 +138,6 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     layers: trace the model cut to `layers` blocks and to `layers + 1`, and extrapolate every per-phase and
     per-category figure linearly to the full depth (the blocks are identical; stated in the result's notes).
     """
-    from memplan.model.compat import check_setup
-    from memplan.model.catalog import config_dict, load_spec
 
     spec = load_spec(model)
     setup = setup or Setup(**fields)
@@ -168,8 +169,6 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
 
 def _inference(spec, setup: Setup, layers: int | None, total_layers: int) -> TraceResult:
     """validate's prefill and generate() traced whole on fake tensors (memplan.tracer.inference), and replayed."""
-    from memplan.model.compat import check_setup
-    from memplan.tracer.inference import inference_trace
     check_setup(spec, setup)
     t = inference_trace(spec, setup)
     result = result_from(spec, setup, t, None, total_layers)
