@@ -1,6 +1,10 @@
-"""What a model's MLP activation function saves for backward and returns, measured on fake tensors when its inventory
-is built (memplan.inventory.probes.read): Python compositions (gelu_new, xIELU) keep intermediates one ATen op does not, and
-under CUDA autocast their fp32 ops change what they keep and return."""
+"""What a model's MLP activation function saves for backward and returns, measured on fake tensors when its
+inventory is built (memplan.inventory.probes.read).
+
+Python compositions (gelu_new, xIELU) keep intermediates that one ATen op does not, and under CUDA autocast their
+fp32 ops change what they keep and return. Every probe returns its default when the activation cannot run on fake
+tensors.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,22 +13,29 @@ from memplan.model.spec import ACT_CASES
 
 
 def act_saves(name: str) -> tuple[float, ...]:
-    """Bytes per element of its input that the activation function `name` (transformers ACT2FN) saves for backward,
-    its input included, measured by running it on fake CPU tensors under saved_tensors_hooks, per ACT_CASES: 16-bit and
-    fp32 input, without and with autocast (CUDA autocast's fp32 ops, memplan.runtime.emulate.autocast; an fp32 input under autocast
-    is QLoRA's, whose bitsandbytes layers return fp32), its own parameters frozen or trained (xIELU's alphas train
-    with a fully trained MLP). One ATen op (silu, gelu, relu) saves its input only; Python compositions keep their
-    intermediates: gelu_new 4 tensors (8/16/14/16 bytes: pow runs in fp32 under CUDA autocast), gelu_fast 7,
-    quick_gelu 2, Apertus' xIELU 7/13/11/13 frozen, 9/17/15/17 trained (an Apertus-shaped config full bf16 -5.7% when
-    taken for one op). () for a name ACT2FN does not know or a function that does not run on fake tensors."""
+    """Bytes per input element that the activation `name` (transformers ACT2FN) saves for backward, input included.
+
+    One ATen op (silu, gelu, relu) saves its input only; Python compositions keep their intermediates: gelu_new 4
+    tensors (8/16/14/16 bytes: pow runs in fp32 under CUDA autocast), gelu_fast 7, quick_gelu 2, Apertus' xIELU
+    7/13/11/13 with its alphas frozen, 9/17/15/17 trained (they train with a fully trained MLP).
+
+    Measured by running it on fake CPU tensors under saved_tensors_hooks, per ACT_CASES: 16-bit and fp32 input,
+    without and with autocast (CUDA autocast's fp32 ops, memplan.runtime.emulate.autocast; an fp32 input under
+    autocast is QLoRA's, whose bitsandbytes layers return fp32), its own parameters frozen or trained.
+
+    Returns:
+        One value per ACT_CASES entry; () for a name ACT2FN does not know.
+    """
     return tuple(saved for saved, _ in _measure(name))
 
 
 def act_out_bytes(name: str) -> tuple[float, ...]:
-    """Bytes per element of what the activation returns, per ACT_CASES: under CUDA autocast a Python composition
-    whose fp32 op (gelu_new's pow) promotes the result returns fp32 from a 16-bit input, which a gated MLP's product
-    then saves (T5 v1.1, flan-t5, mT5, UMT5: `hidden_gelu * hidden_linear`). Found by the tracer: flan-t5-xl LoRA
-    bf16-mixed b8 s512, -4.1% with act(gate) counted in the compute dtype. () where act_saves is."""
+    """Bytes per element of what the activation `name` returns, per ACT_CASES.
+
+    Under CUDA autocast a Python composition whose fp32 op (gelu_new's pow) promotes the result returns fp32 from a
+    16-bit input, which a gated MLP's product then saves (T5 v1.1, flan-t5, mT5, UMT5: `hidden_gelu * hidden_linear`).
+    Measured like act_saves; () where act_saves is.
+    """
     return tuple(out for _, out in _measure(name))
 
 

@@ -1,7 +1,10 @@
 """Facts about a model's eager attention, read from its modeling code as installed when its inventory is built
-(memplan.inventory.probes.read): whether the softmax runs in fp32, which score-sized tensors stay named while it runs, and
-whether each layer hands its attention probabilities back to the model's loop. memplan.estimator.memory.forward_block turns
-them into the bytes an eager attention holds at once in the forward."""
+(memplan.inventory.probes.read).
+
+They say whether the softmax runs in fp32, which score-sized tensors stay named while it runs, and whether each
+layer hands its attention probabilities back to the model's loop. memplan.estimator.memory.forward_block turns them
+into the bytes an eager attention holds at once in the forward.
+"""
 from __future__ import annotations
 
 import re
@@ -21,20 +24,22 @@ _RETURNS_PROBS = re.compile(r"^\s*return\s+[^\n]*\b(\w*attn_weights|\w*attention
 
 
 def eager_facts(model) -> dict:
-    """The Arch fields this module reads for `model` (the language model whose layers they are about)."""
+    """The Arch fields this module reads for `model` (the language model whose layers they are about).
+
+    eager_softmax_fp32: whether the eager softmax runs in fp32 (fp32 probabilities plus a compute-dtype copy). Llama
+    and the families generated from it do; GPT-2, BERT, BART, T5 (5.15 on) and Falcon do not. Read from the source
+    (_eager_source); without source, Llama's fp32 softmax, the common case.
+    """
     source = _eager_source(model)
     return dict(eager_softmax_fp32=True if source is None else bool(_FP32_SOFTMAX.search(source)),
                 eager_held=eager_held(source), returns_attn_probs=returns_attn_probs(model))
 
 
 def _eager_source(model) -> str | None:
-    """The module's `eager_attention_forward`, or where a family has none (Falcon, BLOOM, GPT-J) the source of its
-    attention classes; None without source (a frozen or compiled module).
+    """The source of the model module's `eager_attention_forward`, or of its attention classes where it has none.
 
-    eager_softmax_fp32 (from it): whether the eager softmax runs in fp32 (fp32 probabilities plus a compute-dtype
-    copy). Llama and the families generated from it do; GPT-2, BERT, BART, T5 (5.15 on) and Falcon do not. A list of
-    families missed every new one: Gemma-3, Qwen2-MoE, Qwen3 and the other shapes in benchmarks/shapes (pure bf16
-    eager: a Gemma-3-shaped config LoRA b2 s512 -11.1%). Without source: Llama's fp32 softmax, the common case."""
+    Falcon, BLOOM and GPT-J have no `eager_attention_forward`. None without source (a frozen or compiled module).
+    """
     import inspect
     import sys
 
@@ -50,14 +55,22 @@ def _eager_source(model) -> str | None:
 
 
 def eager_held(source: str | None) -> tuple[bool, bool, bool]:
-    """(scores held, sum held, cast back): whether the eager attention keeps its raw q-times-k scores named while the
-    softmax runs (Falcon's `softmax(attention_scores + attention_mask, ...)` sums inside the call; BLOOM views its
-    scores under another name and sums that), whether the masked sum it hands the softmax stays named past it (BLOOM
-    assigns the probabilities to a name of their own), and whether the probabilities are cast back to q's or v's
-    dtype right after (Llama's `.to(query.dtype)`, GPT-2's `.type(value.dtype)`; BERT, T5 and Falcon do not). Llama
-    and every family generated from it reassign one name from the scores to the probabilities, so each is freed when
-    the next is made: (False, False, True), also without source. Found by the tracer: falcon-7b QLoRA eager b8 s1024
-    checkpointed, -5.7% at the forward's peak."""
+    """Which score-sized tensors an eager attention keeps named around its softmax, read from its source.
+
+    A named tensor stays alive until its name is reassigned. Llama and every family generated from it reassign one
+    name from the scores to the probabilities, so each is freed when the next is made.
+
+    Returns:
+        (scores held, sum held, cast back):
+        - scores held: the raw q-times-k scores stay named while the softmax runs (Falcon's
+          `softmax(attention_scores + attention_mask, ...)` sums inside the call; BLOOM views its scores under
+          another name and sums that);
+        - sum held: the masked sum handed to the softmax stays named past it (BLOOM assigns the probabilities to a
+          name of their own);
+        - cast back: the probabilities are cast to q's or v's dtype right after (Llama's `.to(query.dtype)`,
+          GPT-2's `.type(value.dtype)`; BERT, T5 and Falcon do not).
+        (False, False, True) for Llama's pattern, also without source.
+    """
     if not source:
         return False, False, True
     scores, call = _SCORES.search(source), _SOFTMAX.search(source)
@@ -74,10 +87,14 @@ def eager_held(source: str | None) -> tuple[bool, bool, bool]:
 
 
 def returns_attn_probs(model) -> bool:
-    """Whether the model's decoder layer returns its attention probabilities whatever output_attentions says
-    (transformers 5 FalconDecoderLayer, BloomBlock: `return output, attn_weights`): the model's loop holds the
-    previous layer's outputs until the next layer returns, so an eager layer's probabilities live through the next
-    layer's attention. Read from the forward of the model's first block."""
+    """Whether the model's decoder layer returns its attention probabilities whatever output_attentions says.
+
+    The model's loop holds the previous layer's outputs until the next layer returns, so an eager layer's
+    probabilities live through the next layer's attention. Example: transformers 5 FalconDecoderLayer and BloomBlock
+    (`return output, attn_weights`).
+
+    Read from the source of the forward of the model's first block.
+    """
     import inspect
 
 

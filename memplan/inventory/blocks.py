@@ -1,19 +1,29 @@
-"""Facts about a model's blocks read by running their modules (memplan.inventory.build): the order an MLP runs its children
-in (its own Dropout between the projections), whether the norm centres, what a MoE router saves for its weight's
-gradient. Like memplan.inventory.probes, they follow the installed transformers and cover families no hand-kept list names."""
+"""Facts about a model's blocks, read by running their modules (memplan.inventory.build).
+
+Examples: the order an MLP runs its children in (its own Dropout between the projections), whether the norm centres,
+what a MoE router saves for its weight's gradient. Like memplan.inventory.probes, they follow the installed
+transformers and cover families no hand-kept list names.
+
+Every probe returns its default when the model cannot run the probe on meta tensors.
+"""
 from __future__ import annotations
 
 from memplan.inventory.modules import BLOCK_PATH, block_module, block_norm, is_norm_module
 
 
 def mlp_dropout(model, linears) -> float:
-    """The rate of a Dropout module the MLP runs between its first projection and its output projection (T5's
-    T5DenseActDense / T5DenseGatedActDense: `self.dropout` before `wo`, in every family copied from it), found by
-    running the module that holds the first block's output projection on meta and recording the order its children
-    run in. GPT-2's MLP runs its Dropout after c_proj (the residual dropout, not this one). 0.0 where there is none or
-    the module does not run on its hidden state alone (BART's layer applies activation_dropout functionally; its config
-    names it: configfacts.act_dropout). A list of families ({t5, mt5}) missed UMT5's: a UMT5-shaped config, full bf16
-    b2 s512, -1.9% (12 [b, s, d_ff] dropout masks)."""
+    """Dropout rate applied inside the MLP, between its input and output projections.
+
+    Example: T5's `T5DenseActDense` / `T5DenseGatedActDense` (and every family copied from them) run `self.dropout`
+    before `wo`. GPT-2's dropout after `c_proj` is the residual dropout and is not counted here.
+
+    Read by running the module that holds the first block's output projection on meta tensors and recording the
+    order its children run.
+
+    Returns:
+        The rate; 0.0 if there is none, or if the MLP cannot run on its hidden state alone (BART applies activation
+        dropout functionally: configfacts.act_dropout).
+    """
     import torch
     from torch import nn
 
@@ -42,9 +52,15 @@ def mlp_dropout(model, linears) -> float:
 
 
 def norm_centres(model, hidden: int) -> bool | None:
-    """Whether the model's normalisation layer subtracts the mean (LayerNorm) or not (RMSNorm, T5's and every copy's
-    *LayerNorm*): run on the CPU with unit parameters, a centring norm gives the same output for x and x + 3. None
-    where the norm does not run on its input alone (the class name decides: memplan.inventory.build)."""
+    """Whether the model's normalisation layer subtracts the mean (LayerNorm) or not (RMSNorm).
+
+    T5's `T5LayerNorm` and every copy of it do not centre, whatever the class name says. Read by running the norm on
+    the CPU with unit parameters: a centring norm gives the same output for x and x + 3.
+
+    Returns:
+        True or False; None where the norm does not run on its input alone (then memplan.inventory.build decides by
+        the class name).
+    """
     import copy
 
     import torch
@@ -64,12 +80,17 @@ def norm_centres(model, hidden: int) -> bool | None:
 
 
 def router_copy(model, hidden: int) -> float:
-    """Bytes per hidden element a MoE router module (a *Router with an [experts, hidden] weight applied by F.linear,
-    transformers 5) saves for its weight's gradient as a copy of its own, given a 16-bit input without autocast: run
-    once on meta with the weight and the input requiring grad. 0.0 where it saves the input itself (Qwen3-MoE, Mixtral,
-    OLMoE: `F.linear(hidden_states, self.weight)`), 4.0 where it upcasts first (DeepSeek-V3, dots1:
-    `F.linear(hidden_states.type(torch.float32), ...)`; found by the tracer: a DeepSeek-V3-shaped config, full bf16 b2
-    s512, 2 MiB per block uncounted). 0.0 without a router or where it does not run on meta."""
+    """Bytes per hidden element a MoE router saves for its weight's gradient as a copy of its own, from a 16-bit input.
+
+    A transformers 5 router (a *Router module with an [experts, hidden] weight applied by F.linear) either saves its
+    input itself (Qwen3-MoE, Mixtral, OLMoE: `F.linear(hidden_states, self.weight)`) or upcasts first and saves the
+    fp32 copy (DeepSeek-V3, dots1: `F.linear(hidden_states.type(torch.float32), ...)`).
+
+    Read by running the router once on meta tensors, without autocast, with its weight and input requiring grad.
+
+    Returns:
+        0.0 where it saves the input itself or there is no router; 4.0 where it upcasts first.
+    """
     import copy
 
     import torch
@@ -96,17 +117,18 @@ def router_copy(model, hidden: int) -> float:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mod(x)
-    except Exception:  # a router that needs more than its input: it saves the input itself
+    except Exception:  # taken to save the input itself
         return 0.0
     return sum(saved.values()) / (rows * hidden)
 
 
 def single_norm_block(model, hidden: int) -> bool:
-    """A block that normalises its input once for both its attention and its MLP, which then read one normed tensor
-    (parallel attention and MLP: GPT-J, Phi, CodeGen, Cohere, Cohere2): one hidden-size norm module in the model's
-    second block (the first may leave one out: ModernBERT's first attn_norm is an Identity); sequential blocks hold
-    two or more (parameter-free ones counted). A list of families (phi, gptj, cohere) missed Cohere2: a Cohere2-shaped
-    config LoRA q,v bf16 eager b2 s512 +1.4% with its first block's MLP counted (it records nothing there)."""
+    """Whether a block normalises its input once for both its attention and its MLP, which then read one normed tensor.
+
+    Parallel attention and MLP (GPT-J, Phi, CodeGen, Cohere, Cohere2) hold one hidden-size norm module per block;
+    sequential blocks hold two or more (parameter-free ones counted). The model's second block is read, as the first
+    may leave one out (ModernBERT's first attn_norm is an Identity).
+    """
     block = block_module(model, 1) or block_module(model, 0)
     if block is None:
         return False
@@ -120,14 +142,17 @@ class _Seen(Exception):
 
 
 def attention_output_copied(model, hidden: int) -> bool:
-    """Whether the fused kernel's output comes out heads-first, so that sdpa_attention_forward's
-    `transpose(1, 2).contiguous()` copies it (a trained output projection then saves that copy beside the kernel's
-    own): the kernels lay their output out like q, and q reaches them as a new heads-first tensor where the attention
-    concatenates a rotated part with the rest (GPT-NeoX, StableLM, Phi, Phi-3: `torch.cat((query_rot, query_pass))`)
-    or MLA's parts (DeepSeek-V2/V3), not where Llama's elementwise rotation keeps the projection's sequence-first
-    layout. Read by running the first block's attention on meta up to the attention function (a spy in place of
-    sdpa's, which reads q's layout); False where it does not run so. Found by the tracer: GPT-NeoX- and
-    StableLM-shaped configs, full bf16 b2 s512 -0.8%, one [tokens, hidden] copy per block."""
+    """Whether the fused attention kernel's output comes out heads-first, so that sdpa_attention_forward copies it.
+
+    The copy is its `transpose(1, 2).contiguous()`, which a trained output projection saves beside the kernel's own
+    output. The kernels lay their output out like q, and q reaches them as a new
+    heads-first tensor where the attention concatenates a rotated part with the rest (GPT-NeoX, StableLM, Phi,
+    Phi-3: `torch.cat((query_rot, query_pass))`) or MLA's parts (DeepSeek-V2/V3); Llama's elementwise rotation keeps
+    the projection's sequence-first layout.
+
+    Read by running the first block's attention on meta tensors up to the attention function, with a spy in place of
+    sdpa's that reads q's layout.
+    """
     import copy
 
     import torch
@@ -167,13 +192,17 @@ def attention_output_copied(model, hidden: int) -> bool:
 
 
 def post_norm_blocks(model) -> bool:
-    """The blocks normalise after each sublayer (post-LN: BERT, BART, Marian, DeBERTa, ELECTRA, MPNet, DistilBERT): the
-    first block runs a projection before any norm, and no norm follows the last block inside the base model (only
-    embedding norms outside the blocks; a head's own norm, BERT's MLM transform, is outside the base model). Both
-    must hold: OLMo2 runs its attention before a norm but ends with a final norm (its norms sit inside the residual
-    branches); pre-LN stacks start with a norm. The order is read with hooks on meta, the first call deciding
-    (whatever the block then needs, the call may stop there). A list (bert, bart, roberta) missed Marian, XLM-R,
-    DistilBERT, DeBERTa-v2, ELECTRA and MPNet: a Marian-shaped config LoRA bf16 -0.33%."""
+    """Whether the blocks normalise after each sublayer (post-LN).
+
+    Post-LN families: BERT, BART, Marian, DeBERTa, ELECTRA, MPNet, DistilBERT. Both must hold: the first block runs
+    a projection before any norm, and no norm follows the last block inside the base model (only embedding norms sit
+    outside the blocks; a head's own norm, BERT's MLM transform, is outside the base model). OLMo2 runs its attention
+    before a norm but ends with a final norm (its norms sit inside the residual branches); pre-LN stacks start with a
+    norm.
+
+    Read with forward pre-hooks on meta tensors: the first module called decides, so the call may stop there
+    whatever the block needs next.
+    """
     import torch
 
     base = getattr(model, "base_model", model)
@@ -206,11 +235,15 @@ def post_norm_blocks(model) -> bool:
 
 
 def residual_dropouts(model, hidden: int) -> int | None:
-    """How many hidden-size dropouts one block runs (its sublayers' outputs: BERT's and GPT-2's two, DistilBERT's one,
-    after its MLP alone), counted by running the first block on meta in training mode under a dispatch mode that sees
-    each `native_dropout` of a [tokens, hidden] tensor. None where the block does not run on its hidden state alone
-    (then two are assumed) or has no dropout. Found by the tracer: a DistilBERT-shaped config, +0.5 MiB per block
-    at b2 s512 with two counted."""
+    """How many hidden-size dropouts one block runs on its sublayers' outputs.
+
+    BERT and GPT-2 run two; DistilBERT one, after its MLP alone. Counted by running the first block on meta tensors
+    in training mode under a dispatch mode that sees each dropout of a [tokens, hidden] tensor.
+
+    Returns:
+        The count; None where the block has no dropout or does not run on its hidden state alone (the estimator
+        then assumes two).
+    """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -240,8 +273,10 @@ def residual_dropouts(model, hidden: int) -> int | None:
 
 
 def _other_arguments(block) -> dict:
-    """The block's other required arguments, None each (BART's and Marian's attention_mask and layer_head_mask), so that
-    it runs on its hidden state alone."""
+    """The block's other required arguments, None each, so that it runs on its hidden state alone.
+
+    Example: BART's and Marian's attention_mask and layer_head_mask.
+    """
     import inspect
 
     params = list(inspect.signature(block.forward).parameters.values())[1:]

@@ -16,9 +16,6 @@ from memplan.errors import BadInput
 from memplan.model.layout import BLOCK_INDEX, slot
 from memplan.model.spec import Arch, Buffer, Linear, ModelSpec, Param
 
-#: the names transformers gives a model's ModuleList of blocks (GPT-2 h, T5 block, BERT layer, Llama layers, ALBERT
-#: albert_layers: the one shared layer, run num_hidden_layers times - Arch.block_runs)
-
 
 def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_remote_code: bool = False) -> ModelSpec:
     """Instantiate `config_dict` on the meta device and record its exact inventory."""
@@ -105,8 +102,7 @@ def _params(model, torch):
     for mname, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
             owners.setdefault(f"{mname}.{pname}" if mname else pname, module)
-    # a tied weight takes the input embedding's name, the head's is the alias, even where the head comes first
-    # (XLMRobertaForMaskedLM: the head counted as untied and the tracer untied it, XLM-R-shaped bf16-mixed -23%)
+    # a tied weight takes the input embedding's name, even where the head comes first (XLMRobertaForMaskedLM)
     emb = model.get_input_embeddings()
     canonical = {id(emb.weight): _module_name(model, emb) + ".weight"} if hasattr(emb, "weight") else {}
     seen, params, tied = {}, [], []
@@ -122,10 +118,15 @@ def _params(model, torch):
 
 
 def _honour_untied_file(d: dict, model, params, tied):
-    """transformers 5.23 ties T5/mT5 embeddings even when the config file says tie_word_embeddings: false
-    (SOURCES.md: flan-t5-xl, T0_3B, mt0-xxl would undercount by vocab x d_model). Follow the file: the checkpoint
-    ships a separate lm_head. -> (params, tied, the tensor a resize ties that head to again: Arch.retie_on_resize,
-    "" where nothing was untied)."""
+    """Untie the output embedding where the config file says tie_word_embeddings: false.
+
+    transformers 5.23 ties T5/mT5 embeddings even then, but such a checkpoint ships a separate lm_head (flan-t5-xl,
+    T0_3B, mt0-xxl: SOURCES.md), so tying would undercount by vocab x d_model. The file is followed.
+
+    Returns:
+        (params, tied, the tensor a resize ties that head to again: Arch.retie_on_resize, "" where nothing was
+        untied).
+    """
     if d.get("tie_word_embeddings", True) is not False:
         return params, tied, ""
     out = model.get_output_embeddings()
@@ -169,7 +170,7 @@ def _intermediate(config, linears, hidden: int) -> int:
 
 def _fused_glu(config, m) -> bool:
     """One Linear computing gate and up together: Phi-3's gate_up_proj, or any MLP input twice the config's
-    intermediate size (ModernBERT's Wi, chunked into input and gate: taken for a plain MLP twice as wide, -4.8%)."""
+    intermediate size (ModernBERT's Wi, chunked into input and gate)."""
     return m.short_name == "gate_up_proj" or m.out_features == 2 * (getattr(config, "intermediate_size", 0) or 0)
 
 
@@ -177,10 +178,12 @@ _GATED = {"gate_proj", "wi_0", "w1", "gate_up_proj"}
 
 
 def _block_runs(linears, layers: int) -> int:
-    """How often each parameter block runs: ALBERT's config asks for num_hidden_layers blocks but holds one layer whose
-    parameters every block shares (modeling_albert.py AlbertTransformer: albert_layer_groups[int(i / (layers /
-    groups))] for each of the layers), so the inventory sees one block that runs 12 times. Counted once, an
-    ALBERT-shaped config was 10% to 30% below the tracer."""
+    """How often each parameter block runs in one forward.
+
+    ALBERT's config asks for num_hidden_layers blocks but holds one layer whose parameters every block shares
+    (modeling_albert.py AlbertTransformer: albert_layer_groups[int(i / (layers / groups))] for each of the layers),
+    so the inventory sees one block that runs num_hidden_layers times (12).
+    """
     per_stack: dict = {}
     for m in linears:
         if m.block is not None:
@@ -191,7 +194,7 @@ def _block_runs(linears, layers: int) -> int:
 
 def _norm_kind(body, hidden: int, norms: set[str]) -> str:
     """"rmsnorm" | "layernorm": whether the block's norm centres its input (blockfacts.norm_centres), else its class
-    name (RMS*; a list {T5LayerNorm, MT5LayerNorm} called UMT5's RMS norm a LayerNorm)."""
+    name (RMS*: rmsnorm)."""
     centres = blockfacts.norm_centres(body, hidden)
     if centres is None:
         return "rmsnorm" if any("RMS" in n for n in norms) else "layernorm"
@@ -247,7 +250,7 @@ def _arch(config, d: dict, model, auto_class: str, linears, tied, skipped_layers
         post_norm=getattr(config, "do_layer_norm_before", True) is False or blockfacts.post_norm_blocks(model),
         attn_dropout=float(configfacts.first(config, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
                                   "dropout_rate", default=0.0) or 0.0),
-        # Seed-OSS names its dropout of the attention and MLP outputs residual_dropout (-0.6% before, all setups)
+        # Seed-OSS names its dropout of the attention and MLP outputs residual_dropout
         hidden_dropout=float(configfacts.first(config, "resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout",
                                     "dropout_rate", "residual_dropout", default=0.0) or 0.0),
         act_dropout=blockfacts.mlp_dropout(model, linears) or configfacts.act_dropout(config),

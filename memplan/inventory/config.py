@@ -1,9 +1,13 @@
-"""Architecture facts read from a model's config alone (memplan.inventory.build builds Arch from these, codefacts and the
-instantiated module tree)."""
+"""Architecture facts read from a model's config alone.
+
+memplan.inventory.build builds Arch from these, the facts read from the model's code (probes, blocks) and the
+instantiated module tree.
+"""
 from __future__ import annotations
 
 
 def first(config, *names, default=None):
+    """The value of the first of `names` the config sets (not None), else `default`."""
     for n in names:
         v = getattr(config, n, None)
         if v is not None:
@@ -12,6 +16,7 @@ def first(config, *names, default=None):
 
 
 def activation(config) -> str:
+    """The MLP activation's ACT2FN name from the config, without a "gated-" prefix."""
     act = first(config, "hidden_act", "activation_function", "dense_act_fn", "hidden_activation", default="gelu")
     return str(act).removeprefix("gated-")
 
@@ -28,8 +33,8 @@ def parallel(config) -> bool:
 
 
 #: config.layer_types values memplan models: attention over the whole sequence, a window or chunks; anything else
-#: (linear_attention: Qwen3-Next's gated DeltaNet, MiniMax's lightning attention; conv: LFM2) is a token mixer whose
-#: activations are not counted (a Qwen3-Next-shaped config traced 55% above the estimate)
+#: (linear_attention: Qwen3-Next's gated DeltaNet, MiniMax's lightning attention; conv: LFM2) is a token mixer the
+#: attention rules do not cover (memplan.inventory.linear_attention measures linear_attention where it can)
 ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
@@ -42,22 +47,29 @@ def sliding_layers(config, layers: int) -> tuple[int, ...]:
 
 
 def kv_heads(config, heads: int) -> int:
-    """K/V heads as the attention holds them (Arch.num_kv_heads)."""
+    """K/V heads as the attention holds them (Arch.num_kv_heads), which is not always the config's count.
+
+    Multi-query attention (falcon-7b, gpt_bigcode) holds one. Falcon-40B/180B (new_decoder_architecture) hold K/V
+    at every query head: FalconAttention._split_heads broadcasts each K/V group to its query heads and forward
+    reshapes them to num_heads (modeling_falcon.py), so sdpa, the saved tensors and the cache see every head.
+    """
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
         return 1  # falcon-7b / gpt_bigcode multi-query attention
     if config.model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
-        # Falcon-40B/180B: FalconAttention._split_heads broadcasts each K/V group to its query heads and forward
-        # reshapes them to num_heads (modeling_falcon.py): sdpa, the saved tensors and the cache hold K/V at every
-        # head. Tracer, a Falcon-40B config cut to 2 blocks, LoRA bf16 b2 s256: +5.7% when counted at 8 heads
+        # Falcon-40B/180B: K/V broadcast to every query head (FalconAttention._split_heads)
         return heads
     return int(first(config, "num_key_value_heads", "num_kv_heads", default=heads) or heads)
 
 
 def mla_dims(config) -> tuple[int, int] | None:
-    """(query/key head size, value head size) of multi-head latent attention (DeepSeek-V2/V3, Mistral-4, Kimi: a
-    config with kv_lora_rank): kv_b_proj expands the latent to every head, k = [k_nope, k_rope] at
-    qk_nope_head_dim + qk_rope_head_dim and v at v_head_dim (modeling_deepseek_v2.py DeepseekV2Attention); their
-    configs' head_dim is the rotary part alone. None for any other attention."""
+    """Head sizes of multi-head latent attention (MLA: DeepSeek-V2/V3, Mistral-4, Kimi; a config with kv_lora_rank).
+
+    kv_b_proj expands the latent to every head, k = [k_nope, k_rope] at qk_nope_head_dim + qk_rope_head_dim and v
+    at v_head_dim (modeling_deepseek_v2.py DeepseekV2Attention); these configs' head_dim is the rotary part alone.
+
+    Returns:
+        (query/key head size, value head size); None for any other attention.
+    """
     if first(config, "kv_lora_rank") is None or first(config, "qk_nope_head_dim") is None:
         return None
     qk = int(config.qk_nope_head_dim) + int(first(config, "qk_rope_head_dim", default=0))
@@ -66,7 +78,7 @@ def mla_dims(config) -> tuple[int, int] | None:
 
 def act_dropout(config) -> float:
     """Dropout on the MLP activation's output as BART-style configs name it (activation_dropout, applied functionally
-    by the layer); an MLP's own Dropout module (T5's) is read from the model: codefacts.mlp_dropout."""
+    by the layer); an MLP's own Dropout module (T5's) is read from the model: blockfacts.mlp_dropout."""
     return float(first(config, "activation_dropout", default=0.0) or 0.0)
 
 

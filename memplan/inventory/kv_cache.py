@@ -1,8 +1,11 @@
 """What a decoder's KV cache holds per token, measured by running its first attention layer on meta tensors when the
-inventory is built (memplan.inventory.build): the cache layout is the modeling code's choice and changes between releases
-(transformers 5.x DeepSeek-V2/V3 cache MLA's compressed latent, kv_lora_rank + qk_rope_head_dim per token in one
-head; 4.x cached the keys and values expanded to every head), so no formula over the config can know it.
-Lazy torch."""
+inventory is built (memplan.inventory.build).
+
+The cache layout is the modeling code's choice and changes between releases (transformers 5.x DeepSeek-V2/V3 cache
+MLA's compressed latent, kv_lora_rank + qk_rope_head_dim per token in one head; 4.x cached the keys and values
+expanded to every head), so no formula over the config can know it. Every probe returns its default when the model
+cannot run the probe on meta tensors. Lazy torch.
+"""
 from __future__ import annotations
 
 import inspect
@@ -17,10 +20,15 @@ class _Seen(Exception):
 
 
 def kv_cache_elems(model, kind: str) -> int:
-    """Elements (keys + values) one decoder layer's cache holds per token, measured on the first layer whose class
-    is an attention: the decoder runs on meta tensors with a DynamicCache until that layer returns. 0 where it
-    cannot be measured (encoders, encoder-decoders, custom caches, a forward that does not run on meta): the caller
-    falls back to 2 x kv_heads x head_dim."""
+    """Elements (keys + values) one decoder layer's cache holds per token.
+
+    Measured on the first layer whose class is an attention: the decoder runs on meta tensors with a DynamicCache
+    until that layer returns.
+
+    Returns:
+        The count; 0 where it is not measured (encoders, encoder-decoders, custom caches), and the caller falls back
+        to 2 x kv_heads x head_dim.
+    """
     if kind != "causal":
         return 0
     import torch
@@ -52,7 +60,7 @@ def kv_cache_elems(model, kind: str) -> int:
             decoder(inputs_embeds=torch.empty(1, _TOKENS, hidden, device="meta"), use_cache=True, **{key: cache})
     except _Seen:
         pass
-    except Exception:  # the decoder does not run on meta: the formula
+    except Exception:  # the caller's formula
         return 0
     finally:
         handle.remove()
@@ -73,11 +81,14 @@ def _layer_elems(cache) -> int:
 
 
 def labels_disable_cache(model) -> bool:
-    """Whether the head turns the cache off when it is given labels (modeling_bart.py BartForConditionalGeneration:
-    `if labels is not None: ... use_cache = False`, copied by mBART, Marian, Pegasus, Blenderbot, PLBart...): a
-    training step, which passes labels, then builds no DynamicCache (inference.training_cache_bytes). Read from the
-    source of the head class's forward. Measured on an H100 (transformers 5.17): bart-large freeze fp32 b8 s512 held
-    3.64 GiB in forward, 0.69 GiB under the count with its training cache (+18%)."""
+    """Whether the head turns the cache off when it is given labels.
+
+    A training step passes labels, so it then builds no DynamicCache (inference.training_cache_bytes). Example:
+    modeling_bart.py BartForConditionalGeneration (`if labels is not None: ... use_cache = False`), copied by mBART,
+    Marian, Pegasus, Blenderbot, PLBart...
+
+    Read from the source of the head class's forward.
+    """
     try:
         source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):

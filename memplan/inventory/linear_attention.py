@@ -1,10 +1,11 @@
-"""Token mixers other than softmax attention, measured when a model's inventory is built (memplan.inventory.probes.read):
-the layers a config's `layer_types` calls `linear_attention` (Qwen3-Next's and Qwen3.5's gated DeltaNet, MiniMax's
-lightning attention). Their activations follow no attention rule: the gated DeltaNet's chunked recurrence
+"""Token mixers other than softmax attention, measured when a model's inventory is built (memplan.inventory.build).
+
+These are the layers a config's `layer_types` calls `linear_attention` (Qwen3-Next's and Qwen3.5's gated DeltaNet,
+MiniMax's lightning attention). Their activations follow no attention rule: the gated DeltaNet's chunked recurrence
 (transformers `torch_chunk_gated_delta_rule`, the path transformers runs without the flash-linear-attention kernels)
-keeps fp32 copies of q, k, v, their chunked products and per-chunk states, about 345 KB per token for a 512-wide
-Qwen3-Next-shaped layer against 10 KB for its attention layer. Unmodelled, a Qwen3-Next-shaped config was -54% on
-the tracer (benchmarks/family_survey.py)."""
+keeps fp32 copies of q, k, v, their chunked products and per-chunk states, far more per token than an attention
+layer. Every probe returns its default when the mixer cannot run on fake tensors.
+"""
 from __future__ import annotations
 
 from memplan.inventory.modules import block_module
@@ -20,24 +21,29 @@ def linear_layers(config) -> tuple[int, ...]:
 
 
 def measure(model, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(saves, work): per LINEAR_CASES, bytes per token the first linear-attention layer's token mixer saves for
-    backward beyond what its Linears save of their inputs (the block's rules count those:
-    memplan.estimator.memory.activations), and what its backward holds beyond what is alive when its forward ends (its saves,
-    output and the output's gradient: the gradients of its fp32 chunked products). Measured by running the mixer
-    forward and backward on fake CPU tensors at 128 and 256 tokens (the slope: the chunked recurrence pads to 64
-    tokens and starts from a zero state, which the difference removes), saves under
-    torch.autograd.graph.saved_tensors_hooks (told apart by storage; parameters and the Linears' inputs left out),
-    the backward under memplan.runtime.tracker's storage accounting; the mixed case under CPU autocast with CUDA's fp32 op
-    list (emulate_autocast.cuda_autocast_fp32). A 512-wide Qwen3-Next-shaped layer: 345 KB saved and 82 KB of backward
-    working memory per token in bf16. ((), ()) where the model has no such layer or its mixer does not run on fake
-    tensors (the estimate then names the layers as not modelled)."""
+    """Bytes per token the first linear-attention layer's token mixer saves for backward and works with in backward.
+
+    Measured by running the mixer forward and backward on fake CPU tensors at 128 and 256 tokens and taking the
+    slope (the chunked recurrence pads to 64 tokens and starts from a zero state, which the difference removes).
+    Saves are read under torch.autograd.graph.saved_tensors_hooks, told apart by storage, with parameters and the
+    Linears' inputs left out; the backward under memplan.runtime.tracker's storage accounting; the mixed case under
+    CPU autocast with CUDA's fp32 op list (memplan.runtime.emulate.autocast.cuda_autocast_fp32).
+
+    Returns:
+        (saves, work), one value each per LINEAR_CASES entry:
+        - saves: what the mixer saves beyond what its Linears save of their inputs (the block's rules count those:
+          memplan.estimator.memory.activations);
+        - work: what its backward holds beyond what is alive when its forward ends (its saves, output and the
+          output's gradient): the gradients of its fp32 chunked products.
+        ((), ()) where the model has no such layer; the estimate then names the layers as not modelled.
+    """
     mixer = _mixer(model, layers)
     if mixer is None:
         return (), ()
     hidden = model.config.get_text_config().hidden_size
     try:
         per_case = [[_run(mixer, hidden, case, tokens) for tokens in (128, 256)] for case in LINEAR_CASES]
-    except Exception:  # noqa: BLE001 - a mixer that needs more than hidden states, or no fake kernel: not measured
+    except Exception:  # noqa: BLE001 - a mixer that needs more than hidden states, or has no fake kernel
         return (), ()
     saves = tuple((b[0] - a[0]) / 128 for a, b in per_case)
     work = tuple(max(b[1] - a[1], 0) / 128 for a, b in per_case)
@@ -117,7 +123,6 @@ def _required_none(mod) -> dict:
 
 def _mixer(model, layers: tuple[int, ...]):
     """The token mixer of the first linear-attention layer: its child named in _MIXERS."""
-
     block = block_module(model, layers[0]) if layers else None
     if block is None:
         return None

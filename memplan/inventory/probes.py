@@ -1,7 +1,10 @@
-"""Facts about a model's memory that live in its transformers (and peft) code rather than its config, read from the
-source of the classes and functions it runs, or measured by running one of its layers on meta tensors, when its
-inventory is built (memplan.inventory.build): they follow the installed release and cover families no hand-kept list
-names."""
+"""Facts about a model's memory that live in its transformers (and peft) code rather than its config.
+
+Read from the source of the classes and functions it runs, or measured by running one of its layers on meta or
+fake tensors, when its inventory is built (memplan.inventory.build): they follow the installed release and cover
+families no hand-kept list names. Every probe returns its default when the model cannot run the probe on meta (or
+fake) tensors.
+"""
 from __future__ import annotations
 
 import re
@@ -13,9 +16,11 @@ from memplan.inventory.modules import BLOCK_PATH, block_module, block_norm, is_n
 
 
 def read(model, model_type: str, hidden: int, activation: str, body=None) -> dict:
-    """Every fact this module reads, as memplan.model.spec.Arch fields, for the inventory of a model built on meta. `body`:
-    the language model whose layers the facts are about (a composite model's; default the model itself); the loss
-    is the head's, peft's conversion the whole model's type."""
+    """Every fact this module reads, as memplan.model.spec.Arch fields, for the inventory of a model built on meta.
+
+    `body` is the language model whose layers the facts are about (a composite model's; default the model itself);
+    the loss is read from the head, peft's conversion from the whole model's type.
+    """
     body = model if body is None else body
     return dict(**eager_facts(body), norm_saves=norm_saves(body, hidden),
                 act_saves=act_saves(activation), act_out=act_out_bytes(activation),
@@ -26,18 +31,22 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
 
 
 def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
-    """What the model's normalisation layer saves for backward, measured by running it once per NORM_CASES (16-bit
-    or fp32 input and weights; weight frozen or trained) on meta tensors under torch.autograd.graph.saved_tensors_hooks:
-    (bytes per hidden element, bytes per row, bytes per element of the input itself among them) for each case. Saved
-    tensors are told apart by storage and parameters left out; a tensor with the row dimension and `hidden` last
-    counts per element, one with the row dimension and last dim 1 (LayerNorm's mean and rstd, RMSNorm's rsqrt) per
-    row, a weight-sized one ([hidden]: Gemma's `1.0 + weight.float()`) not per token at all.
+    """What the model's normalisation layer saves for backward.
 
     It follows the installed code of any family: Llama's RMSNorm keeps an fp32 copy (4 bytes/element) plus the cast
-    normalised tensor when the weight trains; T5's also its 16-bit input; Gemma's and OLMo2's apply the weight in fp32;
-    Cohere's LayerNorm centres twice in fp32; OLMo's parameter-free LayerNorm upcasts first. Lists of families missed
-    each new one: Cohere2-shaped full bf16 -3.4%, OLMo-shaped -2.6% (benchmarks/shapes). () when the model has no norm
-    or its forward does not run on meta tensors (memplan.estimator.memory.saves falls back to LayerNorm's rule)."""
+    normalised tensor when the weight trains; T5's also its 16-bit input; Gemma's and OLMo2's apply the weight in
+    fp32; Cohere's LayerNorm centres twice in fp32; OLMo's parameter-free LayerNorm upcasts first.
+
+    Measured by running the norm once per NORM_CASES (16-bit or fp32 input and weights; weight frozen or trained) on
+    meta tensors under torch.autograd.graph.saved_tensors_hooks. Saved tensors are told apart by storage, parameters
+    left out; a tensor with the row dimension and `hidden` last counts per element, one with the row dimension and
+    last dim 1 (LayerNorm's mean and rstd, RMSNorm's rsqrt) per row, a weight-sized one ([hidden]: Gemma's
+    `1.0 + weight.float()`) not per token at all.
+
+    Returns:
+        Per case, (bytes per hidden element, bytes per row, bytes per element of the input itself among them);
+        () when the model has no norm; on (), memplan.estimator.memory.saves falls back to LayerNorm's rule.
+    """
     import copy
 
     import torch
@@ -65,7 +74,7 @@ def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 mod(x)
-        except Exception:  # a norm that needs more than its input (a residual argument): LayerNorm's rule
+        except Exception:  # e.g. a norm that also takes the residual: LayerNorm's rule
             return ()
         per_row = [(n, shape) for n, shape in saved.values() if len(shape) > 1 and shape[0] == rows]
         own = saved.get(x.untyped_storage()._cdata, (0, ()))[0]
@@ -75,11 +84,16 @@ def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
 
 
 def expert_gate_saves(model) -> tuple[float, ...]:
-    """Bytes per element of the gated [tokens, I] output that a family's own expert gating function saves, its
-    [tokens, 2I] input included, for a 16-bit and an fp32 input: measured on fake tensors where the experts have
-    one (`_apply_gate`: GPT-OSS clamps gate and up, then `gate * sigmoid(alpha * gate)` and `(up + 1) * glu` keep four
-    [I] tensors beside the input, 6 elements where SwiGLU's act(gate) * up keeps 3). () for the standard SwiGLU.
-    Found by the tracer: a GPT-OSS-shaped config full bf16 -13%."""
+    """Bytes per element of the gated [tokens, I] output that a family's own expert gating function saves.
+
+    GPT-OSS's `_apply_gate` clamps gate and up, then `gate * sigmoid(alpha * gate)` and `(up + 1) * glu` keep four
+    [I] tensors beside the [tokens, 2I] input: 6 elements where SwiGLU's act(gate) * up keeps 3.
+
+    Measured by running the experts' `_apply_gate` on fake tensors, for a 16-bit and an fp32 input.
+
+    Returns:
+        (16-bit, fp32), the input included; () for the standard SwiGLU (experts without `_apply_gate`).
+    """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -100,22 +114,26 @@ def expert_gate_saves(model) -> tuple[float, ...]:
                 x = torch.empty(rows, 2 * width, dtype=dtype, requires_grad=True)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     gate(x)
-        except Exception:  # the standard rule
+        except Exception:  # the standard SwiGLU rule
             return ()
         out.append(sum(saved.values()) / (rows * width))
     return tuple(out)
 
 
 class _Seen(Exception):
-    pass
+    pass  # raised by a hook once it has seen what it waits for
 
 
 def experts_dense(model) -> bool:
-    """Whether the model's MoE block hands its experts every token once per expert (Llama-4's Llama4TextMoe: `routed_in
-    = hidden_states.repeat(num_experts, 1)` scaled by the router's scores, zero for unchosen experts, so each expert
-    computes and saves every token) rather than each token's top-k (Mixtral and every grouped_mm family). Measured:
-    the first MoE block runs on meta tensors until its experts module is called; the rows it receives per token
-    decide. A Llama-4-shaped config counted at top-1 was -8.5% full bf16 (4 experts; 16 in Llama-4-Scout)."""
+    """Whether the model's MoE block hands its experts every token rather than each token's top-k.
+
+    Llama-4's Llama4TextMoe runs `routed_in = hidden_states.repeat(num_experts, 1)` scaled by the router's scores,
+    zero for unchosen experts, so each expert computes and saves every token; Mixtral and every grouped_mm family
+    send each token to its top-k.
+
+    Read by running the first MoE block on meta tensors until its experts module is called: the rows it receives
+    per token decide.
+    """
     import torch
 
     moe = next((m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)), None)
@@ -136,7 +154,7 @@ def experts_dense(model) -> bool:
             moe(torch.empty(1, tokens, width, device="meta"))
     except _Seen:
         pass
-    except Exception:  # the block does not run on meta: the routed rule
+    except Exception:  # the routed rule
         return False
     finally:
         handle.remove()
@@ -159,19 +177,21 @@ def weightless_norms(model) -> int:
 
 
 def weightless_final_norms(model) -> int:
-    """Normalisation layers without parameters outside the blocks (OLMo's final OlmoLayerNorm): counted by their
-    parameters, the final norm went missing (an OLMo-shaped config, 2.3 MiB short at b2 s512, every setup)."""
+    """Normalisation layers without parameters outside the blocks (OLMo's final OlmoLayerNorm): the inventory counts
+    norms by their parameters, so these need a count of their own."""
     return sum(1 for name, m in model.named_modules() if not BLOCK_PATH.search(name) and "embed" not in name
                and is_norm_module(m) and not any(True for _ in m.parameters(recurse=False)))
 
 
 def plain_cross_entropy(model) -> bool:
-    """Whether the model's head computes its loss with torch's CrossEntropyLoss on the logits as they are (BERT and
-    every encoder copied from it, T5, BART and the seq2seq families copied from it: `loss_fct = CrossEntropyLoss()`,
-    DistilBERT's `self.mlm_loss_fct`) rather than through `self.loss_function` (transformers loss/loss_utils.py, which
-    upcasts the logits to fp32 first). Read from the source of the head class's forward. A list (bert, t5, mt5, bart)
-    missed RoBERTa, XLM-R, DeBERTa-v2, DistilBERT, ALBERT, MPNet, mBART, Marian and Pegasus: their pure-bf16 rows
-    were taken for fp32 losses, +28% to +48% (RoBERTa-shaped full bf16 b2 s512: +43%)."""
+    """Whether the model's head computes its loss with torch's CrossEntropyLoss on the logits as they are.
+
+    The alternative, `self.loss_function` (transformers loss/loss_utils.py), upcasts the logits to fp32 first.
+    Plain: BERT and every encoder copied from it, T5, BART and the seq2seq families copied from it
+    (`loss_fct = CrossEntropyLoss()`), DistilBERT (`self.mlm_loss_fct`).
+
+    Read from the source of the head class's forward.
+    """
     import inspect
 
     try:
@@ -182,16 +202,19 @@ def plain_cross_entropy(model) -> bool:
 
 
 def peft_expert_targets(model_type: str) -> tuple[str, ...]:
-    """The LoRA target names peft moves onto a transformers-5 MoE family's fused expert tensors and router, as
-    "old:new" pairs (("down_proj:down_proj", "gate:gate.weight", "gate_proj:gate_up_proj", "up_proj:gate_up_proj")
-    for the qwen2_moe pattern); () where peft converts nothing. peft (utils/transformers_weight_conversion.py
-    `_convert_peft_config_moe`, peft 0.21) converts a family whose checkpoint conversion mapping exists and whose
-    `_MODEL_TO_CONVERSION_PATTERN` base ("mixtral", "qwen2_moe") has target and fused-target mappings: all-linear and
-    named targets then adapt the experts and the router instead of every Linear with an old name (a shared expert's
-    or a dense block's gate_proj/up_proj/down_proj are left out). Read from the installed peft; a peft without the
-    module converts nothing. A hand-kept {"mixtral"} missed OLMoE, Qwen3-MoE, MiniMax, DeepSeek-V2/V3, dots1 and the
-    other qwen2_moe-pattern families: an OLMoE-shaped config LoRA all-linear bf16 -20.9%, Qwen3-MoE -7.5%
-    (benchmarks/shapes)."""
+    """The LoRA target names peft moves onto a transformers-5 MoE family's fused expert tensors and router.
+
+    peft (utils/transformers_weight_conversion.py `_convert_peft_config_moe`, peft 0.21) converts a family whose
+    checkpoint conversion mapping exists and whose `_MODEL_TO_CONVERSION_PATTERN` base ("mixtral", "qwen2_moe") has
+    target and fused-target mappings: all-linear and named targets then adapt the experts and the router instead of
+    every Linear with an old name (a shared expert's or a dense block's gate_proj/up_proj/down_proj are left out).
+
+    Read from the installed peft's mappings.
+
+    Returns:
+        "old:new" pairs (("down_proj:down_proj", "gate:gate.weight", "gate_proj:gate_up_proj",
+        "up_proj:gate_up_proj") for the qwen2_moe pattern); () where peft converts nothing, or has no such module.
+    """
     try:
         from peft.utils import transformers_weight_conversion as conv
     except ModuleNotFoundError as e:  # an older peft: no conversion, no fused experts adapted

@@ -36,6 +36,7 @@ def attn_impl(spec: ModelSpec, setup: Setup) -> str:
 
 
 def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
+    """Every reason `setup` does not suit the model, each a message that names the fix; [] if none."""
     a = spec.arch
     p: list[str] = []
     total_len = (setup.prompt_len or setup.seq_len) + (setup.new_tokens or 0) if setup.mode == "infer" else setup.seq_len
@@ -59,7 +60,7 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     if setup.uses_lora and setup.lora_dropout and a.lora_expert_targets:
         wrapped = sorted({m.kind for m in select.lora_linears(spec, setup.lora_targets)} & {"expert", "router"})
         if wrapped:
-            # peft/tuners/lora/layer.py ParamWrapper: "does not work with lora_dropout != 0" (found by a stress run)
+            # peft/tuners/lora/layer.py ParamWrapper: "does not work with lora_dropout != 0"
             p.append(f"peft adapts {spec.model_id}'s {' and '.join(w + 's' for w in wrapped)} as parameters "
                      "(lora.ParamWrapper), which refuse LoRA dropout: use --lora-dropout 0, or target the attention "
                      "only (e.g. --lora-targets q_proj,v_proj)")

@@ -1,4 +1,7 @@
-"""Which transformers class a config builds, and whether memplan can build it (memplan.inventory.build's first steps)."""
+"""Which transformers class a config builds, and whether memplan can build it.
+
+These are memplan.inventory.build's first steps.
+"""
 from __future__ import annotations
 
 import re
@@ -87,15 +90,20 @@ def check_remote_code(d: dict, trust_remote_code: bool) -> None:
 def skipped_layers(config) -> frozenset[int]:
     """Language-model layers a text-only step skips: Mllama's cross-attention layers (config.cross_attention_layers;
     modeling_mllama.py MllamaTextModel.forward: `if is_cross_attention_layer and cross_attention_states is None and
-    is_cross_attention_cache_empty: continue`). A Mllama-shaped config counted them as run: +5% to +9%."""
+    is_cross_attention_cache_empty: continue`)."""
     return frozenset(getattr(config.get_text_config(), "cross_attention_layers", None) or ())
 
 
 def split_media(model, params, linears, skipped: frozenset[int] = frozenset()):
-    """A composite model's inventory split into its text path (the language model and the output embedding) and
-    its media parts (vision tower, projector, language-model layers a text-only step skips): (text params, text
-    linears, media params, media linears, the top-level media module names). Media entries lose their block index:
-    their blocks are not run."""
+    """A composite model's inventory split into its text path and its media parts.
+
+    The text path is the language model and the output embedding; the media parts are the vision tower, the
+    projector and the language-model layers a text-only step skips. Media entries lose their block index: their
+    blocks are not run.
+
+    Returns:
+        (text params, text linears, media params, media linears, the top-level media module names).
+    """
     from dataclasses import replace
 
     names = {m: n for n, m in model.named_modules()}

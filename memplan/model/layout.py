@@ -1,15 +1,17 @@
 """Where each Linear sits inside a transformer block, from its module name (pure, cached per ModelSpec).
 
 Slots: "attn_in" (q/k/v or fused qkv: read the normed hidden state), "cross_kv" (cross-attention k/v: read the
-encoder output), "cross_q" (the cross-attention's query: reads the decoder's state after self-attention), "attn_out", "mlp_in" (gate/up/fc1: read the normed hidden state), "mlp_out" (down/fc2),
-"router" (MoE gate), "mlp_gate" (a gate beside an MoE block's experts that reads their input: Qwen2-MoE's
-shared_expert_gate), "other". Names follow the transformers modeling files of each family (llama/mistral/qwen2/
-gemma: q_proj..down_proj; gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/gpt_neox: query_key_value, dense,
-dense_h_to_4h, dense_4h_to_h; t5: q,k,v,o, wi/wi_0/wi_1, wo; bart/opt: q_proj.., out_proj, fc1, fc2; bert: query,
-key, value, attention.output.dense, intermediate.dense, output.dense; phi: dense, fc1, fc2; phi3: qkv_proj,
-gate_up_proj; mixtral: w1, w2, w3, gate; distilbert: q_lin.., out_lin, lin1, lin2; deberta-v2: query_proj..;
-modernbert: Wqkv, attn.Wo, mlp.Wi, mlp.Wo; albert: ffn, ffn_output; deepseek_v2/v3 MLA: q_a_proj and
-kv_a_proj_with_mqa read the normed hidden state, q_b_proj and kv_b_proj their low-rank latents ("other")).
+encoder output), "cross_q" (the cross-attention's query: reads the decoder's state after self-attention),
+"attn_out", "mlp_in" (gate/up/fc1: read the normed hidden state), "mlp_out" (down/fc2), "router" (MoE gate),
+"mlp_gate" (a gate beside an MoE block's experts that reads their input: Qwen2-MoE's shared_expert_gate), "other".
+
+Names follow the transformers modeling files of each family (llama/mistral/qwen2/gemma: q_proj..down_proj;
+gpt2/gpt_bigcode: c_attn, c_proj, c_fc; bloom/falcon/gpt_neox: query_key_value, dense, dense_h_to_4h,
+dense_4h_to_h; t5: q,k,v,o, wi/wi_0/wi_1, wo; bart/opt: q_proj.., out_proj, fc1, fc2; bert: query, key, value,
+attention.output.dense, intermediate.dense, output.dense; phi: dense, fc1, fc2; phi3: qkv_proj, gate_up_proj;
+mixtral: w1, w2, w3, gate; distilbert: q_lin.., out_lin, lin1, lin2; deberta-v2: query_proj..; modernbert: Wqkv,
+attn.Wo, mlp.Wi, mlp.Wo; albert: ffn, ffn_output; deepseek_v2/v3 MLA: q_a_proj and kv_a_proj_with_mqa read the
+normed hidden state, q_b_proj and kv_b_proj their low-rank latents ("other")).
 """
 from __future__ import annotations
 
@@ -132,8 +134,7 @@ def blocks(spec: ModelSpec) -> tuple[BlockLayout, ...]:
                 norms[key] = norms.get(key, 0) + 1
     order = {"encoder": 0, None: 1, "decoder": 2}
     keys = sorted(groups, key=lambda k: (order.get(k[0], 1), k[1]))
-    # a block whose parameters run several times (ALBERT's shared layer, Arch.block_runs) saves its activations each
-    # time: one layout per run, under the same (stack, index) as its parameters
+    # one layout per run of a block whose parameters run several times (Arch.block_runs: ALBERT's shared layer)
     out = tuple(BlockLayout(k[0], k[1], tuple(groups[k]), norms.get(k, 0) + a.weightless_norms,
                             tuple(qk.get(k, {}).values()), tuple(other.get(k, ())))
                 for k in keys for _ in range(a.block_runs))

@@ -125,16 +125,16 @@ class Arch:
     #: PreTrainedModel._keep_in_fp32_modules, e.g. T5's "wo"
     keep_in_fp32: tuple[str, ...] = ()
     needs_remote_code: bool = False
-    #: eager attention computes its softmax in fp32 and casts back (attnfacts.eager_facts)
+    #: eager attention computes its softmax in fp32 and casts back (memplan.inventory.attention.eager_facts)
     eager_softmax_fp32: bool = False
     #: eager attention: (raw scores named through the softmax, masked sum named past it, probabilities cast back to
-    #: q's dtype) (attnfacts.eager_held; inventories with two values cast back)
+    #: q's dtype) (memplan.inventory.attention.eager_held; inventories with two values cast back)
     eager_held: tuple[bool, ...] = (False, False, True)
-    #: each decoder layer returns its attention probabilities to the model's loop (attnfacts.returns_attn_probs)
+    #: each decoder layer returns its attention probabilities to the model's loop (attention.returns_attn_probs)
     returns_attn_probs: bool = False
-    #: what the MLP activation saves per input element, per actfacts.ACT_CASES (actfacts.act_saves)
+    #: what the MLP activation saves per input element, per ACT_CASES (memplan.inventory.activation.act_saves)
     act_saves: tuple[float, ...] = ()
-    #: bytes per element the MLP activation returns, per actfacts.ACT_CASES (actfacts.act_out_bytes)
+    #: bytes per element the MLP activation returns, per ACT_CASES (memplan.inventory.activation.act_out_bytes)
     act_out: tuple[float, ...] = ()
     #: parameter-free norm layers per block, and after the last block (codefacts.weightless_norms: OLMo's)
     weightless_norms: int = 0
@@ -156,19 +156,19 @@ class Arch:
     indexer: tuple[int, ...] = (0, 0, 0)
     #: decoder layers whose token mixer is a linear attention (config.layer_types: Qwen3-Next's gated DeltaNet)
     linear_layers: tuple[int, ...] = ()
-    #: bytes per token such a layer's mixer saves beyond its Linears' inputs, per linfacts.LINEAR_CASES
+    #: bytes per token such a layer's mixer saves beyond its Linears' inputs, per LINEAR_CASES
     #: (linfacts.measure, on fake tensors)
     linear_saves: tuple[float, ...] = ()
-    #: bytes per token its backward holds beyond its saves, per linfacts.LINEAR_CASES (linfacts.measure)
+    #: bytes per token its backward holds beyond its saves, per LINEAR_CASES (linfacts.measure)
     linear_work: tuple[float, ...] = ()
     #: attention modules owning a learned relative position bias (codefacts.relative_bias_layers: T5 2, UMT5 each)
     relative_bias_layers: int = 0
     #: what the norm layer saves, (bytes per element, bytes per row, bytes per element of its input itself) per
-    #: codefacts.NORM_CASES (codefacts.norm_saves; inventories built before the third was measured list two)
+    #: NORM_CASES (codefacts.norm_saves; inventories built before the third was measured list two)
     norm_saves: tuple[tuple[float, ...], ...] = ()
     #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
-    #: how often each parameter block runs in one forward (inventory._block_runs: ALBERT shares one layer's parameters
+    #: how often each parameter block runs in one forward (build._block_runs: ALBERT shares one layer's parameters
     #: across its num_hidden_layers blocks)
     block_runs: int = 1
     #: the MoE block runs every expert on every token, weighted by the router's scores (codefacts.experts_dense:
@@ -190,8 +190,8 @@ class Arch:
     frozen_params: tuple[str, ...] = ()
     #: the tensor a separate output embedding is tied to again when the vocabulary is resized: transformers 5 forces
     #: T5Config/MT5Config.tie_word_embeddings=True, from_pretrained keeps a checkpoint's own lm_head (flan-t5-xl,
-    #: T0_3B, mt0-xxl), and resize_token_embeddings ends with tie_weights(), which ties it (checked on 5.24 with a
-    #: saved mT5: lm_head is shared after the resize). "" elsewhere (memory.context._resized_spec)
+    #: T0_3B, mt0-xxl), and resize_token_embeddings ends with tie_weights(), which ties it. "" elsewhere
+    #: (memory.context._resized_spec)
     retie_on_resize: str = ""
 
     @property

@@ -30,8 +30,7 @@ def lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
     all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
     moved = _moved_targets(spec, all_linear)
     if all_linear:
-        # peft resolves all-linear to leaf names plus every old name, then moves the old names (a shared expert's or a
-        # dense block's gate_proj is left unadapted: a dots1-shaped config, 104,448 adapter parameters fewer)
+        # peft moves every old name, so a shared expert's or a dense block's gate_proj is left unadapted (dots1)
         return tuple(m for m in spec.linears if not m.is_output and m.short_name not in moved) + \
             _moe_targets(spec, set(moved.values()))
     if isinstance(targets, str):
@@ -64,11 +63,9 @@ def media_lora_linears(spec: ModelSpec, targets) -> tuple[Linear, ...]:
 
 
 #: peft moves LoRA targets onto transformers-5 fused experts and routers (utils/transformers_weight_conversion.py)
-#: from 0.19 on; 0.18.1 has no such module and adapts the attention's Linears alone (Mixtral LoRA all-linear under
-#: transformers 5.8.1, traced: 91.7 GB with 0.18.1, 181.4 GB with 0.21.0). 0.19.x fails on all-linear for those
-#: families (its conversion reads the string as a set of names: "Target modules {'a', 'l', 'i', ...} not found",
-#: traced under 5.8.1 and 5.17) but converts named targets (traced under 5.8.1, Mixtral b2 s128: q_proj,gate -0.07%;
-#: q_proj,w1,w3 with the experts' optimizer state equal); 0.20.0 adapts them under all-linear too.
+#: from 0.19 on; 0.18.1 has no such module and adapts the attention's Linears alone. 0.19.x fails on all-linear for
+#: those families (its conversion reads the string as a set of names: "Target modules {'a', 'l', 'i', ...} not
+#: found") but converts named targets; 0.20.0 adapts them under all-linear too.
 PEFT_MOE_CONVERSION_SINCE = (0, 19)
 PEFT_MOE_ALL_LINEAR_SINCE = (0, 20)
 
@@ -100,12 +97,14 @@ def _check_fused(spec: ModelSpec, moved: dict[str, str], old: set[str]) -> None:
 
 
 def _moe_targets(spec: ModelSpec, new_names: set[str]) -> tuple[Linear, ...]:
-    """MoE layers that are not nn.Linear in transformers 5 (a router module with a [E, hidden] weight, fused
-    expert tensors [E, out, in]) that peft adapts under their new names (gate.weight, gate_up_proj, down_proj) on the
-    families it converts (Arch.lora_expert_targets: Mixtral, OLMoE, Qwen3-MoE, ...; not Qwen2-MoE itself, whose
-    shared expert's and gate's Linears it adapts instead). Observed with get_peft_model (tests/test_select.py): router
-    lora_A [r, H] / lora_B [E, r]; experts lora_A [r*E*m, in] / lora_B [out, r*E*m] with m = 2 for the fused
-    gate_up_proj, 1 for down_proj."""
+    """MoE layers that are not nn.Linear in transformers 5 that peft adapts under their new names, as Linears.
+
+    These are a router module with an [E, hidden] weight and fused expert tensors [E, out, in], adapted as
+    gate.weight, gate_up_proj and down_proj on the families peft converts (Arch.lora_expert_targets: Mixtral, OLMoE,
+    Qwen3-MoE, ...; not Qwen2-MoE itself, whose shared expert's and gate's Linears it adapts instead). The adapter
+    shapes get_peft_model builds (pinned in tests/test_select.py): router lora_A [r, H] / lora_B [E, r]; experts
+    lora_A [r*E*m, in] / lora_B [out, r*E*m] with m = 2 for the fused gate_up_proj, 1 for down_proj.
+    """
     if not new_names:
         return ()
     out = []
@@ -162,18 +161,21 @@ def _by_patterns(spec: ModelSpec, patterns: tuple[str, ...]) -> tuple[Param, ...
 
 def trainable_params(spec: ModelSpec, setup) -> tuple[Param, ...]:
     """Base parameters that get gradients: all (full), none (lora/qlora: only the adapters train), or for freeze
-    `setup.trainable` = N (last N blocks), name patterns, or None (the last block); never a parameter the model
-    builds frozen (Arch.frozen_params: found by the tracer, a Marian-shaped config full bf16-mixed +3.2% with
-    optimizer state for its sinusoidal position tables)."""
+    `setup.trainable` = N (last N blocks), name patterns, or None (the last block).
+
+    Never a parameter the model builds frozen (Arch.frozen_params: Marian's sinusoidal position tables).
+    """
     frozen = set(spec.arch.frozen_params)
     return tuple(p for p in _selected(spec, setup) if p.name not in frozen and not gets_no_grad(spec, p.name))
 
 
 def gets_no_grad(spec: ModelSpec, name: str) -> bool:
-    """A parameter (or Linear) that runs but never gets a gradient: DeepSeek-V3.2's lightning indexer (Arch.indexer)
-    only feeds top-k indices (modeling_deepseek_v32 DeepseekV32Indexer), so its weights' .grad stays None (torch's
-    AdamW keeps no state for them) and the graph it records is freed when it returns (nothing saved). Found by the
-    tracer: a DeepSeek-V3.2-shaped config full bf16, optimizer state +8% with its indexer counted."""
+    """A parameter (or Linear) that runs but never gets a gradient.
+
+    DeepSeek-V3.2's lightning indexer (Arch.indexer) only feeds top-k indices (modeling_deepseek_v32
+    DeepseekV32Indexer), so its weights' .grad stays None (torch's AdamW keeps no state for them) and the graph it
+    records is freed when it returns (nothing saved).
+    """
     return bool(spec.arch.indexer[0]) and ".indexer." in f".{name}."
 
 
