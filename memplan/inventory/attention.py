@@ -97,7 +97,6 @@ def returns_attn_probs(model) -> bool:
     """
     import inspect
 
-
     block = block_module(model)
     if block is None:
         return False
