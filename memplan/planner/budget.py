@@ -16,12 +16,15 @@ from memplan.estimator.memory.overhead import CUDA_CONTEXT_BYTES
 DEFAULT_HEADROOM = 0.035
 #: plan --replay's default: the caching-allocator replay's reserved peak was within 1.1% of the GPU's on every
 #: capped run it was checked on (benchmarks/results/allocator_replay.md), so 1% spare replaces the 3.5% the closed
-#: form's bound needs (bert-large fp32 on an RTX 3060 fits b7 with 1.3% to spare: 3.5% cost it a batch)
+#: form's bound needs
 REPLAY_HEADROOM = 0.01
 
 
 def split(memory_bytes: int, headroom: float = DEFAULT_HEADROOM) -> tuple[int, int, int]:
-    """(usable, headroom bytes, budget) of a GPU with `memory_bytes`."""
+    """The budget of a GPU with `memory_bytes` and its parts (module docstring).
+
+    Returns:
+        (usable, headroom bytes, budget)."""
     usable = max(0, memory_bytes - CUDA_CONTEXT_BYTES)
     reserve = int(usable * headroom)
     return usable, reserve, memory_bytes - reserve

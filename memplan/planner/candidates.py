@@ -116,8 +116,8 @@ _BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable"
 
 class Pool:
     """The candidates of one search, micro-batch 1 unless pinned, in quality order: their fields (enough to rank
-    them: quality_key) and their Setups, each built and validated on first use (a sharded search ranks
-    ~1,500 candidates and estimates ~50). `keep` filters the fields."""
+    them: quality_key) and their Setups, each built and validated on first use (a search ranks far more candidates
+    than it estimates). `keep` filters the fields."""
 
     def __init__(self, seq_len: int, bf16: bool, pinned: dict, keep: Callable[[dict], bool] | None = None):
         base = {k: v for k, v in pinned.items() if k in _BASE_PINS}
@@ -182,9 +182,12 @@ def speed_score(f: Setup | Mapping, trainable_fraction: float, tokens_per_sample
 
 
 def split_batch(effective: int, max_micro: int) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) for an effective batch: the largest divisor of `effective` not above
-    max_micro when that loses at most half of max_micro (the effective batch is then exact), else max_micro with
-    enough steps to reach at least `effective`."""
+    """An effective batch split into micro-batches: the largest divisor of `effective` not above max_micro when
+    that loses at most half of max_micro (the effective batch is then exact), else max_micro with enough steps to
+    reach at least `effective`.
+
+    Returns:
+        (micro-batch, accumulation steps)."""
     max_micro = max(1, max_micro)
     best = max(d for d in range(1, min(effective, max_micro) + 1) if effective % d == 0)
     if best * 2 >= min(max_micro, effective):

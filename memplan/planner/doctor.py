@@ -1,8 +1,8 @@
 """memplan doctor: a training setup that does not fit (or barely fits) a GPU, and the smallest changes that fix it.
 
-The remedies and their ranking rule: memplan.planner.remedies. A pasted OOM message (memplan.planner.oom) gives the card's real
-capacity and what the run held when it failed. "Fits" is the test fit and plan use (memplan.planner.budget): what the setup
-needs within the GPU memory less the headroom.
+The remedies and their ranking rule: memplan.planner.remedies. A pasted OOM message (memplan.planner.oom) gives the
+card's real capacity and what the run held when it failed. "Fits" is the test fit and plan use
+(memplan.planner.budget): what the setup needs within the GPU memory less the headroom.
 """
 from __future__ import annotations
 
@@ -109,7 +109,11 @@ class Diagnosis:
 
 
 def _oom_findings(oom: OomInfo, estimated: int, budget: int, memory: int) -> tuple[list[str], list[Remedy]]:
-    """Measured vs estimated, other processes on the card, and the allocator remedy when memory is fragmented."""
+    """What a parsed OOM message says against the estimate: measured vs estimated, other processes on the card,
+    a capacity unlike the GPU's, and the allocator remedy when memory is fragmented (FRAGMENTED).
+
+    Returns:
+        (notes, extra remedies)."""
     notes, extra = [], []
     held = oom.process_in_use_bytes or oom.reserved_by_pytorch_bytes
     if held is not None:

@@ -8,8 +8,8 @@ Sections (each maps to the constructor its name says, so nothing needs translati
   training_arguments  TrainingArguments kwargs
   data                tokenisation and collation: max_length (the padded length the estimate assumes), padding,
                       pad_to_multiple_of, label_pad_token_id
-  accelerate          (multi-GPU plans) the accelerate config (memplan.estimator.launch); write_plan also writes it next to
-                      the plan as <plan>.accelerate.yaml for `accelerate launch --config_file`
+  accelerate          (multi-GPU plans) the accelerate config (memplan.estimator.launch); write_plan also writes it
+                      next to the plan as <plan>.accelerate.yaml for `accelerate launch --config_file`
   deepspeed           (ZeRO plans) the DeepSpeed JSON, also written as <plan>.deepspeed.json
   memplan             the prediction (GiB), GPU, budget, headroom, the Setup, alternatives, version
 The memory assumptions behind each choice: docs/PLANNER.md.
@@ -157,7 +157,10 @@ def format_for(path: str | Path, fmt: str | None) -> str:
 
 
 def launcher_paths(path: str | Path) -> tuple[Path, Path]:
-    """(accelerate config, DeepSpeed JSON) written next to a plan file: <stem>.accelerate.yaml, <stem>.deepspeed.json."""
+    """The launcher files written next to a plan file: <stem>.accelerate.yaml, <stem>.deepspeed.json.
+
+    Returns:
+        (accelerate config path, DeepSpeed JSON path)."""
     path = Path(path)
     return path.with_name(path.stem + ".accelerate.yaml"), path.with_name(path.stem + ".deepspeed.json")
 

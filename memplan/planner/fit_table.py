@@ -168,8 +168,8 @@ def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
 
 
 def max_batch_size(spec, setup: Setup, budget_bytes: int, estimator: Callable, limit: int = 4096) -> int:
-    """Largest batch whose need (memplan.planner.budget.need_bytes) is within `budget_bytes` (the estimate is monotone in
-    batch size - a property the tests check). 0 when batch 1 does not fit."""
+    """Largest batch whose need (memplan.planner.budget.need_bytes) is within `budget_bytes` (the estimate is
+    monotone in batch size - a property the tests check). 0 when batch 1 does not fit."""
     return largest_fitting(
         lambda b: fits(estimator(spec, dataclasses.replace(setup, batch_size=b)), budget_bytes), limit)
 

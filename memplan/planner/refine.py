@@ -1,12 +1,12 @@
 """`memplan plan --replay`: the planner's micro-batch checked against the caching allocator itself.
 
-The search (memplan.planner.search) keeps a setup when its closed-form need - peak allocated + a fresh block for the
-largest tensor + the device-only memory (memplan.planner.budget) - is within the budget. Whether a step really fits under a
-cap depends on how the caching allocator splits and caches its segments; the closed form bounds that from above and
-is loose where the largest tensor finds a cached block to reuse (gpt2-xl on an A10: 21 planned, 24 fitted on the
-H200 capped to the card, data/measured/planner-check.csv). Here the events of the steps validate runs (a deep
-model's synthesized from a 5-block trace: memplan.replay.synth) are replayed through memplan.runtime.allocator under the budget's
-allocator share for each micro-batch probed, and the micro-batch becomes the largest whose replay fits.
+The search (memplan.planner.search) keeps a setup when its closed-form need - peak allocated + a fresh block for
+the largest tensor + the device-only memory (memplan.planner.budget) - is within the budget. Whether a step really
+fits under a cap depends on how the caching allocator splits and caches its segments; the closed form bounds that
+from above and is loose where the largest tensor finds a cached block to reuse. Here the events of the steps
+validate runs (a deep model's synthesized from a 5-block trace: memplan.replay.synth) are replayed through
+memplan.runtime.allocator under the budget's allocator share for each micro-batch probed, and the micro-batch
+becomes the largest whose replay fits.
 Single-GPU plans only (one rank's trace is the whole step there); about a second per probe on 2 CPU cores once a
 setup's first call has run (benchmarks/results/speed.md, synth_check.md).
 """
@@ -31,7 +31,10 @@ def allocator_limit(plan: Plan) -> int:
 
 
 def replay_need(spec, setup) -> tuple[int, int]:
-    """(need, reserved) of STEPS traced steps: memplan.replay.need.replay_need."""
+    """The replayed need of STEPS traced steps of `setup` (memplan.replay.need.replay_need).
+
+    Returns:
+        (need bytes, reserved bytes)."""
     from memplan.replay.need import replay_need as traced
     return traced(spec, setup, STEPS)
 
@@ -41,8 +44,8 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
     fit or spans several GPUs. replay_fn(spec, setup) -> (need bytes, reserved bytes) as replay_need.
 
     Each probe's need (not only fit or not) guides the next: from the plan's micro-batch b0 the first guess is
-    b0 + (limit - need(b0)) / the closed form's need per sample, then regula falsi (_search) - four traces for
-    gpt2-xl on an A10 where stepping 1, 2, 4 from b0 and bisecting took six."""
+    b0 + (limit - need(b0)) / the closed form's need per sample, then regula falsi (_search), which takes fewer
+    traces than stepping 1, 2, 4 from b0 and bisecting."""
     if not plan.fits:
         return plan
     if plan.setup.world_size > 1:
@@ -93,7 +96,7 @@ def _guess(plan: Plan, spec, estimator, setup_at, need0: int, limit: int, cap: i
         return b0 + 1 if b0 < cap else b0
     guess = max(1, min(cap, b0 + math.floor((limit - need0) / per_sample)))
     if guess == b0 and need0 <= limit and b0 < cap:  # room for less than a sample: the neighbour decides
-        return b0 + 1  # (probing b0 again left _search nothing to interpolate: it bisected up to the cap)
+        return b0 + 1  # (probing b0 again leaves _search nothing to interpolate: it would bisect up to the cap)
     return guess
 
 

@@ -14,7 +14,8 @@ Remedies that do not fit follow, most memory saved first. When none fits alone, 
 greedily - while it does not fit, add the best-ranked remedy that makes it fit, else the one saving most among the
 smallest sizes - then improved one removal or swap at a time while a smaller combination still fits (smaller: the
 largest change first, then fewer and smaller other changes, then the faster result).
-"Fits" is the test fit and plan use (memplan.planner.budget): what the setup needs within the GPU memory less the headroom.
+"Fits" is the test fit and plan use (memplan.planner.budget): what the setup needs within the GPU memory less the
+headroom.
 """
 from __future__ import annotations
 

@@ -41,6 +41,8 @@ DEFAULT_EFFECTIVE_BATCH = 32
 # ---------------------------------------------------------------------------------------------------- the search
 
 class Search:
+    """One search's settings and state: the budget, the estimator (counting its calls) and the preference's key."""
+
     def __init__(self, spec, gpu: Gpu, seq_len: int, effective: int, prefer: str, pinned: dict,
                  estimator: Callable, budget: int, host_budget: int | None = None):
         self.spec, self.gpu, self.seq_len, self.effective = spec, gpu, seq_len, effective
@@ -60,8 +62,8 @@ class Search:
         """Bytes a setup must find under the budget: Estimate.cap_need_bytes, its live peak plus a fresh block for
         its largest tensor plus the device-only memory (docs/PLANNER.md, "Budget": under a cap the caching
         allocator releases its free cache and retries, so the uncapped reserved peak is not the limit; a setup
-        OOMs when the live peak and one contiguous block for the largest request pass the cap, e.g. Llama-3.2-1B
-        b5 s2048 on an H100 capped to an RTX 4090 asked for its 4.89 GiB logits with 3.2 GiB spare)."""
+        OOMs when the live peak and one contiguous block for the largest request pass the cap). A node's offloaded
+        state beyond host_budget makes the setup not fit."""
         need = need_bytes(e)
         host = getattr(e, "host_bytes", 0)
         if host and self.host_budget is not None and host * e.setup.num_gpus > self.host_budget:  # the node's ranks

@@ -1,6 +1,6 @@
-"""The caching-allocator replay (memplan.runtime.allocator) over a training run's allocation events: the events of the whole
-model (traced, or synthesized from a cut trace: memplan.replay.synth), their replay with the cuBLAS workspaces, and the
-smallest allocator limit they fit under."""
+"""The caching-allocator replay (memplan.runtime.allocator) over a training run's allocation events: the events of
+the whole model (traced, or synthesized from a cut trace: memplan.replay.synth), their replay with the cuBLAS
+workspaces, and the smallest allocator limit they fit under."""
 from __future__ import annotations
 
 from memplan.runtime.allocator import need_and_replay, replayed
@@ -27,16 +27,20 @@ def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
 
 
 def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
-    """(the smallest allocator limit the traced steps fit under, their uncapped reserved peak): one whole-model
-    trace, the limit bisected over replays of it (memplan.runtime.allocator.min_limit; cuBLAS workspaces included) - the
-    exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes."""
+    """The smallest allocator limit `steps` traced steps of `model` fit under, and their uncapped reserved peak.
+
+    One whole-model trace, the limit bisected over replays of it (memplan.runtime.allocator.min_limit; cuBLAS
+    workspaces included): the exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes.
+
+    Returns:
+        (need bytes, reserved bytes)."""
     need, free = need_and_replay(traced_events(model, setup, steps))
     return need, free.peak_reserved
 
 
 def replay_allocator(model, setup: Setup, limit: int | None = None, steps: int = 3):
-    """The caching allocator's replay (memplan.runtime.allocator) over a traced run of the whole model: `steps` training
-    steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The cuBLAS
-    workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward.
+    """The caching allocator's replay (memplan.runtime.allocator) over a traced run of the whole model: `steps`
+    training steps as `memplan validate` runs them (3 by default), capped at `limit` bytes of reserved memory. The
+    cuBLAS workspace of each handle is allocated at its first matmul: forward's thread, and autograd's in backward.
     Inference setups replay validate's prefill and generate()."""
     return replayed(traced_events(model, setup, steps), limit, setup.mode)

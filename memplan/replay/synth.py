@@ -1,10 +1,10 @@
 """The allocation events of a deep model's training steps without tracing every block (for the caching-allocator
-replay, memplan.runtime.allocator): a trace cut to CUT = 5 blocks gives blocks 0, 1 (the first may differ: T5's holds the
-position bias), 3, 4 and the template, block 2; the whole run is blocks 0, 1, N - 4 copies of the template's runs
-(forward in order, backward in reverse), then 3 and 4 as blocks N - 2 and N - 1. A copy's free of a neighbour's
-allocation frees its own neighbour's (the same ordinal in that block's run). Weights, optimizer steps and zero_grad
-come from the full-depth model on fake tensors, given gradients by hand (cached per setup: the micro-batch does not
-change them), its gradients renamed to the synthesized ones parameter by parameter.
+replay, memplan.runtime.allocator): a trace cut to CUT = 5 blocks gives blocks 0, 1 (the first may differ: T5's
+holds the position bias), 3, 4 and the template, block 2; the whole run is blocks 0, 1, N - 4 copies of the
+template's runs (forward in order, backward in reverse), then 3 and 4 as blocks N - 2 and N - 1. A copy's free of a
+neighbour's allocation frees its own neighbour's (the same ordinal in that block's run). Weights, optimizer steps
+and zero_grad come from the full-depth model on fake tensors, given gradients by hand (cached per setup: the
+micro-batch does not change them), its gradients renamed to the synthesized ones parameter by parameter.
 
 Checked, not assumed: a setup's first synthesis is compared with a trace cut to VERIFY = 7 blocks, event by event
 (canonical()); a difference, blocks of different kinds (freeze's trainable blocks, dense-then-MoE stacks), config
@@ -31,8 +31,23 @@ class _Mismatch(Exception):
 
 
 def synthesize(cut: Run, opt: Run) -> list[tuple]:
-    """The events of opt's depth: cut's blocks 0, 1, copies of TEMPLATE, cut's last two; opt's weights, optimizer
-    steps and zero_grad, its gradients renamed to the synthesized ones (module docstring)."""
+    """The whole model's training events at opt's depth, built from the cut trace's (module docstring).
+
+    Input, cut.events and opt.events (SegTracker.seg_events), are 5-tuples (serial, bytes, phase, step, segment):
+    serial an int; bytes > 0 where a storage is born, 0 where it dies; phase "setup", "forward", "backward",
+    "optimizer", "zero_grad" or "between"; step the training step, from 0 (SegTracker: a step ends at zero_grad);
+    segment ("pre",), ("block", stack, i) or ("after", stack) (StorageTracker.segment).
+
+    Output: opt's setup events (its weights), then per step cut's batch, forward and backward events - its blocks
+    0 and 1, one copy of TEMPLATE's run per middle block, its last two blocks - and opt's optimizer and zero_grad
+    events, opt's gradients renamed to the synthesized ones.
+
+    Returns:
+        3-tuples (serial, bytes, phase), StorageTracker.events' shape, in order; serial: cut's int serial,
+        (serial, j) for the copy of a TEMPLATE storage standing for full block j, or ("o", serial) for opt's.
+
+    Raises:
+        _Mismatch where the cut's blocks do not allocate alike (events() then falls back to a whole trace)."""
     n, N = cut.depth, opt.depth
 
     def copies(stack):
@@ -260,8 +275,11 @@ class Run:
 
 
 def layout(model):
-    """(parameter/buffer name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds,
-    parameter then buffer names in the order _traced_run tags them)."""
+    """Where each parameter and buffer of `model` sits in its stacks of blocks, and what the runs need of them.
+
+    Returns:
+        (parameter/buffer name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds,
+        parameter then buffer names in the order _traced_run tags them)."""
     from memplan.runtime.tracker import block_kind, block_stacks
     where, kinds = {}, {}
     stacks = block_stacks(model)

@@ -15,9 +15,9 @@ segments, no garbage-collection threshold), on one stream:
 - a freed block merges with free neighbours of its segment (try_merge_blocks); segments stay reserved (cached)
   until such a release or empty_cache.
 
-Events come from memplan.runtime.tracker.StorageTracker.events: (serial, bytes, phase) when a storage is born, (serial, 0,
-phase) when it dies. The tracer sees storages as ops return them: an op's internal workspace and the cuBLAS
-workspace are not in them (simulate adds the latter where CUDA allocates it)."""
+Events come from memplan.runtime.tracker.StorageTracker.events: (serial, bytes, phase) when a storage is born,
+(serial, 0, phase) when it dies. The tracer sees storages as ops return them: an op's internal workspace and the
+cuBLAS workspace are not in them (replay adds the latter where CUDA allocates it: cuda_workspaces)."""
 from __future__ import annotations
 
 import bisect
@@ -265,7 +265,10 @@ def cuda_workspaces(mode: str = "train") -> dict[str, int]:
 
 
 def need_and_replay(events, mode: str = "train"):
-    """(the smallest allocator limit `events` fit under, their uncapped replay)."""
+    """The smallest allocator limit `events` fit under, and their uncapped replay (cuBLAS workspaces included).
+
+    Returns:
+        (limit bytes, Replay)."""
     free = replayed(events, None, mode)
     return min_limit(events, cuda_workspaces(mode), uncapped=free), free
 

@@ -1,6 +1,6 @@
 """Stand-ins for bitsandbytes under the tracer: bnb layers and optimizers do not run on fake tensors, so these hold
-exactly the storages bitsandbytes allocates and allocate its temporaries (memplan.runtime.emulate.cuda.EMULATIONS, "bitsandbytes"
-and "bnb-8bit-optimizers"). Lazy torch: classes are built on first use.
+exactly the storages bitsandbytes allocates and allocate its temporaries (memplan.runtime.emulate.cuda.EMULATIONS,
+"bitsandbytes" and "bnb-8bit-optimizers"). Lazy torch: classes are built on first use.
 """
 from __future__ import annotations
 

@@ -141,8 +141,8 @@ def untie_like_checkpoint(model, spec) -> None:
     transformers 5.23 forces T5Config/MT5Config.tie_word_embeddings=True (configuration_t5.py / configuration_mt5.py
     __post_init__), so from_config ties lm_head to shared; from_pretrained does not when the checkpoint holds both
     with different values (modeling_utils.PreTrainedModel.tie_weights: "both are present in the checkpoints with
-    different values, so we will NOT tie them") - flan-t5-xl, T0_3B, mt0-xxl. memplan.inventory.build._honour_untied_file
-    counts that head; the traced model must hold it too."""
+    different values, so we will NOT tie them") - flan-t5-xl, T0_3B, mt0-xxl.
+    memplan.inventory.build._honour_untied_file counts that head; the traced model must hold it too."""
     import torch
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     if out is None or inp is None or out.weight is not inp.weight:
@@ -207,7 +207,7 @@ def cut_spec(spec, layers: int | None):
 def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
     """Random token ids of exactly batch_size x seq_len (seq2seq: labels of target_len). setup.padded: one padding
     token (last sample, last position, label -100), so transformers builds the masks it skips for all-ones batches;
-    the tracer answers those checks for its fake masks (emulate_masks.mask_checks)."""
+    the tracer answers those checks for its fake masks (memplan.runtime.emulate.masks.mask_checks)."""
     import torch
 
     b, s = setup.batch_size, setup.seq_len

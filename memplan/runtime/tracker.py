@@ -2,18 +2,17 @@
 caching allocator's smallest block, c10/cuda/CUDACachingAllocator.cpp kMinBlockSize) until a weakref callback
 reports its release; the peak live bytes per phase, and the bytes per category at the peak.
 
-Segments (for extrapolating a model cut to a few blocks, memplan.tracer.training): where a phase is in the stack of blocks,
-set by hooks on the blocks: ("pre",) before the first block the phase processes, ("block", stack, i) inside block
-i, ("after", stack) past the stack's last. A segmented tracker also keeps the peak (and its snapshot) of each
+Segments (for extrapolating a model cut to a few blocks, memplan.tracer.training): where a phase is in the stack of
+blocks, set by hooks on the blocks: ("pre",) before the first block the phase processes, ("block", stack, i) inside
+block i, ("after", stack) past the stack's last. A segmented tracker also keeps the peak (and its snapshot) of each
 segment class: pre/after, and the first, second, penultimate and last block the phase processes (forward: blocks
-0, 1, n-2, n-1; backward: n-1, n-2, 1, 0) with the block's kind (its parameter and trainable parameter counts:
-freeze's trainable blocks and T5's first block, which holds the position bias, are of their own kind). Each
-class's peak is linear in the depth (its block is the same kind of block at the same place, every other block
-done or not yet), so it extrapolates from two depths where the phase's peak does not: at 2 and 3 blocks of GPT-2
-the backward peak is the lm_head's, from 4 blocks on the first block's, which grows faster. The blocks next to the
-ends stand for the middle ones (a peak linear in the position is largest at an end, but Mistral-7B's frozen
-blocks under checkpointing peak in the middle, 240 MiB above either end at 32 blocks); they differ from the ends
-from 3 blocks on only: from fewer, memplan.tracer.training also takes the phase's own peak extrapolated, a lower bound."""
+0, 1, n-2, n-1; backward: n-1, n-2, 1, 0) with the block's kind (block_kind). Each class's peak is linear in the
+depth (its block is the same kind of block at the same place, every other block done or not yet), so it
+extrapolates from two depths where the phase's peak does not: which segment holds the phase's peak can change with
+the depth. The blocks next to the ends stand for the middle ones (a peak linear in the position is largest at an
+end, but a stack's blocks can peak in the middle, as frozen blocks under checkpointing do); they differ from the
+ends from 3 blocks on only: from fewer, memplan.tracer.training also takes the phase's own peak extrapolated, a
+lower bound."""
 from __future__ import annotations
 
 import itertools
@@ -50,7 +49,7 @@ class StorageTracker:
         self.stack_depth: dict[str, int] = {}  # stack (the blocks' ModuleList path) -> number of blocks
         self.block_kinds: dict[tuple[str, int], tuple] = {}  # (stack, i) -> (parameters, trainable parameters)
         self.segment_peaks: dict[tuple[str, tuple], tuple[int, dict[int, int]]] = {}  # (phase, class) -> peak, live
-        # events=True: (serial, bytes, phase) as each storage is born, (serial, 0, phase) as it dies (memplan.runtime.allocator)
+        # events=True: (serial, bytes, phase) at each birth, (serial, 0, phase) at each death (runtime.allocator)
         self.events: list[tuple[int, int, str]] | None = [] if events else None
 
     def serial_of(self, t) -> int | None:

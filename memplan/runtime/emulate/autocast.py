@@ -5,7 +5,7 @@ on, makes each op take CUDA's policy instead (lists from aten/src/ATen/autocast_
 - the matmul family (AT_FORALL_LOWER_PRECISION_FP) is in both lists, but CUDA's also casts einsum, mv, addmv, addr,
   chain_matmul, linalg_multi_dot and the RNN cells to 16 bits: cast here (CUDA_LOWER_ONLY);
 - CUDA runs AT_FORALL_FP32 (pow, exp, rsqrt, layer_norm, the losses, ...) in fp32, CPU autocast only some of them:
-  16-bit arguments are cast up first (gelu_new's torch.pow saves fp32 copies on the GPU: 14 B per element, not 8);
+  16-bit arguments are cast up first (gelu_new's torch.pow saves fp32 copies);
 - CUDA's AT_FORALL_FP32_SET_OPT_DTYPE (softmax, log_softmax, cumsum, cumprod, prod, sum, vector/matrix norms) and
   fp32_append_dtype (norm) compute a 16-bit input into an fp32 output (dtype=float32), without a cast copy;
 - CUDA's AT_FORALL_PROMOTE (addcmul, addcdiv, atan2, cross, dot, scatter_add, ...) casts mixed floating arguments
@@ -112,8 +112,7 @@ def _cuda_cross_entropy(input, target, weight=None, size_average=None, ignore_in
     """F.cross_entropy on 16-bit logits under CUDA autocast, which has no entry for cross_entropy_loss (the CPU's
     casts the logits to fp32 first): aten's decomposition (LossNLL.cpp cross_entropy_loss) takes log_softmax with
     dtype = the logits' own, which autocast's fp32_set_opt_dtype policy respects (16-bit log-probabilities, saved),
-    then nll_loss, on autocast's fp32 list, casts them to fp32 (saved by its backward). Found with the H100 rows:
-    t5-base bf16-mixed (T5's CrossEntropyLoss on its bf16 logits) sat 8% under the tracer. Class-index targets
+    then nll_loss, on autocast's fp32 list, casts them to fp32 (saved by its backward). Class-index targets
     without label smoothing only; anything else runs as the CPU would."""
     import torch
     import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """Where the CPU path differs from CUDA, what the tracer does instead: one place for every emulation.
 
-cuda_like() applies them around a traced (or CPU-validated) step; memplan.runtime.emulate.cuda.EMULATIONS documents each one. Lazy torch:
-nothing is imported at module import.
+cuda_like() applies them around a traced (or CPU-validated) step; EMULATIONS documents each one. Lazy torch: nothing
+is imported at module import.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ EMULATIONS = {
     "data-dependent checks": "transformers 4.x drops an all-ones attention mask for sdpa after "
                              "`torch.all(mask == 1)` (modeling_attn_mask_utils _ignore_causal_mask_sdpa, "
                              "_prepare_4d_attention_mask_for_sdpa) and draws `torch.rand([])` against LayerDrop (BART, "
-                             "OPT): fake tensors cannot be read, so the tracer answers `not Setup.padded` to the first, "
-                             "as a real run of its batches would, and draws 1.0 for the second, so every layer runs",
+                             "OPT): fake tensors cannot be read, so the tracer answers `not Setup.padded` to the "
+                             "first, as a real run of its batches would, and draws 1.0 for the second, so every layer "
+                             "runs",
     "grouped_mm": "MoE experts (transformers grouped_mm): torch's meta kernel takes bf16 only; for fp32/fp16 the "
                   "tracer allocates the one output CUDA's _grouped_mm_fallback writes into",
     "softmax backward": "CUDA's softmax backward allocates a gradient-sized `grad * output` temporary beside its "
@@ -63,16 +64,17 @@ EMULATIONS = {
 
 @contextlib.contextmanager
 def cuda_like(padded: bool = False, seq2seq: bool = False):
-    """The CUDA code paths the CPU would not take (memplan.runtime.emulate.cuda.EMULATIONS): native_dropout for dropout, the
-    flash-style sdpa kernel with attention dropout, grouped_mm's output for fp32/fp16 experts, the softmax
-    backward's temporary, CUDA autocast's fp32 op list, and transformers' mask checks answered for fake masks
-    (padded: the batch holds padding; seq2seq: an encoder-decoder, whose decoder mask is all ones)."""
+    """The CUDA code paths the CPU would not take (EMULATIONS): native_dropout for dropout, the flash-style sdpa
+    kernel with attention dropout, grouped_mm's output for fp32/fp16 experts, the softmax backward's temporary, CUDA
+    autocast's fp32 op list, and transformers' mask checks answered for fake masks (padded: the batch holds padding;
+    seq2seq: an encoder-decoder, whose decoder mask is all ones)."""
     import torch
     import torch.nn.functional as F
 
     original = F.dropout
 
     def dropout(x, p=0.5, training=True, inplace=False):
+        # inplace ignored on purpose: native_dropout always returns a new tensor (inplace=True: vision heads only)
         if training and p > 0:
             return torch.native_dropout(x, p, True)[0]
         return x
@@ -118,9 +120,7 @@ def _cuda_kernels():
       CUDA output is allocated for those;
     - CUDA's softmax backward first makes `tmp = grad * output`, a gradient-sized temporary beside its result
       (aten/src/ATen/native/cuda/SoftMax.cu softmax_backward_cuda_out); the CPU kernel makes none. Every eager
-      attention's softmax (and the math sdpa kernel's _safe_softmax) ends its backward there. Found on an H100:
-      Llama-2-7b LoRA bf16 eager b4 s1024 checkpointed peaked 0.56 GiB ([4, 32, 1024, 1024] fp32 = 0.5 GiB) above
-      the trace (data/measured/gpu-h100.csv)."""
+      attention's softmax (and the math sdpa kernel's _safe_softmax) ends its backward there."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -1,5 +1,5 @@
 """What CUDA's F.scaled_dot_product_attention runs, for the tracer's CPU (fake or real) tensors: which kernel torch
-would pick on CUDA, and what that kernel saves (emulations.EMULATIONS["sdpa"] says where each case was found).
+would pick on CUDA, and what that kernel saves (memplan.runtime.emulate.cuda.EMULATIONS["sdpa"] lists each case).
 
 The CPU picks kernels by other rules: its flash kernel takes masks of any layout and refuses attention dropout and
 mask gradients, CUDA's fused kernels refuse masks whose last dimension is strided. Lazy torch: nothing is imported
@@ -17,8 +17,8 @@ def cuda_picks_math(query, key, value, attn_mask, enable_gqa: bool, dtype=None) 
     v and the mask at stride 1 (aten sdp_utils_cpp.h check_last_dim_stride_equals_1_dense), and K/V with q's heads
     unless enable_gqa (check_batch_size_and_num_heads_dense), which only the flash kernel takes, in fp16/bf16 alone
     (cuda/sdp_utils.cpp; memory.attention.gqa_in_fp32). dtype: what the kernel computes in (autocast's), default
-    q's. transformers before 5.20 handed T5's position bias as a permuted view: its self-attentions ran the math
-    kernel on an H100 (memory.attention.MATH_SDPA_UNTIL)."""
+    q's. transformers before 5.20 hands T5's position bias as a permuted view, so its self-attentions take the math
+    kernel (memory.attention.MATH_SDPA_UNTIL)."""
     import torch
 
     strided = any(t.stride(-1) != 1 and t.size(-1) > 1 for t in (query, key, value))
@@ -75,9 +75,7 @@ def _safe_softmax(scores):
     """aten _safe_softmax as CUDA runs it (CompositeExplicitAutograd: the same calls on every device, attention.cpp):
     the softmax, a bool mask of the scores' -inf elements (isneginf) and its all() per row, then where() zeroes the
     fully masked rows into the softmax's own output. Called as one op, the fake mode's meta kernel makes the output
-    alone; the mask, one byte per score beside the scores and the output until the op returns, is made here. Found on
-    an H100: t5-base bf16 b8 s512 inference held 24 MiB ([8, 12, 512, 512] bool) more than the trace at its
-    encoder's softmax."""
+    alone; the mask, one byte per score beside the scores and the output until the op returns, is made here."""
     import torch
 
     out = torch.ops.aten._safe_softmax(scores, -1)
@@ -88,7 +86,7 @@ def _safe_softmax(scores):
 
 
 def _additive(mask, dtype):
-    """A boolean mask as the additive float bias sdpa makes of it (aten convert_boolean_attn_mask); others as they are."""
+    """A boolean mask as the additive float bias sdpa makes of it (aten convert_boolean_attn_mask); others as is."""
     import torch
     if mask is not None and mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
@@ -138,9 +136,8 @@ def cuda_sdpa(original_sdpa):
         """CUDA's memory-efficient sdpa kernel where the values' head size differs from the queries' (aten
         _scaled_dot_product_efficient_attention; derivatives.yaml saves query, key, value, attn_bias, output and
         logsumexp): forward returns the output [b, h, q, v size] (stored [b, q, h, v size]: attention.cu) and keeps
-        a logsumexp [b, h, q rounded up to 32] fp32
-        (attention.cu _efficient_attention_forward, kAlignLSE = 32); backward returns the q, k, v gradients.
-        Fake tensors only: shapes and dtypes, no values."""
+        a logsumexp [b, h, q rounded up to 32] fp32 (attention.cu _efficient_attention_forward, kAlignLSE = 32);
+        backward returns the q, k, v gradients. Fake tensors only: shapes and dtypes, no values."""
 
         @staticmethod
         def forward(ctx, q, k, v, mask):
