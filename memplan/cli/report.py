@@ -96,7 +96,7 @@ def scale_out_table(result) -> Table:
         else:  # DDP replicas never need less per GPU; sharded options were tried up to max(GPU_COUNTS)
             gpus = "[red]never (replicas)[/]" if r.setup.sharding == "ddp" else "[red]> 512[/]"
         host = _gib(r.host_bytes_per_node) if r.host_bytes_per_node else ""
-        t.add_row(r.option, gpus, _gib(r.per_gpu_bytes), str(r.max_batch_size) if r.fits else "0", host)
+        t.add_row(r.option, gpus, _gib(r.need_bytes_at_batch_1), str(r.max_batch_size) if r.fits else "0", host)
     return t
 
 

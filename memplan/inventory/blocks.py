@@ -22,7 +22,7 @@ def mlp_dropout(model, linears) -> float:
 
     Returns:
         The rate; 0.0 if there is none, or if the MLP cannot run on its hidden state alone (BART applies activation
-        dropout functionally: configfacts.act_dropout).
+        dropout functionally: inventory.config.act_dropout).
     """
     import torch
     from torch import nn

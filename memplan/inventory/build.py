@@ -193,7 +193,7 @@ def _block_runs(linears, layers: int) -> int:
 
 
 def _norm_kind(body, hidden: int, norms: set[str]) -> str:
-    """"rmsnorm" | "layernorm": whether the block's norm centres its input (blockfacts.norm_centres), else its class
+    """"rmsnorm" | "layernorm": whether the block's norm centres its input (inventory.blocks.norm_centres), else its class
     name (RMS*: rmsnorm)."""
     centres = blockfacts.norm_centres(body, hidden)
     if centres is None:

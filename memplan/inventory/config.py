@@ -23,7 +23,7 @@ def activation(config) -> str:
 
 def parallel(config) -> bool:
     """Parallel attention and MLP where the config says so over two norms (Falcon's new decoder architecture, GPT-NeoX's
-    use_parallel_residual); a block with one norm for both is read from the model (blockfacts.single_norm_block)."""
+    use_parallel_residual); a block with one norm for both is read from the model (inventory.blocks.single_norm_block)."""
     mt = config.model_type
     if mt == "falcon":
         return bool(getattr(config, "parallel_attn", True) or getattr(config, "new_decoder_architecture", False))
@@ -78,7 +78,7 @@ def mla_dims(config) -> tuple[int, int] | None:
 
 def act_dropout(config) -> float:
     """Dropout on the MLP activation's output as BART-style configs name it (activation_dropout, applied functionally
-    by the layer); an MLP's own Dropout module (T5's) is read from the model: blockfacts.mlp_dropout."""
+    by the layer); an MLP's own Dropout module (T5's) is read from the model: inventory.blocks.mlp_dropout."""
     return float(first(config, "activation_dropout", default=0.0) or 0.0)
 
 

@@ -83,7 +83,7 @@ class Arch:
     auto_class: str
     hidden_size: int
     num_heads: int
-    num_kv_heads: int  # K/V heads as the attention holds them (configfacts.kv_heads)
+    num_kv_heads: int  # K/V heads as the attention holds them (inventory.config.kv_heads)
     head_dim: int  # query/key head size
     intermediate_size: int
     vocab_size: int  # rows of the input embedding as instantiated
@@ -100,9 +100,9 @@ class Arch:
     post_norm: bool = False  # LayerNorm after each residual add (BERT, BART, OPT-350m) instead of before
     attn_dropout: float = 0.0
     hidden_dropout: float = 0.0
-    residual_dropouts: int = 0  # hidden-size dropouts per block (blockfacts.residual_dropouts); 0: two
+    residual_dropouts: int = 0  # hidden-size dropouts per block (inventory.blocks.residual_dropouts); 0: two
     act_dropout: float = 0.0  # dropout on the MLP activation's output (BART's activation_dropout)
-    labels_disable_cache: bool = False  # the head turns use_cache off when given labels (cachefacts)
+    labels_disable_cache: bool = False  # the head turns use_cache off when given labels (inventory.kv_cache)
     embed_dropout: float | None = None  # after the input embeddings (GPT-2 / Phi `embd_pdrop`); None: as hidden
     sliding_window: int | None = None
     #: decoder layers whose attention uses the window (config.layer_types' sliding_attention; every layer of a
@@ -136,19 +136,19 @@ class Arch:
     act_saves: tuple[float, ...] = ()
     #: bytes per element the MLP activation returns, per ACT_CASES (memplan.inventory.activation.act_out_bytes)
     act_out: tuple[float, ...] = ()
-    #: parameter-free norm layers per block, and after the last block (codefacts.weightless_norms: OLMo's)
+    #: parameter-free norm layers per block, and after the last block (inventory.probes.weightless_norms: OLMo's)
     weightless_norms: int = 0
     weightless_final_norms: int = 0
-    #: the head's loss is torch CrossEntropyLoss on the logits as they are (codefacts.plain_cross_entropy)
+    #: the head's loss is torch CrossEntropyLoss on the logits as they are (inventory.probes.plain_cross_entropy)
     plain_cross_entropy: bool = False
-    #: what the experts' own gating saves per gated element, 16-bit and fp32 (codefacts.expert_gate_saves: GPT-OSS)
+    #: what the experts' own gating saves per gated element, 16-bit and fp32 (inventory.probes.expert_gate_saves: GPT-OSS)
     expert_gate_saves: tuple[float, ...] = ()
-    #: bytes per hidden element a MoE router saves as its own copy of a 16-bit input (blockfacts.router_copy)
+    #: bytes per hidden element a MoE router saves as its own copy of a 16-bit input (inventory.blocks.router_copy)
     router_copy: float = 0.0
     #: the fused attention kernel's output comes out heads-first and sdpa_attention_forward copies it, which a trained
-    #: output projection saves (blockfacts.attention_output_copied: GPT-NeoX, StableLM, Phi-3, DeepSeek-V3)
+    #: output projection saves (inventory.blocks.attention_output_copied: GPT-NeoX, StableLM, Phi-3, DeepSeek-V3)
     attn_out_copy: bool = False
-    #: config.layer_types whose token mixer is not attention and is not modelled (configfacts.ATTENTION_LAYERS)
+    #: config.layer_types whose token mixer is not attention and is not modelled (inventory.config.ATTENTION_LAYERS)
     unmodelled_layers: tuple[str, ...] = ()
     #: DeepSeek-V3.2's lightning indexer in every attention: (heads, head size, rotary size) from config
     #: index_n_heads, index_head_dim and qk_rope_head_dim; (0, 0, 0) for every other family
@@ -157,21 +157,21 @@ class Arch:
     #: decoder layers whose token mixer is a linear attention (config.layer_types: Qwen3-Next's gated DeltaNet)
     linear_layers: tuple[int, ...] = ()
     #: bytes per token such a layer's mixer saves beyond its Linears' inputs, per LINEAR_CASES
-    #: (linfacts.measure, on fake tensors)
+    #: (inventory.linear_attention.measure, on fake tensors)
     linear_saves: tuple[float, ...] = ()
-    #: bytes per token its backward holds beyond its saves, per LINEAR_CASES (linfacts.measure)
+    #: bytes per token its backward holds beyond its saves, per LINEAR_CASES (inventory.linear_attention.measure)
     linear_work: tuple[float, ...] = ()
-    #: attention modules owning a learned relative position bias (codefacts.relative_bias_layers: T5 2, UMT5 each)
+    #: attention modules owning a learned relative position bias (inventory.probes.relative_bias_layers: T5 2, UMT5 each)
     relative_bias_layers: int = 0
     #: what the norm layer saves, (bytes per element, bytes per row, bytes per element of its input itself) per
-    #: NORM_CASES (codefacts.norm_saves; inventories built before the third was measured list two)
+    #: NORM_CASES (inventory.probes.norm_saves; inventories built before the third was measured list two)
     norm_saves: tuple[tuple[float, ...], ...] = ()
-    #: LoRA target names peft moves onto the fused experts and the router, "old:new" (codefacts.peft_expert_targets)
+    #: LoRA target names peft moves onto the fused experts and the router, "old:new" (inventory.probes.peft_expert_targets)
     lora_expert_targets: tuple[str, ...] = ()
     #: how often each parameter block runs in one forward (build._block_runs: ALBERT shares one layer's parameters
     #: across its num_hidden_layers blocks)
     block_runs: int = 1
-    #: the MoE block runs every expert on every token, weighted by the router's scores (codefacts.experts_dense:
+    #: the MoE block runs every expert on every token, weighted by the router's scores (inventory.probes.experts_dense:
     #: Llama-4) instead of each token's top-k
     experts_dense: bool = False
     #: composite models (a vision-language model estimated for text-only steps): the module of the model's last
@@ -180,9 +180,9 @@ class Arch:
     last_module: str = ""
     #: composite models: the top-level parts the text-only step never runs (vision tower, projector), for the notes
     media_parts: tuple[str, ...] = ()
-    #: value head size where it differs from head_dim (configfacts.mla_dims: DeepSeek's MLA); 0 = head_dim
+    #: value head size where it differs from head_dim (inventory.config.mla_dims: DeepSeek's MLA); 0 = head_dim
     v_head_dim: int = 0
-    #: elements (keys + values) one decoder layer caches per token, measured (cachefacts.kv_cache_elems: MLA caches
+    #: elements (keys + values) one decoder layer caches per token, measured (inventory.kv_cache.kv_cache_elems: MLA caches
     #: its latent); 0 = not measured, 2 x num_kv_heads x head_dim
     kv_cache_per_token: int = 0
     #: parameters the model builds with requires_grad=False (Marian's and Pegasus' sinusoidal position tables): no

@@ -91,7 +91,7 @@ class ScaleOutRow:
     option: str
     setup: Setup  # at the GPU count found (or tried), batch 1
     gpus: int
-    per_gpu_bytes: int  # memplan.planner.budget.need_bytes per GPU
+    need_bytes_at_batch_1: int  # memplan.planner.budget.need_bytes per GPU
     host_bytes_per_node: int
     max_batch_size: int
     error: str = ""
@@ -102,7 +102,7 @@ class ScaleOutRow:
 
     def to_dict(self) -> dict:
         return {"option": self.option, "setup": self.setup.to_dict(), "fits": self.fits, "gpus": self.gpus,
-                "per_gpu_bytes": self.per_gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
+                "need_bytes_at_batch_1": self.need_bytes_at_batch_1, "host_bytes_per_node": self.host_bytes_per_node,
                 "max_batch_size": self.max_batch_size, "error": self.error}
 
 

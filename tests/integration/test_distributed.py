@@ -152,7 +152,7 @@ def test_fit_llama2_70b_on_a100_reports_gpu_counts():
     rows = {row["option"]: row for row in json.loads(r.output)["multi_gpu"]}
     zero3, fsdp = rows["full fine-tune, DeepSpeed ZeRO-3"], rows["full fine-tune, FSDP full shard"]
     for row in (zero3, fsdp):
-        assert 8 < row["gpus"] <= 64 and row["per_gpu_bytes"] <= 80 * GiB
+        assert 8 < row["gpus"] <= 64 and row["need_bytes_at_batch_1"] <= 80 * GiB
         assert row["setup"]["num_gpus"] * row["setup"]["num_nodes"] == row["gpus"]
     assert rows["QLoRA nf4, DDP"]["gpus"] == 1
     assert rows["LoRA r=8 on a bf16 base, DDP"]["gpus"] == 0  # a 138 GB bf16 replica never fits 80 GB

@@ -22,7 +22,7 @@ EMULATIONS = {
     "padding mask": "transformers reads the attention mask to skip it (no padding: sdpa's is_causal, grouped K/V "
                     "passed through with enable_gqa); fake masks cannot be read (masking_utils is_tracing), so the "
                     "tracer answers from its batch: all ones unless Setup.padded, a seq2seq decoder's own mask "
-                    "always (emulate_masks.mask_checks)",
+                    "always (emulate.masks.mask_checks)",
     "bitsandbytes": "bnb Linear4bit/Linear8bitLt do not run on fake tensors: stand-in layers hold exactly the "
                     "storages bnb allocates and dequantize to the compute dtype in forward and backward",
     "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
@@ -59,7 +59,7 @@ EMULATIONS = {
             "efficient one takes them (sdp_utils.cpp check_head_dim_size_mem_efficient: q and k equal, both sizes "
             "aligned), so fake tensors go through a stand-in of that kernel. Where CUDA's kernel choice falls back "
             "to the math kernel (a mask or q/k/v whose last dimension is strided, K/V heads without enable_gqa: "
-            "aten sdp_utils_cpp.h), the tracer runs that composite kernel with CUDA's dropout (emulate_sdpa)",
+            "aten sdp_utils_cpp.h), the tracer runs that composite kernel with CUDA's dropout (emulate.sdpa)",
 }
 
 @contextlib.contextmanager
