@@ -1,9 +1,12 @@
-"""The phases of a training step inside an attention (bytes per component): moments inside the blocks' forward (a
-checkpointed block at its softmax or MLP, DeepSeek-V3.2's indexer), the softmax's backward in the last block (the first
-the backward reaches) and in the first recording block (the last, with nearly every gradient written), an
-encoder-decoder's encoder's last block beside the decoder's gradients, and a
+"""The phases of a training step inside an attention, in bytes per component.
+
+Moments inside the blocks' forward (a checkpointed block at its softmax or MLP, DeepSeek-V3.2's indexer), the
+softmax's backward in the last block (the first the backward reaches) and in the first recording block (the last,
+with nearly every gradient written), an encoder-decoder's encoder's last block beside the decoder's gradients, and a
 checkpointed block's indexer in the backward's recompute. The softmax moments are the eager and math kernels' only:
-fused kernels work tile by tile and add nothing there. memplan.estimator.phases assembles them with the step's other phases."""
+fused kernels work tile by tile and add nothing there. memplan.estimator.phases assembles them with the step's other
+phases.
+"""
 from __future__ import annotations
 
 from memplan.estimator.memory import block_ends, forward_block, quant
@@ -19,14 +22,15 @@ def largest(*moments: dict[str, int]) -> dict[str, int]:
 
 
 def in_forward_phases(ctx: Ctx, common: dict, before_head: int, blocks: list) -> dict:
-    """Moments inside the blocks' forward, each with what the blocks before it saved and the embeddings' saves
-    (`before_head`: the head's side comes later), the blocks' autocast copies (not yet the head's) and the masks:
-    forward_block, checkpointing with an eager or math attention: the last block at its softmax or its MLP
-    (forward_block.working_bytes; found by the tracer: falcon-7b QLoRA eager b8 s1024 checkpointed peaked there,
-    -5.7% without it); forward_indexer, DeepSeek-V3.2: the last layer's indexer (forward_block.indexer_bytes), where
-    without checkpointing the last block has saved only its input and what its attention holds (counted there):
-    its whole saves left out of `before_head` (a DeepSeek-V3.2-shaped config full bf16 b2 s512 +2.6% with them).
-    blocks: activations.per_block_bytes(ctx)."""
+    """The forward_block and forward_indexer phases: moments inside the blocks' forward.
+
+    Each holds what the blocks before it saved and the embeddings' saves (`before_head`: the head's side comes
+    later), the blocks' autocast copies (not yet the head's) and the masks. forward_block, checkpointing with an
+    eager or math attention: the last block at its softmax or its MLP (forward_block.working_bytes).
+    forward_indexer, DeepSeek-V3.2: the last layer's indexer (forward_block.indexer_bytes); without checkpointing
+    the last block has saved only its input and what its attention holds (counted there), so its whole saves are
+    left out of `before_head`. blocks: activations.per_block_bytes(ctx).
+    """
     works = {"forward_block": forward_block.working_bytes(ctx) if ctx.setup.grad_ckpt else 0,
              "forward_indexer": forward_block.indexer_bytes(ctx)}
     if not any(works.values()):
@@ -43,13 +47,15 @@ def in_forward_phases(ctx: Ctx, common: dict, before_head: int, blocks: list) ->
 
 
 def attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, back: dict) -> dict:
-    """Eager and math attention: the last block's attention backward (after the head's: the logits gradients and
-    the lm_head's autocast copy are gone) holds the saved activations (with checkpointing, the block recomputed)
-    less what that block's backward freed before (block_ends.attention_backward_freed_bytes), the in-block autocast
-    copies (`back`'s, the head's copy already gone), the hidden-state gradients and two score-sized gradients
-    (attention.score_grad_bytes). An encoder-decoder's last block is the decoder's: its target tokens, its scores
-    against the longer of the target and the source (self- or cross-attention; found by a stress run: t5-small full
-    bf16 eager b2 s1024 target 128, +4.1% with the source's [s, s]). Fused kernels add nothing here."""
+    """The attention_backward phase: the last block's softmax backward, eager and math attention only.
+
+    It runs after the head's backward (the logits gradients and the lm_head's autocast copy are gone) and holds the
+    saved activations (with checkpointing, the block recomputed) less what that block's backward freed before
+    (block_ends.attention_backward_freed_bytes), the in-block autocast copies (`back`'s), the hidden-state gradients
+    and the score-sized gradients (attention.score_grad_bytes). An encoder-decoder's last block is the decoder's:
+    its target tokens, its scores against the longer of the target and the source (self- or cross-attention).
+    Fused kernels add nothing here.
+    """
     s, a = ctx.setup, ctx.spec.arch
     q_len = ctx.tgt_len if a.kind == "seq2seq" else max(ctx.src_len, ctx.tgt_len)
     scores = score_grad_bytes(ctx, q_len, max(ctx.src_len, ctx.tgt_len))
@@ -64,13 +70,14 @@ def attention_backward_phase(ctx: Ctx, res: dict, held: int, activations: int, b
 
 
 def first_attention_backward_phase(ctx: Ctx, res: dict, grads: int, first, embeds: int, deq: int) -> dict:
-    """Eager and math attention: the first recording block's softmax backward (`first`: block_ends.end_blocks'
-    first), the backward's last attention, with every gradient written but the input embeddings' (`grads`, less
-    phases._late_grad_bytes) and the block's q/k/v projections' (block_ends.attention_pending_grad_bytes), what the
-    embeddings saved (`embeds`), the block's checkpoint input and recompute (or its saved activations) less what its
-    backward freed before the softmax's (block_ends.attention_freed_bytes), the hidden-state gradients and two
-    score-sized gradients. Found by the tracer: falcon-7b full bf16-mixed b8 s1024 checkpointed (sdpa on CUDA's math
-    kernel: its K/V broadcast), -3.5% with only the first block's MLP moment counted."""
+    """The first_attention_backward phase: the backward's last attention, eager and math attention only.
+
+    The first recording block's softmax backward (`first`: block_ends.end_blocks' first), with every gradient
+    written but the input embeddings' (`grads`, less phases._late_grad_bytes) and the block's q/k/v projections'
+    (block_ends.attention_pending_grad_bytes), what the embeddings saved (`embeds`), the block's checkpoint input
+    and recompute (or its saved activations) less what its backward freed before the softmax's
+    (block_ends.attention_freed_bytes), the hidden-state gradients and the score-sized gradients.
+    """
     scores = score_grad_bytes(ctx)
     if not scores or first is None:
         return {}
@@ -89,13 +96,14 @@ def first_attention_backward_phase(ctx: Ctx, res: dict, grads: int, first, embed
 
 
 def indexer_backward_phase(ctx: Ctx, grads: int, ends, embeds: int, in_blocks: int, back: dict) -> dict:
-    """Checkpointing, DeepSeek-V3.2: a block's recompute in the backward runs its indexer again
-    (forward_block.indexer_bytes), beside the residual stream's gradient from above and its input's. The larger of
-    the last block's (the first the backward reaches: every checkpoint input still held, `in_blocks`, the head's
-    gradients or the accumulated ones in `back`) and the first recording block's (`ends`' first: every gradient
+    """The backward_indexer phase: a checkpointed block's recompute runs DeepSeek-V3.2's indexer again.
+
+    The indexer (forward_block.indexer_bytes) runs beside the residual stream's gradient from above and its input's. The
+    larger of the last block's (the first the backward reaches: every checkpoint input still held, `in_blocks`, the
+    head's gradients or the accumulated ones in `back`) and the first recording block's (`ends`' first: every gradient
     written, `grads` less phases._late_grad_bytes, but that block's own, block_ends.block_grad_bytes, beside the
-    embeddings' saves `embeds` and its checkpoint input). Found by the tracer: a DeepSeek-V3.2-shaped config full
-    bf16-mixed b2 s1024 checkpointed, -5.8% with the forward's indexer alone (90 MiB of gradients written)."""
+    embeddings' saves `embeds` and its checkpoint input).
+    """
     work = forward_block.indexer_bytes(ctx)
     if not (ctx.setup.grad_ckpt and work and ends):
         return {}
@@ -112,16 +120,18 @@ def indexer_backward_phase(ctx: Ctx, grads: int, ends, embeds: int, in_blocks: i
 
 def encoder_backward_phase(ctx: Ctx, res: dict, grads: int, held: int, sizes: list, embeds: int, back: dict,
                            temps: int) -> dict:
-    """Encoder-decoders: the backward of the encoder's last block, the first encoder block it reaches. The decoder's
-    gradients are written and the encoder's not yet (unless they accumulate: `held`); the decoder's saves are freed,
-    and every encoder block's (with checkpointing their inputs) and the embeddings' (`embeds`) are alive beside that
-    block's own work: the larger of its MLP product's backward (its recompute less what the MLP output projection
-    saved, and the working gradients `temps`: phases._backward_temp_bytes) and, with eager or math attention, its
-    softmax's backward (its recompute less what its backward freed before, block_ends.attention_freed_bytes, the
-    hidden-state gradients and two [b, heads, s, s] score gradients over the source). The step's other phases take
-    the encoder's largest work beside the decoder's activations with no gradient written (backward_start), or its
-    first block with every gradient written. Found by the tracer: t5-base LoRA all-linear bf16 eager b2 s256 target 64
-    checkpointed, -1.45% (7.3 MiB of the decoder's LoRA gradients) without it. sizes: activations.per_block_bytes."""
+    """The encoder_backward phase of encoder-decoders: the backward of the encoder's last block.
+
+    That is the first encoder block the backward reaches. The decoder's gradients are written and the encoder's not yet
+    (unless they accumulate: `held`); the decoder's saves are freed, and every encoder block's (with checkpointing their
+    inputs) and the embeddings' (`embeds`) are alive beside that block's own work: the larger of its MLP product's
+    backward (its recompute less what the MLP output projection saved, and the working gradients `temps`:
+    phases._backward_temp_bytes) and, with eager or math attention, its softmax's backward (its recompute less what its
+    backward freed before, block_ends.attention_freed_bytes, the hidden-state gradients and the [b, heads, s, s] score
+    gradients over the source). The step's other phases take the encoder's largest work beside the decoder's activations
+    with no gradient written (backward_start), or its first block with every gradient written. sizes:
+    activations.per_block_bytes.
+    """
     from memplan.estimator.memory import weights
     from memplan.model.layout import blocks
 

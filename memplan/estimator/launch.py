@@ -1,5 +1,7 @@
-"""Launcher configs for a multi-GPU plan: an accelerate config file (`accelerate launch --config_file`) and, for
-DeepSpeed, the DeepSpeed JSON it points to. Both say exactly what the estimate assumed (sharding, offload, bucket
+"""Launcher configs for a multi-GPU plan.
+
+An accelerate config file (`accelerate launch --config_file`) and, for DeepSpeed, the DeepSpeed JSON it points
+to. Both say exactly what the estimate assumed (sharding, offload, bucket
 sizes, micro-batch, accumulation, precision), so the run matches the prediction.
 
 Field names: accelerate's ClusterConfig (accelerate/commands/config/config_args.py) and the keys its
@@ -16,12 +18,16 @@ MIXED_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "bf16": "bf16", "fp16-mix
 
 
 def mixed_precision(s: Setup) -> str:
+    """accelerate's mixed_precision value for the setup's precision (MIXED_PRECISION)."""
     return MIXED_PRECISION[s.precision]
 
 
 def deepspeed_config(spec, s: Setup) -> dict:
-    """The DeepSpeed JSON for a ZeRO setup. Explicit values (no "auto"), so the file also works without the HF
-    Trainer; Trainer checks they agree with its TrainingArguments (the plan's training_arguments section does)."""
+    """The DeepSpeed JSON for a ZeRO setup.
+
+    Explicit values (no "auto"), so the file also works without the HF Trainer; Trainer checks they agree with its
+    TrainingArguments (the plan's training_arguments section does).
+    """
     stage = ZERO_STAGES[s.sharding]
     b = ds_buckets(spec.arch.hidden_size)
     zero = {"stage": stage, "overlap_comm": stage == 3, "contiguous_gradients": True,
@@ -56,9 +62,12 @@ def deepspeed_config(spec, s: Setup) -> dict:
 
 
 def fsdp_config(s: Setup) -> dict:
-    """accelerate fsdp_config for FSDP2 (fully_shard): transformer-block wrapping (the model's _no_split_modules,
-    what the estimate's units are), reshard after forward for full shard, CPU offload of params (+ grads and the
-    optimizer step) when asked, activation checkpointing through the Trainer (gradient_checkpointing) not FSDP."""
+    """accelerate fsdp_config for FSDP2 (fully_shard).
+
+    Transformer-block wrapping (the model's _no_split_modules, what the estimate's units are), reshard after forward
+    for full shard, CPU offload of params (+ grads and the optimizer step) when asked, activation checkpointing
+    through the Trainer (gradient_checkpointing), not FSDP.
+    """
     return {
         "fsdp_version": 2,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",

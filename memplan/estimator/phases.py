@@ -1,5 +1,8 @@
-"""The phases of a step and what is alive in each (bytes per component): training, inference, and the per-rank
-view under data parallelism. memplan.estimator.breakdown takes the largest phase as the peak."""
+"""The phases of a step and what is alive in each, in bytes per component.
+
+Training, inference, and the per-rank view under data parallelism; memplan.estimator.breakdown takes the largest
+phase as the peak.
+"""
 from __future__ import annotations
 
 from memplan.estimator.attention_phases import (attention_backward_phase, encoder_backward_phase,
@@ -29,7 +32,9 @@ def _resident(ctx: Ctx) -> dict[str, int]:
 
 
 def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
-    """forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
+    """The phases of a training step, each a dict of bytes per component.
+
+    forward: end of forward, all saved activations + the loss computation. backward_start: all activations +
     the loss gradients, or (checkpointing) the last block's recompute. lm_head_backward: the logits gradient
     and the head's weight gradient. backward_end: all gradients. embedding_backward: a tied embedding's two gradient
     contributions summed (lg.tied_accumulation_bytes); decoder_embedding_backward: the same sum for an
@@ -56,8 +61,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     tied = lg.tied_accumulation_bytes(ctx)
     # with checkpointing the recomputed block's autocast copies exist only once its recompute starts, after the
     # loss's and the head's backward (the forward's cache was cleared when autocast exited: torch/amp
-    # autocast_mode.py clear_autocast_cache); those two phases hold the head's copy alone. Found by the tracer:
-    # Llama-3.2-1B freeze bf16-mixed b2 s512 checkpointed, one block's copies too many.
+    # autocast_mode.py clear_autocast_cache); those two phases hold the head's copy alone
     head_casts = {"autocast_weight_copies": quant.outside_cast_bytes(ctx)} if s.grad_ckpt else {}
     loss_side = {**back, **head_casts, "logits": lg.logits_backward_bytes(ctx)}
     in_blocks = int(saved - after)  # the head's side is done once backward reaches a block
@@ -68,8 +72,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     recompute_side = {**back, **block_casts, **_mlp_moment(ctx, ends[1] if ends else None, in_blocks,
                                                            block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps)}
     return {
-        # a block's dequantized weight is freed before the head computes the logits (the tracer's forward peak on
-        # Phi-3 QLoRA s256 held the logits and no dequantized weight): the larger of the two
+        # a block's dequantized weight is freed before the head computes the logits: the larger of the two
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
         **in_forward_phases(ctx, common, int(saved - after), blocks),
@@ -91,10 +94,13 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
 
 
 def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict[str, int]:
-    """The last block's recompute at its MLP output projection: all it saves, the probabilities it keeps named to its
-    end (forward_block.held_probs_bytes), the projection's input where the projection saves nothing (a frozen or
-    quantized `wo` reads T5's MLP dropout output), its output and the residual stream's gradient from above.
-    Checkpointing only, where something is held: elsewhere the MLP product's backward holds more."""
+    """The last block's recompute at its MLP output projection, as phase components; {} where not needed.
+
+    All it saves, the probabilities it keeps named to its end (forward_block.held_probs_bytes), the projection's
+    input where the projection saves nothing (a frozen or quantized `wo` reads T5's MLP dropout output), its output
+    and the residual stream's gradient from above. Checkpointing only, where something is held: elsewhere the MLP
+    product's backward holds more.
+    """
     held = forward_block.held_probs_bytes(ctx) if ctx.setup.grad_ckpt else 0
     if not held or not rows:
         return {}
@@ -107,9 +113,12 @@ def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict
 
 
 def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dict[str, int]:
-    """An end block's MLP product backward: `before` (the activations of the blocks before it and of the embeddings),
-    the block's own saves less what its MLP output projection saved and its backward freed
-    (block_ends.EndBlock.mlp_out) - under checkpointing `recompute`, that already -, and the working gradients."""
+    """An end block's MLP product backward: its activations and backward temporaries.
+
+    `before` (the activations of the blocks before it and of the embeddings), the block's own saves less what its
+    MLP output projection saved and its backward freed (block_ends.EndBlock.mlp_out; under checkpointing
+    `recompute`, which already excludes it), and the working gradients.
+    """
     if ctx.setup.grad_ckpt:
         return {"activations": before, "backward_temporaries": int(recompute) + temps}
     freed = end.mlp_out if end else 0
@@ -118,11 +127,12 @@ def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dic
 
 def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: int, deq: int,
                   embeds: int) -> dict[str, int]:
-    """The first recording block's MLP backward: every gradient but the input embeddings' (_late_grad_bytes) and the
-    block's own before its MLP output (block_ends.pending_grad_bytes), what the embeddings saved (`embeds`), the block's
-    checkpoint input or saved activations (with the masks checkpointing keeps), its recompute and the working
-    gradients. Found by the tracer: a Mistral-7B-shaped config with a 1k vocabulary, full bf16 b8 s4096
-    checkpointed, +6.5% at 2 blocks with the block's gradients all counted and its input and product not."""
+    """The backward_end phase: the first recording block's MLP backward.
+
+    Every gradient but the input embeddings' (_late_grad_bytes) and the block's own before its MLP output
+    (block_ends.pending_grad_bytes), what the embeddings saved (`embeds`), the block's checkpoint input or saved
+    activations (with the masks checkpointing keeps), its recompute and the working gradients.
+    """
     late = _late_grad_bytes(ctx)
     if not ends:
         return {**res, "gradients": grads - late, "backward_temporaries": bwd_work, "dequant_temporaries": deq}
@@ -135,11 +145,12 @@ def _backward_end(ctx: Ctx, res: dict, grads: int, ends, bwd_work: int, temps: i
 
 
 def _late_grad_bytes(ctx: Ctx) -> int:
-    """Gradients the backward makes only after the first block's: the input embeddings' (token and learned
-    position tables outside the blocks) unless the output head is tied to them (its backward made that buffer
-    already). The first block's recompute and working tensors never coexist with them; embedding_backward holds
-    them. Found by the tracer: a Llama-4-shaped config (untied 32k x 512 fp32 embedding), full bf16-mixed with
-    checkpointing, +4.0% with them counted beside the first block's recompute."""
+    """Bytes of the gradients the backward makes only after the first block's.
+
+    The input embeddings' (token and learned position tables outside the blocks) unless the output head is tied to
+    them (its backward made that buffer already). The first block's recompute and working tensors never coexist
+    with them; embedding_backward holds them.
+    """
     from memplan.estimator.memory.weights import numel
 
     if ctx.spec.arch.tie_word_embeddings or ctx.spec.arch.kind == "seq2seq":  # the decoder's embedding backward
@@ -150,10 +161,12 @@ def _late_grad_bytes(ctx: Ctx) -> int:
 
 
 def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dict:
-    """Checkpointing below the first trainable block (layer freezing): every weight gradient exists while the
-    backward still recomputes and back-propagates the frozen blocks for the input gradient
-    (recording.input_grads): their checkpoint inputs, the largest one's recompute, its autocast copies and the
-    working gradients. Found by the tracer: Mistral-7B freeze bf16-mixed b2 s256 peaked in block 30's backward."""
+    """The frozen_backward phase: checkpointing below the first trainable block (layer freezing); {} otherwise.
+
+    Every weight gradient exists while the backward still recomputes and back-propagates the frozen blocks for the
+    input gradient (recording.input_grads): their checkpoint inputs, the largest one's recompute, its autocast
+    copies and the working gradients.
+    """
     keys, inputs, full = recording.frozen_tail(ctx, blocks)
     if not keys:
         return {}
@@ -164,14 +177,14 @@ def _frozen_backward_phase(ctx: Ctx, res: dict, grads: int, blocks: list) -> dic
 
 
 def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks, tied: int) -> dict:
-    """Encoder-decoders whose shared embedding trains (T5, BART): the decoder's embedding backward leaves its
-    contribution in the engine's input buffer until the encoder's arrives at the very end, so the encoder's saved
-    activations are still alive beside the decoder's gradients and that contribution (counted with the gradients:
-    the shared table's). Where lm_head is tied to the table the engine first sums the decoder's contribution with
-    lm_head's out of place (logits.tied_accumulation_bytes, `tied`: both and the sum). Found by the tracer on t5-small
-    full bf16-mixed Adafactor (-4.9% before): its peak held the encoder's activations, the decoder blocks' gradients and
-    three [V, H] fp32 copies; a stress run on mt0-xxl (its own lm_head) full bf16 SGD eager b2 s1024 target 128: -12.4%
-    with the phase left out where the head is untied."""
+    """The decoder_embedding_backward phase of encoder-decoders whose shared embedding trains (T5, BART).
+
+    The decoder's embedding backward leaves its contribution in the engine's input buffer until the encoder's
+    arrives at the very end, so the encoder's saved activations are still alive beside the decoder's gradients and
+    that contribution (counted with the gradients: the shared table's). Where lm_head is tied to the table the
+    engine first sums the decoder's contribution with lm_head's out of place (logits.tied_accumulation_bytes,
+    `tied`: both and the sum). The phase applies with an untied head too.
+    """
     if ctx.spec.arch.kind != "seq2seq" or not tied:
         return {}
     enc = [full if not ctx.setup.grad_ckpt else ck
@@ -184,23 +197,27 @@ def _decoder_embedding_phase(ctx: Ctx, res: dict, grads: int, held: int, blocks,
 
 
 def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], dist.RankState]:
-    """Per-rank phases under data parallelism: the activations, logits and temporaries of `compute` (the setup the
-    engine really computes: dist.compute_setup) with the model state of dist.rank_state(ctx) in place of the
-    single-GPU weights, gradients and optimizer state; gathered (unsharded) parameters in forward and backward."""
+    """Per-rank phases under data parallelism.
+
+    The activations, logits and temporaries of `compute` (the setup the engine really computes:
+    dist.compute_setup) with the model state of dist.rank_state(ctx) in place of the single-GPU weights, gradients
+    and optimizer state; gathered (unsharded) parameters in forward and backward.
+
+    Returns:
+        (phases, the rank's model state).
+    """
     rs = dist.rank_state(ctx)
     phases = training_phases(compute)
     accum = ctx.setup.grad_accum > 1
     state = {"weights": rs.weights, "quant_state": 0, "lora_adapters": rs.lora_adapters,
              "optimizer_state": rs.master_and_optimizer, "comm_buffers": rs.comm_buffers}
     # ZeRO-3's flat gradient-partition buffer is allocated once, at init, and kept (stage3.py
-    # grad_partitions_flat_buffer): it exists in the forward too. Found against the DeepSpeed trace: SmolLM2-135M
-    # cut to 4 blocks, zero3 x2, -6.7% without it
+    # grad_partitions_flat_buffer): it exists in the forward too
     early = rs.gradients if accum or ctx.setup.sharding == "zero3" else 0
     grads = {"forward": early, "backward_start": early}
     if ctx.setup.engine == "fsdp":
         # before the last block's backward ends no FSDP unit has reduce-scattered its gradients: the sharded gradients
-        # exist only when accumulating (found by a stress run: Mistral-7B full bf16 fsdp-shard-grad-op x2 eager, +15%
-        # with them beside the last block's attention backward); ZeRO-2 keeps its partition buffer between steps
+        # exist only when accumulating; ZeRO-2 keeps its partition buffer between steps
         grads["attention_backward"] = early
     gathered = {"forward": rs.gathered_forward, "backward_start": rs.gathered_head,
                 "lm_head_backward": rs.gathered_head, "backward_end": rs.gathered_backward_end,
@@ -223,7 +240,7 @@ def sharded_phases(ctx: Ctx, compute: Ctx) -> tuple[dict[str, dict[str, int]], d
             parts["gradients"] = rs.gradients
         if name == "embedding_backward" and ctx.setup.sharding == "zero3":
             # the tied table's whole 16-bit gradient, beside its two contributions, before it is reduce-scattered into
-            # the partition (found against the DeepSpeed trace: Llama-3.2-1B cut to 4 blocks, zero3 x4, -12.5%)
+            # the partition
             parts["backward_temporaries"] = parts.get("backward_temporaries", 0) + lg.tied_table_bytes(compute)
         if name == "optimizer_step":
             parts["optimizer_temporaries"] = rs.step_temporaries
@@ -240,13 +257,14 @@ def _larger(*items: tuple[str, int]) -> dict[str, int]:
 
 
 def _backward_temp_bytes(ctx: Ctx) -> int:
-    """Working gradients inside one block's backward, at the larger of two moments: a gated MLP's product backward
-    holds the residual stream's gradient and three intermediate-sized ones in the activations' dtype (the product's,
-    and the two aten mul's backward writes for act(gate) and up while that input gradient is held), a plain MLP's
-    activation backward two (fc2's input's and fc1's output's); the attention's backward the residual stream's and
-    the normed input's gradients. With LoRA on fused experts, the gradient of the largest W + BA copy
-    (moe.largest_expert_lora_copy_bytes). Found by the tracer: a Mistral-7B-shaped config with a 1k vocabulary,
-    QLoRA b8 s4096 checkpointed, -6.0% with two MLP gradients in the compute dtype (QLoRA's are fp32: act_bytes)."""
+    """Working gradients inside one block's backward, at the larger of two moments.
+
+    A gated MLP's product backward holds the residual stream's gradient and three intermediate-sized ones in the
+    activations' dtype (the product's, and the two aten mul's backward writes for act(gate) and up while that input
+    gradient is held), a plain MLP's activation backward two (fc2's input's and fc1's output's); the attention's
+    backward the residual stream's and the normed input's gradients. With LoRA on fused experts, the gradient of the
+    largest W + BA copy (moe.largest_expert_lora_copy_bytes). The MLP gradients are in act_bytes: fp32 under QLoRA.
+    """
     a = ctx.spec.arch
     t = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len)
     k = a.experts_per_token if a.num_experts else 1
@@ -256,8 +274,10 @@ def _backward_temp_bytes(ctx: Ctx) -> int:
 
 
 def _linear_work(ctx: Ctx) -> float:
-    """Per token, what a linear-attention block's mixer holds in its backward beyond its saves (Arch.linear_work,
-    linfacts.measure: the trained case where the blocks' base weights train)."""
+    """Per token, what a linear-attention block's mixer holds in its backward beyond its saves.
+
+    Measured per family: Arch.linear_work (linfacts.measure), the trained case where the blocks' base weights train.
+    """
     from memplan.model.spec import linear_case
 
     a = ctx.spec.arch
@@ -267,14 +287,18 @@ def _linear_work(ctx: Ctx) -> float:
 
 
 def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
-    """prefill (one layer's working set + the cache so far) and decode (full cache + growth + last-token logits)."""
+    """The phases of inference, each a dict of bytes per component.
+
+    prefill: one layer's working set + the cache so far. decode: full cache + growth + last-token logits.
+    """
     res = _resident(ctx)
     kv = inf.kv_cache_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
     prompt = {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),
               "dequant_temporaries": deq, "attention_mask": mask_bytes(ctx)}
-    # an encoder-decoder's prompt call also runs its first decoder step (memplan.runtime.steps.inference_loop, as generate
-    # does): the encoder output and the cross-attention cache of every layer, after the encoder's working set is gone
+    # an encoder-decoder's prompt call also runs its first decoder step (memplan.runtime.steps.inference_loop, as
+    # generate does): the encoder output and the cross-attention cache of every layer, after the encoder's working set
+    # is gone
     first_step = {**res, "kv_cache": inf.cross_cache_bytes(ctx), "activations": inf.encoder_output_bytes(ctx)}
     steps = {**res, "kv_cache": kv + inf.kv_growth_bytes(ctx), "logits": lg.inference_logits_bytes(ctx),
              "activations": inf.encoder_output_bytes(ctx)}

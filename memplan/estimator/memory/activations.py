@@ -45,11 +45,9 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     # parallel blocks normalise one input x: two LayerNorms (GPT-NeoX) save the same x, so count it once
     norms = (1 if a.parallel_block else blk.norms) - norms_after_attention(ctx, blk)  # the rest: post_attention_bytes
     per_tok = norms * norm_bytes(ctx, h, block_trains)
-    # query/key norms save their fp32 input over every head (found by the tracer: a Gemma-3-shaped config counted
-    # its per-head k_norm at the hidden size, +1.4% LoRA b2 s512 sdpa)
+    # query/key norms save their fp32 input over every head, not at the hidden size
     per_tok += sum(norm_bytes(ctx, w, block_trains, w // a.head_dim, c) for w in blk.qk_norm_widths)
-    # norms over another width (found by the tracer: a BitNet-shaped config counted its ffn_sub_norm over the
-    # intermediate size as a hidden-size norm, -3.6% full bf16)
+    # norms over another width, e.g. BitNet's ffn_sub_norm over the intermediate size
     per_tok += sum(norm_bytes(ctx, w, block_trains, in_bytes=c) for w in blk.other_norm_widths)
     if a.parallel_block and blk.norms == 1:  # attention and MLP read the same normed tensor: one input group
         per_tok += input_saves(ctx, by_slot.get("attn_in", []) + mlp_readers(by_slot), h, r, lora_names)
@@ -75,8 +73,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += lora_saves(ctx, m.in_features, c)[0] if m.name in lora_names else 0
         if m.short_name == "kv_b_proj" and kernel == "fused":
             # MLA's values are a view of kv_b_proj's output [heads x (qk_nope + v)] (expand_kv splits it; keys
-            # are copied out): the fused kernel saves that view, which keeps the keys' part of the storage alive.
-            # Found by the tracer: a DeepSeek-V3-shaped config, full bf16 sdpa -1.0% without it
+            # are copied out): the fused kernel saves that view, which keeps the keys' part of the storage alive
             per_tok += (m.out_features - a.num_heads * a.v_head_dim) * c
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
         self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel, blk.stack) + \
@@ -99,11 +96,12 @@ def _linear_mixer(ctx: Ctx, blk: BlockLayout) -> bool:
 
 
 def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lora_names: set[str]) -> float:
-    """Cross-attention of a decoder block: q over decoder tokens (its own input: the state after self-attention),
-    k/v over encoder tokens (inputs: the encoder output, shared by every decoder block: its uncast storage is
-    counted once, by per_block_bytes). Found with autograd's saved tensors (t5-small, tests/
-    test_activations_autograd.py): the query's input was taken for the self-attention's, and the encoder output
-    was counted in every block - equal and opposite only while target_len == seq_len."""
+    """Bytes the cross-attention of a decoder block saves for backward.
+
+    q runs over decoder tokens and saves its own input (the state after self-attention, not the block's input);
+    k/v run over encoder tokens and save the encoder output, counted here in every block (per_block_bytes keeps
+    one storage for all decoder blocks). Pinned by tests/test_activations_autograd.py.
+    """
     a = ctx.spec.arch
     q_dim = a.num_heads * a.head_dim
     batch = tokens // max(seqs[0], 1)
@@ -113,14 +111,17 @@ def _cross_bytes(ctx: Ctx, by_slot: dict, tokens: int, seqs: tuple[int, int], lo
     tok_core += input_saves(ctx, by_slot.get("cross_q", []), a.hidden_size, ctx.residual_bytes, lora_names)
     kv = input_saves(ctx, by_slot.get("cross_kv", []), a.hidden_size, ctx.residual_bytes, lora_names)
     masked = mask_block_bytes(ctx, batch, seqs[0], seqs[1]) if kernel == "fused" and padded_masks(ctx) else 0
-    # its output's residual dropout: a third bool mask beside the self-attention's and the MLP's (post_attention_bytes;
-    # found by a family survey: BART-, T5- and Pegasus-shaped configs full bf16 -0.35%, one per decoder block)
+    # its output's residual dropout: a third bool mask beside the self-attention's and the MLP's (post_attention_bytes)
     tok_core += a.hidden_size if a.hidden_dropout > 0 else 0
     return tok_core * tokens + kv * enc_tokens / 1.0 + a.num_heads * seqs[0] * seqs[1] * per_score * batch + masked
 
 
 def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
-    """(tokens, (query len, key len)) a block of `stack` processes per micro-batch."""
+    """Tokens and sequence lengths a block of `stack` processes per micro-batch.
+
+    Returns:
+        (tokens, (query length, key length)).
+    """
     b = ctx.setup.batch_size
     if ctx.spec.arch.kind == "seq2seq" and stack == "decoder":
         return b * ctx.tgt_len, (ctx.tgt_len, ctx.src_len)
@@ -128,12 +129,15 @@ def stack_tokens(ctx: Ctx, stack: str | None) -> tuple[int, tuple[int, int]]:
 
 
 def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
-    """[(full saved bytes, checkpointed bytes)] for every block, in execution order. A checkpointed block keeps
-    only its input (torch.utils.checkpoint non-reentrant, as transformers' gradient_checkpointing_enable uses).
+    """Bytes every block saves for backward, with and without checkpointing.
 
-    Blocks that run before anything trainable save nothing: with frozen embeddings no gradient flows below the
-    first trainable block (layer freezing saves all lower blocks' activations), and in the first LoRA block of a
-    pre-LN model the input norm runs before any adapter.
+    A checkpointed block keeps only its input (torch.utils.checkpoint non-reentrant, as transformers'
+    gradient_checkpointing_enable uses). Blocks that run before anything trainable save nothing: with frozen
+    embeddings no gradient flows below the first trainable block (layer freezing saves all lower blocks'
+    activations), and in the first LoRA block of a pre-LN model the input norm runs before any adapter.
+
+    Returns:
+        [(full saved bytes, checkpointed bytes)] per block, in execution order.
     """
     lora_names = _lora_names(ctx)
     h = ctx.spec.arch.hidden_size
@@ -153,8 +157,7 @@ def per_block_bytes(ctx: Ctx) -> list[tuple[float, float]]:
                 full -= _encoder_output_bytes(ctx, blk, lora_names)
             encoder_output_saved = True
         # the pre-LN input norm runs before any adapter; so does an encoder-decoder's first decoder block's, whose
-        # input (the frozen decoder embeddings) carries no gradient either (found by a family survey: mBART- and
-        # Pegasus-shaped configs LoRA bf16, one [tokens, hidden] input counted)
+        # input (the frozen decoder embeddings) carries no gradient either
         first_decoder = blk.stack == "decoder" and ctx.spec.arch.kind == "seq2seq" and not decoder_seen \
             and not _embeds_record(ctx)
         decoder_seen = decoder_seen or blk.stack == "decoder"
@@ -198,8 +201,12 @@ def _lora_names(ctx: Ctx) -> frozenset[str]:
 
 @per_model("grad_ckpt")
 def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
-    """Per block in execution order: (block, its structure - None where nothing records -, whether its base
-    params train, whether recording starts in it). Blocks of equal structure save equal bytes."""
+    """Each block with the structure key that decides its saved bytes; blocks of equal structure save equal bytes.
+
+    Returns:
+        Per block in execution order: (block, structure key or None where nothing records, whether its base
+        params train, whether recording starts in it).
+    """
     lora_names = _lora_names(ctx)
     lora_blocks, trained_blocks, live = block_training(ctx)
     out = []
@@ -209,7 +216,7 @@ def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
         live = live or starts_here
         shape = None if not live else (
             blk.stack, blk.norms, blk.qk_norm_widths, blk.other_norm_widths, key in trained_blocks,
-            blk.index in ctx.spec.arch.sliding_layers,  # windowed sdpa masks (found: Gemma-3's full layer, +0.4%)
+            blk.index in ctx.spec.arch.sliding_layers,  # sliding and full layers hold different sdpa masks
             bias_bucket_bytes(ctx, blk.stack, blk.index, 1),  # T5's first layer holds the relative bias
             tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
                    weight_trains(ctx, m.name)) for sl, m in blk.linears))
@@ -234,10 +241,14 @@ def outside_blocks_bytes(ctx: Ctx) -> float:
 
 
 def outside_split(ctx: Ctx) -> tuple[float, float]:
-    """(outside_blocks_bytes, of it what the modules after the last block save: the final norm, a head's transform,
-    the lm_head's input), which backward frees before it reaches the last block. Found by the tracer: a
-    Mistral-7B-shaped config with a 1k vocabulary, LoRA bf16 b8 s4096 checkpointed, the final norm's 512 MiB fp32
-    input counted in the last block's recompute."""
+    """outside_blocks_bytes, and the part of it the modules after the last block save.
+
+    Backward frees that part (the final norm, a head's transform, the lm_head's input) before it reaches the
+    last block, so it is not alive during the last block's recompute.
+
+    Returns:
+        (outside_blocks_bytes, bytes saved after the last block).
+    """
     before, after = _outside_saves(ctx)
     return before + after + position_bias_bytes(ctx) + dropout_mask_bytes(ctx, _embeds_record(ctx)) + \
         checkpoint_inputs_bytes(ctx) + embedding_leaf_bytes(ctx), after
@@ -249,8 +260,13 @@ def _embeds_record(ctx: Ctx) -> bool:
 
 
 def _outside_saves(ctx: Ctx) -> tuple[float, float]:
-    """(before the blocks, after the last block) bytes the norms and Linears outside the blocks save. A
-    seq2seq encoder's final norm runs before the decoder's blocks."""
+    """Bytes the norms and Linears outside the blocks save, split by where they run.
+
+    A seq2seq encoder's final norm runs before the decoder's blocks.
+
+    Returns:
+        (bytes saved before the blocks, bytes saved after the last block).
+    """
     a = ctx.spec.arch
     if not ctx.trainable and not ctx.lora:
         return 0.0, 0.0
@@ -279,7 +295,7 @@ def _outside_saves(ctx: Ctx) -> tuple[float, float]:
         tokens = _outside_tokens(ctx, m.name)
         # a Linear from another width into the hidden size projects the embeddings into the blocks (ALBERT's
         # embedding_hidden_mapping_in, ELECTRA's embeddings_project): no activation follows it, unlike a head's
-        # transform (found by the tracer: an ALBERT-shaped config full bf16 +1.1%, a gelu_new counted 512 wide)
+        # transform
         into_blocks = not m.is_output and m.in_features != h and m.out_features == h
         n = 0.0
         if m.name in lora_names:

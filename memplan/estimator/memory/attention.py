@@ -1,5 +1,8 @@
-"""Attention: which kernel a setup's attention runs (eager, sdpa's fused kernels or its math fallback), in which
-dtype, and what one attention saves for backward (memplan.estimator.memory.activations adds it per block)."""
+"""Attention: which kernel a setup's attention runs, in which dtype, and what one attention saves for backward.
+
+Kernels: eager, sdpa's fused kernels or its math fallback; memplan.estimator.memory.activations adds the saves per
+block.
+"""
 from __future__ import annotations
 
 from memplan import libs
@@ -13,20 +16,19 @@ from memplan.estimator.memory.position_bias import has_position_bias
 
 #: families whose eager softmax was fp32 in older transformers releases, until the given one: T5 and mT5 called
 #: `softmax(scores.float(), dim=-1).type_as(scores)` (T5Attention.forward, 4.48.1 to 5.14.0) and softmax in the
-#: scores' dtype from 5.15. Found by the tracer on transformers 4.48.1: t5-base LoRA bf16 r64 b16 s256 eager -11.6%.
+#: scores' dtype from 5.15.
 SOFTMAX_FP32_UNTIL = {"t5": (5, 15), "mt5": (5, 15)}
 
 #: families whose eager attention casts q and k to fp32 before QK^T ("Keep the attention weights computation in
 #: fp32", modeling_gptj.py / modeling_codegen.py `_attn`): without autocast the matmul saves the fp32 casts and the
-#: scores and their softmax are fp32. Found by the tracer: a GPT-J-shaped config, LoRA bf16 b2 s256, -5.6%.
+#: scores and their softmax are fp32.
 QK_FP32 = {"gptj", "codegen"}
 
 #: transformers before 5.20 handed T5's relative position bias to sdpa as a permuted view (modeling_t5 compute_bias
 #: `values.permute([2, 0, 1])`; integrations/sdpa_attention.create_position_bias_mask made it contiguous from 5.20
 #: on). torch's fused kernels need the mask's last dimension contiguous (aten sdp_utils
-#: check_last_dim_stride_equals_1), so the self-attentions ran sdpa's math kernel. Measured on an H100 (torch 2.11,
-#: transformers 5.17, benchmarks/diagnose/cases-1.yaml): t5-base bf16-mixed b8 s512 kept 5.98 GiB in its 24
-#: self-attentions' sdpa calls, as the math kernel's accounting below gives; the cross-attentions (zero bias) ran fused.
+#: check_last_dim_stride_equals_1), so the self-attentions ran sdpa's math kernel; the cross-attentions (zero bias)
+#: ran fused. Measured: benchmarks/diagnose/cases-1.yaml (H100).
 MATH_SDPA_UNTIL = (5, 20)
 
 
@@ -35,8 +37,7 @@ MATH_SDPA_UNTIL = (5, 20)
 #: grouped K/V were repeated to every head for every call (`repeat_kv`; 4.54 added use_gqa_in_sdpa / enable_gqa);
 #: before 4.53 the model built one additive float [b, 1, q, k] mask per forward in the hidden states' dtype
 #: (_update_causal_mask), shared by every layer, where 4.53's masking_utils passes a boolean mask sdpa converts per
-#: call. Found by the tracer on 4.48.1: Llama-3.2-1B LoRA b1 s2048 -2.3% (the repeated K/V), +1.4% padded (a float
-#: mask counted per layer).
+#: call.
 GQA_IN_SDPA_SINCE = (4, 54)
 BOOL_MASKS_SINCE = (4, 53)
 #: before 4.56 sdpa_attention_forward made q, k and v contiguous (`query = query.contiguous()`, for torch issue
@@ -45,14 +46,16 @@ BOOL_MASKS_SINCE = (4, 53)
 #: torch.cat) that the kernel saves (inference.training_cache_bytes)
 CACHE_COPIES_SINCE = (4, 56)
 #: causal families whose 4.x attention had its own sdpa code (4.48.1 modeling files without ALL_ATTENTION_FUNCTIONS):
-#: the release rules of the shared integration (above; inference.CACHE_COPIES_SINCE) are not applied to them.
+#: the release rules of the shared integration (above; CACHE_COPIES_SINCE in inference) are not applied to them.
 #: GPT-NeoX's own 4.48 sdpa function copies q/k/v the same way (`query = query.contiguous()`) and is left in
 OWN_SDPA_4X = {"bloom", "falcon", "gpt_bigcode", "opt"}
 
 
 def integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
-    """The family's attention goes through transformers' shared attention functions (eager_attention_forward,
-    integrations/sdpa_attention.py), in a release older than `release`."""
+    """The family's attention uses transformers' shared attention functions, in a release older than `release`.
+
+    Source: eager_attention_forward, integrations/sdpa_attention.py.
+    """
     a = ctx.spec.arch
     return a.kind == "causal" and a.model_type not in OWN_SDPA_4X and libs.older_than("transformers", release)
 
@@ -63,23 +66,29 @@ def sdpa_integration_before(ctx: Ctx, release: tuple[int, int]) -> bool:
 
 
 def kernel_casts_kv(ctx: Ctx) -> bool:
-    """Autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype): the
-    attention computes on compute-dtype casts of q, k and v, which it saves instead of the tensors themselves."""
+    """The attention computes on compute-dtype casts of q, k and v and saves those instead of the tensors.
+
+    This is autocast over projections that return fp32 (QLoRA: bitsandbytes Linear4bit returns the input's dtype).
+    """
     return ctx.mixed and ctx.act_bytes != ctx.compute_bytes
 
 
 def kernel_bytes(ctx: Ctx) -> int:
-    """Bytes per element of what the attention computes on: autocast runs sdpa and the eager matmuls in the compute
-    dtype (both on its lower-precision list), whatever dtype the projections return - QLoRA's fp32 q/k/v are saved
-    as bf16 casts (found by the tracer, Llama-3.2-1B QLoRA sdpa; measured on an H100: Llama-3.2-1B QLoRA b4 s1024
-    +7.0% before)."""
+    """Bytes per element of what the attention computes on.
+
+    Autocast runs sdpa and the eager matmuls in the compute dtype (both on its lower-precision list), whatever
+    dtype the projections return: QLoRA's fp32 q/k/v are saved as bf16 casts.
+    """
     return ctx.compute_bytes if kernel_casts_kv(ctx) else ctx.act_bytes
 
 
 def _softmax_fp32(ctx: Ctx, c: int) -> bool:
-    """Eager softmax in fp32: under autocast (softmax is on its fp32 list), in fp32 models, or where the family
-    asks for it (Arch.eager_softmax_fp32; SOFTMAX_FP32_UNTIL in the releases before the one named), or its scores
-    are fp32 already (QK_FP32)."""
+    """Whether the eager softmax runs in fp32.
+
+    It does under autocast (softmax is on its fp32 list), in fp32 models, where the family asks for it
+    (Arch.eager_softmax_fp32; SOFTMAX_FP32_UNTIL before the release named), or where its scores are fp32 already
+    (QK_FP32).
+    """
     a = ctx.spec.arch
     return (ctx.autocast or c == 4 or a.eager_softmax_fp32 or a.model_type in QK_FP32
             or libs.older_than("transformers", SOFTMAX_FP32_UNTIL.get(a.model_type, ())))
@@ -88,8 +97,7 @@ def _softmax_fp32(ctx: Ctx, c: int) -> bool:
 #: families that hand sdpa K/V with fewer heads than q and no enable_gqa (falcon-7b's multi-query attention:
 #: modeling_falcon.py FalconAttention._split_heads keeps one K/V head and calls F.scaled_dot_product_attention
 #: without enable_gqa): torch's check_batch_size_and_num_heads_dense (aten sdp_utils_cpp.h, shared by CPU and CUDA)
-#: rules out every fused kernel, so the math kernel runs, in fp32 with the full score matrix. Found by the tracer:
-#: falcon-7b LoRA b2 s512 -25% before.
+#: rules out every fused kernel, so the math kernel runs, in fp32 with the full score matrix.
 SDPA_HEADS_BROADCAST = {"falcon"}
 
 
@@ -100,13 +108,13 @@ def heads_broadcast(ctx: Ctx) -> bool:
 
 
 def gqa_in_fp32(ctx: Ctx) -> bool:
-    """transformers hands grouped K/V to sdpa with enable_gqa (integrations/sdpa_attention.py use_gqa_in_sdpa: no
-    mask, from 4.54) and the kernel computes in fp32: CUDA's flash kernel, the one fused kernel taking grouped K/V
-    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_batch_size_and_num_heads_dense<true> for flash,
-    <false> for mem-efficient), takes fp16/bf16 only, so the math kernel runs: K/V repeated to every head, fp32
-    scores. Measured on an H100 (torch 2.11, transformers 5.17): Llama-3.2-1B full fp32 b2 s512 sdpa, forward 1.25
-    GiB above the fused count (16 layers of [2, 32, 512, 512] fp32 probabilities and repeated K/V); Qwen2.5-1.5B
-    -2.0% at its peak."""
+    """Grouped K/V reach sdpa with enable_gqa in fp32, so sdpa's math kernel runs.
+
+    transformers passes enable_gqa when there is no mask (integrations/sdpa_attention.py use_gqa_in_sdpa, from
+    4.54). CUDA's flash kernel, the one fused kernel taking grouped K/V, takes fp16/bf16 only, so the math kernel
+    runs: K/V repeated to every head, fp32 scores. Source: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+    check_batch_size_and_num_heads_dense (<true> for flash, <false> for mem-efficient).
+    """
     a = ctx.spec.arch
     return (ctx.attn_impl == "sdpa" and a.num_kv_heads != a.num_heads and not heads_broadcast(ctx)
             and not sdpa_integration_before(ctx, GQA_IN_SDPA_SINCE) and kernel_bytes(ctx) == 4
@@ -114,7 +122,13 @@ def gqa_in_fp32(ctx: Ctx) -> bool:
 
 
 def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
-    """eager | math | fused: what one attention's scores cost (relative_bias: it gets a learned position bias)."""
+    """The kernel one attention runs, which decides what its scores cost.
+
+    relative_bias: the attention gets a learned position bias.
+
+    Returns:
+        "eager", "math" or "fused".
+    """
     if ctx.attn_impl == "eager":
         return "eager"
     if ctx.attn_impl == "sdpa" and (heads_broadcast(ctx) or gqa_in_fp32(ctx)):
@@ -131,12 +145,12 @@ def attention_kernel(ctx: Ctx, relative_bias: bool) -> str:
 #: concatenates k and v into new tensors (cache_utils DynamicLayer.update, torch.cat) that the fused kernel then saves
 #: beside the fused output q keeps alive (eager's count already has k and v as tensors of their own). Where k and v
 #: are separate projections (or rotated copies) the concatenated copies replace them instead.
-#: Measured: gpt2 bf16-mixed b8 s512 on an H100 kept 0.14 GiB at cache_utils.py:146/147 (benchmarks/diagnose).
+#: Measured: benchmarks/diagnose (gpt2, H100).
 FUSED_QKV_CACHE = {"gpt2"}
 
 
 def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel: str) -> tuple[float, float]:
-    """(bytes per query token, bytes per score element) saved by one attention.
+    """Bytes one attention saves for backward, per query token and per score element.
 
     sdpa/flash (torch _scaled_dot_product_{flash,efficient}_attention): q, k, v, out and fp32 logsumexp per head;
     k/v at kv_dim (transformers passes enable_gqa when no mask is needed: integrations/sdpa_attention.py
@@ -145,6 +159,9 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
     Math kernel (aten _scaled_dot_product_attention_math): 16-bit q/k/v are upcast to fp32 (torch >= 2.5, unless
     allow_fp16_bf16_reduction_math_sdp), q and k scaled by sqrt(scale) are saved by QK^T, v by PV; the fp32 softmax
     output, and with dropout a bool mask and the dropped fp32 probabilities.
+
+    Returns:
+        (bytes per query token, bytes per score element).
     """
     a = ctx.spec.arch
     c = kernel_bytes(ctx)
@@ -175,13 +192,14 @@ def attn_core(ctx: Ctx, q_dim: int, kv_dim: int, q_tok: int, k_tok: int, kernel:
 
 
 def score_grad_bytes(ctx: Ctx, q_len: int | None = None, k_len: int | None = None) -> int:
-    """Inside an eager or math attention's backward: the probabilities' gradient (PV's backward), the softmax
-    backward's output and CUDA's softmax backward's own `tmp = grad * output` (aten/src/ATen/native/cuda/SoftMax.cu
-    softmax_backward_cuda_out), [b, heads, s_q, s_k] each in the softmax dtype (aten bmm / _softmax_backward_data;
-    fused kernels work tile by tile); s_q = s_k = the longer sequence unless given (an encoder-decoder's decoder
-    block: its target length against the source's). Found by the tracer: falcon-7b LoRA b1 s2048 with checkpointing,
-    -11% before the first two; on an H100 the third: Llama-2-7b QLoRA eager b4 s2048 checkpointed -11.5%,
-    falcon-7b QLoRA b1 s2048 (math kernel) -10.7% without it."""
+    """Bytes of the three score-sized gradients inside an eager or math attention's backward.
+
+    The probabilities' gradient (PV's backward), the softmax backward's output and CUDA's softmax backward's own
+    `tmp = grad * output`, [b, heads, s_q, s_k] each in the softmax dtype; fused kernels work tile by tile.
+    s_q = s_k = the longer sequence unless given (an encoder-decoder's decoder block: its target length against
+    the source's). Source: aten bmm / _softmax_backward_data, aten/src/ATen/native/cuda/SoftMax.cu
+    softmax_backward_cuda_out.
+    """
     kernel = attention_kernel(ctx, relative_bias=True)
     s = max(ctx.src_len, ctx.tgt_len)
     return 3 * ctx.setup.batch_size * ctx.spec.arch.num_heads * (q_len or s) * (k_len or s) * \
@@ -195,35 +213,38 @@ def softmax_out_bytes(ctx: Ctx, kernel: str) -> int:
 
 
 def windowed(ctx: Ctx) -> bool:
-    """sdpa gets an explicit mask from the sliding window: the sequence reaches the window (transformers masking_utils
-    _ignore_causal_mask_sdpa keeps the mask once `kv_length >= local_attention_size`; 4.x's AttentionMaskConverter
-    skipped it only while `key_value_length < sliding_window` - Mistral-7B at 4096 tokens builds it: the tracer's
-    QLoRA b4 s4096 held a 128 MiB float mask and repeated K/V counted from 4097 tokens on)."""
+    """sdpa gets an explicit mask from the sliding window because the sequence reaches the window.
+
+    Source: transformers masking_utils _ignore_causal_mask_sdpa keeps the mask once
+    `kv_length >= local_attention_size`; 4.x's AttentionMaskConverter skipped it only while
+    `key_value_length < sliding_window`, so a sequence equal to the window builds it.
+    """
     a = ctx.spec.arch
     # models mixing full and sliding layers (config.layer_types: Gemma-3) window their sliding layers the same way
-    # (a dispatch spy on a Gemma-3-shaped layer: the same bool mask, where-converted bias and repeat_kv clones as
-    # Mistral's); the full layers get is_causal. Traced: a Gemma-3-shaped config LoRA b2 s512 holds 12.5 MiB more
-    # with a 128-token window than with none, these terms 15 MiB
+    # as Mistral (bool mask, where-converted bias, repeat_kv clones); the full layers get is_causal
     return (ctx.attn_impl == "sdpa" and bool(a.sliding_layers) and a.sliding_window is not None
             and ctx.tgt_len >= a.sliding_window)
 
 
 def padded_masks(ctx: Ctx) -> bool:
-    """sdpa gets an explicit mask in every attention because the batch holds padding (Setup.padded): transformers
-    builds a boolean [b, 1, q, k] mask instead of passing is_causal (masking_utils _ignore_causal_mask_sdpa /
-    _ignore_bidirectional_mask_sdpa read the padding mask). T5's relative position bias merges the mask itself
-    (self_bias_mask_bytes, position_bias_bytes)."""
+    """sdpa gets an explicit mask in every attention because the batch holds padding (Setup.padded).
+
+    transformers builds a boolean [b, 1, q, k] mask instead of passing is_causal (masking_utils
+    _ignore_causal_mask_sdpa / _ignore_bidirectional_mask_sdpa read the padding mask). T5's relative position bias
+    merges the mask itself (self_bias_mask_bytes, position_bias_bytes).
+    """
     return ctx.attn_impl == "sdpa" and ctx.setup.padded and not has_position_bias(ctx.spec.arch)
 
 
 def mask_block_bytes(ctx: Ctx, batch: int, q_len: int, k_len: int | None = None) -> float:
-    """What a masked sdpa call (padding, or a sliding window the sequence outruns) saves beyond the fused kernel's
-    count (attn_core): torch converts the boolean mask to a [b, 1, q, k] float bias in the query's dtype per call
-    (aten sdpa convert_boolean_attn_mask), which the efficient kernel keeps for backward; and with a mask
-    transformers does not pass enable_gqa (integrations/sdpa_attention use_gqa_in_sdpa: CUDA needs no mask) but
-    repeats grouped K/V to every head (repeat_kv), which the kernel saves instead. Found by the tracer: Phi-3-mini
-    (window 2047) LoRA b1 s2048 -1.4% (32 x 8 MiB), a Mistral-shaped GQA config with a 128-token window b2 s512
-    -1.7%; padded batches: a BART-shaped config full bf16 b2 s1024 -5.6%."""
+    """What a masked sdpa call saves beyond the fused kernel's count (attn_core).
+
+    The mask comes from padding or a sliding window the sequence outruns. torch converts the boolean mask to a
+    [b, 1, q, k] float bias in the query's dtype per call (aten sdpa convert_boolean_attn_mask), which the
+    efficient kernel keeps for backward. With a mask transformers does not pass enable_gqa
+    (integrations/sdpa_attention use_gqa_in_sdpa) but repeats grouped K/V to every head (repeat_kv), which the
+    kernel saves instead.
+    """
     a = ctx.spec.arch
     c = kernel_bytes(ctx)
     k_len = k_len or q_len

@@ -1,11 +1,11 @@
-"""What the backward holds at the blocks it starts and ends with. It reaches the last block first (recomputed
-under checkpointing) and the first recording block last, with nearly every gradient written; the largest moments
-inside a block are its MLP product's backward (phases._backward_temp_bytes) and, with eager or math attention,
-its softmax's backward. By then the block's backward has freed what was saved after that point (the autograd
-engine runs nodes in reverse creation order: memplan.estimator.memory.block_tail) and not yet written the gradients of the
-weights before it. Found by the tracer on a Mistral-7B-shaped config with a 1k vocabulary, b8 s4096 checkpointed:
-QLoRA -6.0% with two MLP gradients in the compute dtype, full bf16 +1.3% with the first block's gradients all
-written and its product still saved."""
+"""What the backward holds at the blocks it starts and ends with.
+
+It reaches the last block first (recomputed under checkpointing) and the first recording block last, with nearly
+every gradient written; the largest moments inside a block are its MLP product's backward
+(phases._backward_temp_bytes) and, with eager or math attention, its softmax's backward. By then the block's
+backward has freed what was saved after that point (the autograd engine runs nodes in reverse creation order:
+memplan.estimator.memory.block_tail) and not yet written the gradients of the weights before it.
+"""
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -30,8 +30,11 @@ class EndBlock(NamedTuple):
 
 
 def recording(ctx: Ctx, sizes: list[tuple[float, float]]) -> list[EndBlock]:
-    """The blocks that record, in execution order, one per structure (blocks of one structure save alike; speed:
-    80-layer models) but the first and the last themselves; sizes: activations.per_block_bytes(ctx)."""
+    """The blocks that record, in execution order: one per structure, plus the first and the last themselves.
+
+    Blocks of one structure save alike, so one row stands for all of them (speed: 80-layer models).
+    sizes: activations.per_block_bytes(ctx).
+    """
     rows, seen, lora, last = [], set(), act._lora_names(ctx), None
     for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), sizes):
         if shape is None:
@@ -47,8 +50,11 @@ def recording(ctx: Ctx, sizes: list[tuple[float, float]]) -> list[EndBlock]:
 
 
 def stack_last(ctx: Ctx, sizes: list[tuple[float, float]], stack: str) -> EndBlock | None:
-    """The last recording block of `stack` (an encoder-decoder's "encoder": the first of its blocks the backward
-    reaches), None without one; sizes: activations.per_block_bytes(ctx)."""
+    """The last recording block of `stack`, or None without one.
+
+    For an encoder-decoder's "encoder" this is the first of its blocks the backward reaches.
+    sizes: activations.per_block_bytes(ctx).
+    """
     found = None
     for (blk, shape, trained, starts), (full, ck) in zip(act._block_structure(ctx), sizes):
         if shape is not None and blk.stack == stack:
@@ -63,9 +69,11 @@ def _end(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, full: float, c
 
 
 def _recompute_bytes(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, full: float, tokens: int) -> float:
-    """A checkpointed block's recompute: what it saves, less its input norm's saved input where that is the
-    checkpoint input itself (saves.norm_keeps_input: LayerNorm, RMSNorm on an fp32 stream), alive anyway. Found by the
-    tracer: a Mistral-7B-shaped config, QLoRA b8 s4096 checkpointed (fp32 stream), 512 MiB counted twice."""
+    """Bytes a checkpointed block's recompute saves.
+
+    What the block saves, less its input norm's saved input where that is the checkpoint input itself, alive
+    anyway (saves.norm_keeps_input: LayerNorm, RMSNorm on an fp32 stream).
+    """
     a = ctx.spec.arch
     if a.post_norm or not blk.norms or (starts and not trained) or not norm_keeps_input(ctx, trained):
         return full  # a post-LN block's first ops are its projections; the first recording block's norm saves nothing
@@ -73,22 +81,30 @@ def _recompute_bytes(ctx: Ctx, blk: BlockLayout, trained: bool, starts: bool, fu
 
 
 def largest_recompute_bytes(ctx: Ctx, rows: list[EndBlock], at_mlp: bool = False) -> float:
-    """The largest recompute of a checkpointed block (0 without checkpointing); at_mlp: at its MLP product's
-    backward, less what its MLP output projection saved (the largest block is not the last where an encoder's blocks
-    see more tokens than the decoder's: t5-base LoRA b2 s256 target 64)."""
+    """The largest recompute of a checkpointed block, 0 without checkpointing.
+
+    at_mlp: at its MLP product's backward, less what its MLP output projection saved. The largest block is not the
+    last where an encoder's blocks see more tokens than the decoder's.
+    """
     if not ctx.setup.grad_ckpt:
         return 0.0
     return max((e.recompute - (e.mlp_out if at_mlp else 0) for e in rows), default=0.0)
 
 
 def end_blocks(rows: list[EndBlock]) -> tuple[EndBlock, EndBlock] | None:
-    """(the first recording block, the last block) in execution order; None when no block records."""
+    """The two blocks the backward ends and starts with.
+
+    Returns:
+        (the first recording block, the last block) in execution order; None when no block records.
+    """
     return (rows[0], rows[-1]) if rows else None
 
 
 def pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
-    """The block's base weight gradients the backward has not written at its MLP product's backward: every trainable
-    parameter of the block but the MLP output projection's (LoRA's small ones left in)."""
+    """Bytes of the block's base weight gradients not yet written at its MLP product's backward.
+
+    Every trainable parameter of the block but the MLP output projection's (LoRA's small ones left in).
+    """
     return _grads_of(ctx, end, 0)
 
 
@@ -104,8 +120,12 @@ def _grads_of(ctx: Ctx, end: EndBlock, which: int) -> int:
 
 @per_model()
 def _block_grads(ctx: Ctx) -> MappingProxyType:
-    """(stack, index) -> (trainable elements but the MLP output projection's, the q/k/v projections' elements, all
-    trainable elements), once per model and selection (speed: a walk over every parameter per estimate otherwise)."""
+    """Trainable element counts per block, once per model and selection (speed: one walk over every parameter).
+
+    Returns:
+        (stack, index) -> (trainable elements but the MLP output projection's, the q/k/v projections' elements,
+        all trainable elements).
+    """
     from memplan.estimator.memory.weights import numel
 
     slots = {}
@@ -126,10 +146,11 @@ def _block_grads(ctx: Ctx) -> MappingProxyType:
 
 
 def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: float) -> float:
-    """What the last block (the first backward reaches, recomputed under checkpointing) has freed by its
-    attention's softmax backward (attention_freed_bytes), plus what `largest` holds above its own recompute. Found by
-    the tracer: Llama-2-7b QLoRA eager b4 s2048 checkpointed, +16% with the whole block held. largest:
-    largest_recompute_bytes(ctx, rows)."""
+    """What the last block has freed by its attention's softmax backward, plus `largest` above its own recompute.
+
+    The last block is the first the backward reaches (recomputed under checkpointing); its freed bytes are
+    attention_freed_bytes. largest: largest_recompute_bytes(ctx, rows).
+    """
     ends = end_blocks(rows)
     if ends is None or ends[1].blk is not blocks(ctx.spec)[-1]:
         return 0.0
@@ -144,12 +165,12 @@ def attention_backward_freed_bytes(ctx: Ctx, rows: list[EndBlock], largest: floa
 
 
 def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
-    """What a block's backward has freed by its attention's softmax backward: its post-attention saves
-    (post_attention_bytes) and, of the probabilities, all but the softmax's output and Gemma-2's tanh (PV's backward
-    freed the compute-dtype or dropped copy and dropout's mask). A decoder's cross-attention runs its backward first:
-    its own probabilities over [target, source] are the ones freed. Found by the tracer with CUDA's softmax backward
-    temporary (t5-base full bf16 eager b32 s512 checkpointed under 4.48.1: the cross-attention's dropped bf16 copy and
-    bool mask were gone, +5.9% over the trace's softmax backward with them held)."""
+    """What a block's backward has freed by its attention's softmax backward.
+
+    Its post-attention saves (post_attention_bytes) and, of the probabilities, all but the softmax's output and
+    Gemma-2's tanh: PV's backward freed the compute-dtype or dropped copy and dropout's mask. A decoder's
+    cross-attention runs its backward first, so its own probabilities over [target, source] are the ones freed.
+    """
     blk, trained, tokens = end.blk, end.trained, end.tokens
     a = ctx.spec.arch
     s_q = act.stack_tokens(ctx, blk.stack)[1][0]
@@ -164,6 +185,9 @@ def attention_freed_bytes(ctx: Ctx, end: EndBlock) -> float:
 
 
 def attention_pending_grad_bytes(ctx: Ctx, end: EndBlock) -> int:
-    """The block's base weight gradients the backward has not written at its attention's softmax backward: its
-    q/k/v projections' (layout slot attn_in), which read the normed input the softmax's backward has not reached."""
+    """Bytes of the block's base weight gradients not yet written at its attention's softmax backward.
+
+    Those of its q/k/v projections (layout slot attn_in), which read the normed input the softmax's backward has
+    not reached.
+    """
     return _grads_of(ctx, end, 1)

@@ -1,8 +1,10 @@
-"""What a block saves after its attention core, per token: the output projection's saves, the norms that follow the
-attention, the MLP (dense, gated or MoE) and the residual dropouts' masks (memplan.estimator.memory.activations adds the
-attention side). Backward frees this part of a block before it reaches the block's attention core (the autograd
-engine runs nodes in reverse creation order), which the attention's backward peak relies on (phases
-attention_backward, block_ends.attention_backward_freed_bytes)."""
+"""What a block saves after its attention core, per token.
+
+The output projection's saves, the norms that follow the attention, the MLP (dense, gated or MoE) and the residual
+dropouts' masks; memplan.estimator.memory.activations adds the attention side. Backward frees this part of a block
+before it reaches the block's attention core (the autograd engine runs nodes in reverse creation order), which the
+attention's backward peak relies on (phases attention_backward, block_ends.attention_backward_freed_bytes).
+"""
 from __future__ import annotations
 
 from memplan.estimator.memory.attention import kernel_bytes, padded_masks
@@ -14,9 +16,12 @@ from memplan.estimator.memory.saves import (SAVES_OUTPUT, act_out_bytes, act_sav
 
 
 def norms_after_attention(ctx: Ctx, blk: BlockLayout) -> int:
-    """The block's hidden-size norms that run after its last attention core: post-LN blocks' every norm, pre-LN
-    blocks' all but the input norm (Gemma's post-attention and feed-forward norms), a decoder's cross-attention
-    keeping the norm before it; none in parallel blocks (attention and MLP read one normed input)."""
+    """How many of the block's hidden-size norms run after its last attention core.
+
+    Post-LN blocks: every norm. Pre-LN blocks: all but the input norm (Gemma's post-attention and feed-forward
+    norms), a decoder's cross-attention keeping the norm before it. None in parallel blocks (attention and MLP read
+    one normed input).
+    """
     a = ctx.spec.arch
     if a.parallel_block:
         return 0
@@ -25,17 +30,18 @@ def norms_after_attention(ctx: Ctx, blk: BlockLayout) -> int:
 
 
 def mlp_readers(by_slot: dict) -> list:
-    # a gate beside the MLP reads its input (layout "mlp_gate"): one group with mlp_in, so that a LoRA on it keeps its
-    # own fp32 copy and a trained one shares the 16-bit input (found by the tracer: a Qwen2-MoE-shaped config, LoRA
-    # all-linear bf16 -1.6%, the shared_expert_gate's lora_A input [tokens, hidden] fp32 per block uncounted)
+    """The Linears that read the MLP's input: mlp_in and a gate beside the MLP (layout "mlp_gate")."""
+    # one group, so that a LoRA on the gate keeps its own fp32 copy and a trained one shares the 16-bit input
     return by_slot.get("mlp_in", []) + by_slot.get("mlp_gate", [])
 
 
 def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block_trains: bool, kernel: str) -> float:
-    """Bytes per token a block saves after its (last) attention core: the output projection's saves, the norms
-    after the attention (norms_after_attention), the MLP or MoE and the residual dropouts' masks. Backward frees
-    them before it reaches that attention's core (the engine runs nodes in reverse creation order), so the
-    attention's backward peak (phases attention_backward) no longer holds them."""
+    """Bytes per token a block saves after its (last) attention core.
+
+    The output projection's saves, the norms after the attention (norms_after_attention), the MLP or MoE and the
+    residual dropouts' masks. Backward frees them before it reaches that attention's core (the engine runs nodes in
+    reverse creation order), so the attention's backward peak (phases attention_backward) no longer holds them.
+    """
     a = ctx.spec.arch
     c, h = ctx.act_bytes, a.hidden_size
     by_slot: dict[str, list] = {}
@@ -44,8 +50,7 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     eager = kernel != "fused" or fused_output_copied(ctx)  # the attention's output is not the kernel's saved one
     per_tok = norms_after_attention(ctx, blk) * norm_bytes(ctx, h, block_trains)
     if not (a.parallel_block and blk.norms == 1):
-        # a transformers-5 router's F.linear reads the same normed input (found by the tracer: a Qwen3-MoE-shaped
-        # config, full bf16 b2 s512 -0.86%, its [tokens, hidden] input uncounted in every block)
+        # a transformers-5 router's F.linear reads the same normed input
         group = routers(ctx, blk)
         own = a.router_copy if ctx.residual_bytes == 2 and not ctx.autocast else 0.0
         if own:  # a router that upcasts a 16-bit input saves that copy, not the shared input (DeepSeek-V3)
@@ -63,8 +68,8 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     per_tok += moe_bytes(ctx, experts, lora_names) if experts else mlp_bytes(ctx, by_slot, lora_names)
     if experts and by_slot.get("mlp_in"):  # a shared expert beside the routed ones (Qwen2-MoE, DeepSeek-V3)
         per_tok += mlp_bytes(ctx, by_slot, lora_names, shared=True)
-        # Qwen2-MoE gates it by a sigmoid (shared_expert_gate): the product keeps the shared expert's output; DeepSeek-V3
-        # and dots1 add it ungated (found by the tracer: a DeepSeek-V3-shaped config, full bf16-mixed, +0.5 MiB per block)
+        # Qwen2-MoE gates it by a sigmoid (shared_expert_gate): the product keeps the shared expert's output;
+        # DeepSeek-V3 and dots1 add it ungated
         per_tok += a.hidden_size * c if by_slot.get("mlp_gate") else 0
     if a.hidden_dropout > 0:  # one bool mask per residual dropout (attention and MLP outputs; DistilBERT's MLP alone)
         per_tok += (a.residual_dropouts or 2) * h
@@ -72,12 +77,14 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
 
 
 def fused_output_copied(ctx: Ctx) -> bool:
-    """The flash kernel's output comes out heads-first, laid out like q, where q reaches it as a new heads-first
-    tensor (Arch.attn_out_copy: a concatenated partial rotary), and sdpa_attention_forward's `transpose(1, 2)
-    .contiguous()` copies it: the output projection reads (and, trained, saves) that copy, not the kernel's saved
-    output. CUDA runs flash for 16-bit q/k/v of one head size without an explicit mask; the efficient kernel it runs
-    otherwise (MLA's other value size, fp32, padded batches) writes [b, s, h, d] whatever q's layout, so its output
-    transposes back contiguous (a DeepSeek-V3-shaped config full bf16 traced no copy: +0.5% with it)."""
+    """The output projection reads (and, trained, saves) a copy of the fused kernel's output, not the saved output.
+
+    The flash kernel's output comes out heads-first, laid out like q, where q reaches it as a new heads-first tensor
+    (Arch.attn_out_copy: a concatenated partial rotary), and sdpa_attention_forward's `transpose(1, 2).contiguous()`
+    copies it. CUDA runs flash for 16-bit q/k/v of one head size without an explicit mask; the efficient kernel it
+    runs otherwise (MLA's other value size, fp32, padded batches) writes [b, s, h, d] whatever q's layout, so its
+    output transposes back contiguous.
+    """
     a = ctx.spec.arch
     return a.attn_out_copy and a.v_ratio == 1 and kernel_bytes(ctx) == 2 and not padded_masks(ctx)
 
@@ -88,8 +95,10 @@ def mlp_bytes(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
 
 
 def mlp_out_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> float:
-    """Per token, what a dense MLP's output projection saves (mlp_parts' second part): its backward frees it before
-    the product's backward, the MLP's largest moment (phases._backward_temp_bytes). 0 for MoE blocks."""
+    """Per token, what a dense MLP's output projection saves (mlp_parts' second part); 0 for MoE blocks.
+
+    Its backward frees it before the product's backward, the MLP's largest moment (phases._backward_temp_bytes).
+    """
     if expert_params(ctx, blk):
         return 0.0
     by_slot: dict[str, list] = {}
@@ -99,17 +108,21 @@ def mlp_out_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> float:
 
 
 def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> tuple[float, float]:
-    """(saved per token up to the output projection, what the output projection saves: its input and LoRA branch).
-    MLP: gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
-    activation's inputs (saves.act_saved_bytes) and, if fc2 trains, its input. MoE multiplies by top-k (each token visits k
-    experts) and adds the gathered expert inputs/outputs. shared: a MoE block's shared expert (every token, its own
-    width: Qwen2-MoE's shared_expert_intermediate_size; the sigmoid gate's product is the caller's). Found by the
-    tracer: a Qwen2-MoE-shaped config, LoRA all-linear bf16 -3.9% (its shared expert was not counted)."""
+    """What the MLP saves per token, split at its output projection.
+
+    Gated (SwiGLU/GeGLU) saves gate, act(gate), up and, if down trains, their product; plain MLPs save the
+    activation's inputs (saves.act_saved_bytes) and, if fc2 trains, its input. MoE multiplies by top-k (each token
+    visits k experts) and adds the gathered expert inputs/outputs. shared: a MoE block's shared expert (every token,
+    its own width: Qwen2-MoE's shared_expert_intermediate_size; the sigmoid gate's product is the caller's).
+
+    Returns:
+        (saved per token up to the output projection, what the output projection saves: its input and LoRA branch).
+    """
     a = ctx.spec.arch
     c, I = ctx.act_bytes, a.intermediate_size
     outs = by_slot.get("mlp_out", [])
     # experts as Linears (transformers 4), not a dense MLP in an MoE model (DeepSeek's and dots1's first blocks,
-    # first_k_dense_replace): found by the tracer, a dots1-shaped config full bf16 +1.7%, its dense block counted x k
+    # first_k_dense_replace)
     routed = bool(a.num_experts) and not shared and len(outs) > 1
     k = a.experts_per_token if routed else 1
     if shared:
@@ -124,8 +137,7 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
     if a.mlp_gated:
         # up and act(gate) saved by their product, plus what the activation saves (its input, gate, for silu/gelu;
-        # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh: found by the tracer on flan-t5-xl
-        # LoRA, -6.5% before)
+        # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh)
         # act(gate) in the dtype the activation returns (gelu_new under autocast: fp32, saves.act_out_bytes)
         core = I * (act_saved_bytes(ctx, down_trains) + act_out_bytes(ctx, down_trains) + c)
         out = I * c if down_trains else 0
@@ -134,9 +146,7 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
         core, out = I * act_saved_bytes(ctx, down_trains), (I * c if down_trains and not shared else 0)
     if a.act_dropout > 0:
         # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
-        # when fc2 trains. Measured: bart-large LoRA bf16 b16 s256 kept 24 x [4096, 4096] bool masks at
-        # modeling_bart.py's activation dropout (benchmarks/diagnose/cases-3.yaml); T5's dropout before wo is the
-        # same (found by the tracer: t5-base full bf16-mixed b16 s128, 6 MiB per block).
+        # when fc2 trains. T5's dropout before wo is the same. Measured: benchmarks/diagnose/cases-3.yaml (bart-large)
         core += I
     moe = 2 * a.hidden_size * c if routed else 0
     return k * (core + moe), k * out + down_lora

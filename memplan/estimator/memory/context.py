@@ -40,15 +40,20 @@ class Ctx:
 
     @property
     def mixed(self) -> bool:
-        """Autocast is on: mixed precision, and training a quantized base in 16-bit compute (the QLoRA recipe:
-        Trainer bf16=True/fp16=True over peft.prepare_model_for_kbit_training's fp32 non-quantized weights; memplan's
-        plan files set it). Weights stay fp32 (weight_bytes) and matmuls run in compute_bytes either way."""
+        """Autocast is on: mixed precision, or training a quantized base in 16-bit compute.
+
+        The QLoRA recipe is Trainer bf16=True/fp16=True over peft.prepare_model_for_kbit_training's fp32
+        non-quantized weights (memplan's plan files set it). Weights stay fp32 (weight_bytes) and matmuls run in
+        compute_bytes either way.
+        """
         return self.setup.mixed or (bool(self.quantized) and self.training and self.compute_bytes < 4)
 
     @property
     def autocast(self) -> bool:
-        """torch.autocast runs: `mixed`, or over a 16-bit model (autocast_16bit): the ops on its fp32 list (softmax,
-        log_softmax, nll_loss) compute in fp32 whatever the weights' dtype."""
+        """torch.autocast runs: `mixed`, or over a 16-bit model (autocast_16bit).
+
+        The ops on its fp32 list (softmax, log_softmax, nll_loss) compute in fp32 whatever the weights' dtype.
+        """
         return self.mixed or self.autocast_16bit
 
     @property
@@ -72,7 +77,7 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
     # bitsandbytes Linear4bit/8bitLt return their output in the input's dtype (nn/modules.py `.to(inp_dtype)`): after
     # k-bit preparation the normed inputs are fp32, so projections and the activations computed from them are fp32
-    # even under autocast (found by the tracer); autocast still runs the attention matmuls in the compute dtype.
+    # even under autocast; autocast still runs the attention matmuls in the compute dtype.
     act = 4 if (quant_train and setup.quant) else compute
     return Ctx(spec=spec, setup=setup, attn_impl=attn_impl(spec, setup), compute_bytes=compute, act_bytes=act,
                residual_bytes=weight_bytes, weight_bytes=weight_bytes, trainable=trainable, lora=lora,
@@ -88,11 +93,12 @@ def reties_head(spec: ModelSpec, setup: Setup) -> bool:
 
 
 def _resized_spec(spec: ModelSpec, setup: Setup) -> ModelSpec:
-    """The model as resize_token_embeddings leaves it: with added tokens a checkpoint's own lm_head that transformers 5
-    would tie (Arch.retie_on_resize: flan-t5-xl, T0_3B, mt0-xxl) is tied to the shared embedding again, one
-    [vocab, hidden] table fewer in weights, gradients and optimizer state. Found by a stress run: mt0-xxl LoRA
-    fp16-mixed r128 with 3 added tokens, +3.7% against the tracer, which resizes like a user. One derived spec per
-    spec (the per-model memo keys on its identity)."""
+    """The model as resize_token_embeddings leaves it.
+
+    With added tokens a checkpoint's own lm_head that transformers 5 would tie (Arch.retie_on_resize: flan-t5-xl,
+    T0_3B, mt0-xxl) is tied to the shared embedding again: one [vocab, hidden] table fewer in weights, gradients
+    and optimizer state. One derived spec per spec (the per-model memo keys on its identity).
+    """
     if not reties_head(spec, setup):
         return spec
     target = spec.arch.retie_on_resize
@@ -132,10 +138,13 @@ def _memo_get(key: tuple, spec: ModelSpec, compute: Callable[[], T]) -> T:
 
 
 def per_model(*fields: str) -> Callable[[Callable[[Ctx], T]], Callable[[Ctx], T]]:
-    """Memoize a term f(ctx) per model, per the selection fields, the Ctx's resolved dtypes and kernel, the transformers
-    and peft releases estimated for (memplan.libs.assume: `memplan check` mixes rows of several releases), and the other
-    Setup `fields` it reads (src_len/tgt_len come from seq_len, target_len, prompt_len: name those). The value is
-    shared: return immutable values (frozensets, tuples, numbers)."""
+    """Memoize a term f(ctx) per model and selection.
+
+    The key holds the selection fields, the Ctx's resolved dtypes and kernel, the transformers and peft releases
+    estimated for (memplan.libs.assume: `memplan check` mixes rows of several releases), and the other Setup
+    `fields` the term reads (src_len/tgt_len come from seq_len, target_len, prompt_len: name those). The value is
+    shared: return immutable values (frozensets, tuples, numbers).
+    """
     names = SELECTION_FIELDS + fields
 
     def wrap(f: Callable[[Ctx], T]) -> Callable[[Ctx], T]:
@@ -157,13 +166,19 @@ def clear_memo() -> None:
 
 
 def _releases() -> tuple:
-    """The library releases a memoized term depends on: transformers' code paths, peft's LoRA targets on fused experts
-    (select.PEFT_MOE_CONVERSION_SINCE); as installed or assumed (memplan.libs.assume)."""
+    """The library releases a memoized term depends on, as installed or assumed (memplan.libs.assume).
+
+    transformers decides code paths; peft decides LoRA targets on fused experts (select.PEFT_MOE_CONVERSION_SINCE).
+    """
     return libs.version("transformers"), libs.version("peft")
 
 
 def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:
-    """(trainable base parameter names, LoRA-targeted Linears, quantized Linear names), once per selection."""
+    """What trains, what LoRA adapts and what is quantized, once per selection.
+
+    Returns:
+        (trainable base parameter names, LoRA-targeted Linears, quantized Linear names).
+    """
     def compute():
         trainable = frozenset(p.name for p in select.trainable_params(spec, setup)) if setup.mode == "train" \
             else frozenset()

@@ -55,20 +55,24 @@ def is_distributed(setup: Setup) -> bool:
 
 
 def compute_setup(setup: Setup) -> Setup:
-    """The setup whose activations a rank computes. DeepSpeed (bf16/fp16 enabled) and FSDP (MixedPrecision
-    param_dtype) run the blocks on 16-bit weights: a mixed-precision setup computes like its pure 16-bit twin
-    (16-bit hidden stream, no autocast weight copies). DDP and the single GPU keep torch.autocast over fp32."""
+    """The setup whose activations a rank computes.
+
+    DeepSpeed (bf16/fp16 enabled) and FSDP (MixedPrecision param_dtype) run the blocks on 16-bit weights: a
+    mixed-precision setup computes like its pure 16-bit twin (16-bit hidden stream, no autocast weight copies).
+    DDP and the single GPU keep torch.autocast over fp32.
+    """
     if setup.engine in ("deepspeed", "fsdp") and setup.mixed:
         return dataclasses.replace(setup, precision=setup.compute_dtype)
     return setup
 
 
 def compute_ctx(spec, setup: Setup) -> Ctx:
-    """The Ctx a rank computes with (compute_setup's). Under FSDP accelerate keeps its autocast on over the 16-bit
-    parameters (Ctx.autocast_16bit): softmax, log_softmax and nll_loss still run in fp32. Found by a stress run
-    (trace_sharded): t5-base full bf16-mixed fsdp-full-shard x4 b4 s512 checkpointed, -17% with a 16-bit loss; its
-    CrossEntropyLoss keeps a bf16 log_softmax, nll_loss's fp32 cast and an fp32 gradient, as on one GPU. DeepSpeed
-    casts the module and runs no autocast."""
+    """The Ctx a rank computes with (compute_setup's).
+
+    Under FSDP accelerate keeps its autocast on over the 16-bit parameters (Ctx.autocast_16bit): softmax,
+    log_softmax and nll_loss still run in fp32, so a plain CrossEntropyLoss keeps a bf16 log_softmax, nll_loss's
+    fp32 cast and an fp32 gradient, as on one GPU. DeepSpeed casts the module and runs no autocast.
+    """
     ctx = resolve(spec, compute_setup(setup))
     if setup.engine == "fsdp" and setup.mixed:
         ctx = dataclasses.replace(ctx, autocast_16bit=True)
@@ -78,11 +82,13 @@ def compute_ctx(spec, setup: Setup) -> Ctx:
 # ------------------------------------------------------------------------------------------------ bucket sizes
 
 def ds_buckets(hidden_size: int) -> dict[str, int]:
-    """The DeepSpeed bucket sizes memplan writes into its configs and estimates with: the values Hugging Face's
-    integration fills in for "auto" (transformers integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_
-    finalize: reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2 (int),
-    stage3_param_persistence_threshold = 10 hidden); allgather as reduce; stage3_max_live_parameters DeepSpeed's
-    default 1e9. Sizes in elements."""
+    """The DeepSpeed bucket sizes, in elements, memplan writes into its configs and estimates with.
+
+    The values Hugging Face's integration fills in for "auto" (transformers integrations/deepspeed.py
+    HfTrainerDeepSpeedConfig.trainer_config_finalize): reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size =
+    int(0.9 hidden^2), stage3_param_persistence_threshold = 10 hidden; allgather as reduce;
+    stage3_max_live_parameters DeepSpeed's default 1e9.
+    """
     h2 = hidden_size * hidden_size
     return {"reduce_bucket_size": h2, "allgather_bucket_size": h2, "stage3_prefetch_bucket_size": int(0.9 * h2),
             "stage3_param_persistence_threshold": 10 * hidden_size, "stage3_max_live_parameters": 10 ** 9,
@@ -92,8 +98,11 @@ def ds_buckets(hidden_size: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ per-tensor facts
 
 def _unit(x) -> tuple | None:
-    """The FSDP unit / ZeRO-3 gather scope of a parameter or Linear: its transformer block ((stack, block)), or the
-    root unit (None: embeddings, final norm, head)."""
+    """The FSDP unit / ZeRO-3 gather scope of a parameter or Linear.
+
+    Returns:
+        (stack, block) for its transformer block, or None for the root unit (embeddings, final norm, head).
+    """
     return (x.stack, x.block) if x.block is not None else None
 
 
@@ -114,8 +123,11 @@ def _lora_by_unit(ctx: Ctx) -> dict[tuple, int]:
 
 
 def _param_bytes(ctx: Ctx) -> int:
-    """Bytes per element of the parameters the engine stores on the GPU: 16 bit under DeepSpeed bf16/fp16 (the
-    module is cast), else the single-GPU weight dtype (FSDP shards the module as loaded: fp32 under mixed)."""
+    """Bytes per element of the parameters the engine stores on the GPU.
+
+    16 bit under DeepSpeed bf16/fp16 (the module is cast), else the single-GPU weight dtype (FSDP shards the module
+    as loaded: fp32 under mixed).
+    """
     s = ctx.setup
     if s.engine == "deepspeed" and s.compute_dtype != "fp32" and not ctx.quantized:
         return ctx.compute_bytes
@@ -165,6 +177,7 @@ def rank_state(ctx: Ctx) -> RankState:
 
 
 def _ddp(ctx: Ctx, nccl: int) -> RankState:
+    """DDP: the single-GPU states as a full replica, plus gradient buckets of the gradients' total size."""
     grads = opt.gradient_bytes(ctx)
     return RankState(weights=weights.weights_bytes(ctx) + weights.quant_state_bytes(ctx),
                      lora_adapters=weights.lora_bytes(ctx), master_and_optimizer=opt.optimizer_state_bytes(ctx),
@@ -214,8 +227,7 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
         # turnaround (reuse distance 2 x the elements after them) stay gathered from their forward to their backward
         retained = min(ctx.spec.numel_total, buckets["stage3_max_reuse_distance"] // 2) * pb
         # no more than the whole model is ever gathered: where the retained blocks are all of it, the running module
-        # is one of them (found against the DeepSpeed trace: SmolLM2-135M cut to 4 blocks, zero3 x4 b2 s256, +9.4%
-        # with its 28M-element embedding counted twice; TinyLlama s256 +2.4% -> -0.0%)
+        # is one of them
         retained = min(retained, ctx.spec.numel_total * pb - gathered)
         grads = 0 if offload_opt else partition * gb
         comm, comm_backward = reduce_bucket, 0
@@ -244,8 +256,9 @@ def _zero(ctx: Ctx, stage: int, n: int, nccl: int) -> RankState:
 
 
 def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
-    """PyTorch FSDP with transformer-block auto-wrapping (accelerate's TRANSFORMER_BASED_WRAP): sharded flat
-    parameters per unit, unsharded compute copies while a unit runs (one unit prefetched ahead: FSDP1
+    """PyTorch FSDP with transformer-block auto-wrapping (accelerate's TRANSFORMER_BASED_WRAP).
+
+    Sharded flat parameters per unit, unsharded compute copies while a unit runs (one unit prefetched ahead: FSDP1
     BackwardPrefetch.BACKWARD_PRE / FSDP2's implicit prefetch), the root unit unsharded from forward to backward
     (FSDP2 fully_shard: the root's reshard_after_forward is False)."""
     s = ctx.setup
@@ -272,9 +285,7 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
         bwd = head = fwd + 2 * block_grad
     else:
         # the last block is resharded after its forward; the root's pre-backward (on the logits) prefetches it again
-        # at the loss's backward: the root and one block unsharded there, no unit's gradients yet. Found by a stress
-        # run (trace_sharded): Llama-3.2-1B fsdp-full-shard x8 b2 s1024, the loss's backward held the root's
-        # 262,668,288 bf16 elements and one block's 60,874,752
+        # at the loss's backward: the root and one block unsharded there, no unit's gradients yet
         fwd, bwd, head = root + 2 * block, end, root + block
     offload = s.offload == "params+optimizer"
     states = opt.optimizer_state_bytes(ctx)  # over the shards in their stored dtype
@@ -291,6 +302,7 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
 
 
 def _trainable_by_unit(ctx: Ctx) -> dict[tuple, int]:
+    """Trainable elements per unit (_unit), LoRA adapters included."""
     out: dict[tuple, int] = defaultdict(int)
     for p in ctx.spec.params:
         if p.name in ctx.trainable:

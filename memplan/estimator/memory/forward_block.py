@@ -1,11 +1,12 @@
-"""The forward's own peak inside a checkpointed block: under torch.utils.checkpoint (non-reentrant, transformers'
-default: modeling_utils gradient_checkpointing_enable) the block's forward saves nothing (the pack hook drops every
-saved tensor), so each tensor is freed once it is unused, but an eager (or math-kernel) attention holds
-several [b, heads, s, s] tensors at once while its softmax runs. With every block's checkpoint input alive by the
-last block, that moment can top the backward's phases where the attention's code keeps more score-sized tensors
-named than the backward holds: Falcon (its raw scores beside the masked sum and the probabilities, and the previous
-layer's probabilities, which its layer returns to the model's loop), BLOOM. Found by the tracer: falcon-7b QLoRA
-eager b8 s1024 checkpointed, -5.7% with no in-forward moment (its peak was at the second block's softmax).
+"""The forward's own peak inside a checkpointed block.
+
+Under torch.utils.checkpoint (non-reentrant, transformers' default: modeling_utils gradient_checkpointing_enable)
+the block's forward saves nothing (the pack hook drops every saved tensor), so each tensor is freed once unused,
+but an eager or math-kernel attention holds several [b, heads, s, s] tensors at once while its softmax runs. With
+every block's checkpoint input alive by the last block, that moment can top the backward's phases where the
+attention's code keeps more score-sized tensors named than the backward holds: Falcon (its raw scores beside the
+masked sum and the probabilities, plus the previous layer's probabilities, which its layer returns to the model's
+loop), BLOOM.
 
 Also here: the block's MLP moment with the probabilities its layer keeps (working_bytes), what a checkpointed block's
 recompute holds to its end (held_probs_bytes) and DeepSeek-V3.2's indexer, a forward transient of every layer
@@ -17,12 +18,12 @@ from memplan.estimator.memory.context import Ctx
 
 
 def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
-    """(bytes per [b, heads, q, k] element alive at once inside one checkpointed attention's forward, bytes per element
-    of the probabilities it returns to its layer - 0 for sdpa's kernels, which return none), for the eager code as
-    the family writes it (Arch.eager_held, attnfacts.eager_held) and aten's math kernel
+    """Score-sized bytes per element inside one checkpointed attention's forward.
+
+    For the eager code as the family writes it (Arch.eager_held, attnfacts.eager_held) and aten's math kernel
     (_scaled_dot_product_attention_math: fp32 scores, the mask added in place, the softmax a new tensor beside
-    _safe_softmax's bool mask: MATH_SCORE_BYTES). masked: the
-    attention adds a float mask (causal self-attention; an unpadded encoder's and cross-attention get none).
+    _safe_softmax's bool mask: MATH_SCORE_BYTES); sdpa's fused kernels hold and return none. masked: the attention
+    adds a float mask (causal self-attention; an unpadded encoder's and cross-attention get none).
 
     Eager, per element: the scores (kb: the matmul's dtype, fp32 for QK_FP32 families outside autocast) scaled into a
     new tensor (2 kb); the masked sum (pb: promoted to the additive mask's dtype, the residual stream's,
@@ -31,7 +32,12 @@ def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
     cast back to q's dtype beside both; with attention dropout the probabilities, the dropped copy and native_dropout's
     bool mask; PV's matmul, under autocast with a compute-dtype copy of fp32 probabilities. Falcon's raw scores stay
     named through the softmax, BLOOM's scores and sum to the end; a layer that returns its probabilities
-    (Arch.returns_attn_probs) keeps the previous layer's alive through the whole moment."""
+    (Arch.returns_attn_probs) keeps the previous layer's alive through the whole moment.
+
+    Returns:
+        (bytes per [b, heads, q, k] element alive at once, bytes per element of the probabilities the attention
+        returns to its layer).
+    """
     a = ctx.spec.arch
     drop = a.attn_dropout > 0 and ctx.setup.mode == "train"  # generate() runs the model in eval mode
     if kernel == "math":  # at the softmax: the fp32 scores, its output and its bool mask; at a dropout, the scores
@@ -61,10 +67,11 @@ def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
 
 
 def query_bytes(ctx: Ctx) -> int:
-    """Bytes per element of the queries an eager attention casts its probabilities back to: the projections' dtype,
-    but fp32 under autocast where a query norm with an fp32 weight follows them (Qwen3's RMSNorm returns
-    `weight * x.to(input_dtype)`, fp32 x bf16). Found by the tracer: a Qwen3-shaped config LoRA bf16-mixed eager
-    checkpointed held no cast copy at its softmax."""
+    """Bytes per element of the queries an eager attention casts its probabilities back to.
+
+    The projections' dtype, but fp32 under autocast where a query norm with an fp32 weight follows them (Qwen3's
+    RMSNorm returns `weight * x.to(input_dtype)`, fp32 x bf16).
+    """
     from memplan.model.layout import blocks
 
     first = next(iter(blocks(ctx.spec)), None)
@@ -72,15 +79,15 @@ def query_bytes(ctx: Ctx) -> int:
 
 
 def working_bytes(ctx: Ctx) -> int:
-    """What one checkpointed block holds at its attention's softmax in the forward, besides its checkpoint input
-    (counted with the activations): the normed input (residual dtype), q, k and v as the projections return them
+    """What one checkpointed block holds at its largest forward moment, besides its checkpoint input.
+
+    At its attention's softmax: the normed input (residual dtype), q, k and v as the projections return them
     (act_bytes, q and k as query_bytes; a fused projection's whole output, which its views keep, plus rotated q and
     k), K and V repeated to every head for an eager attention over grouped K/V (transformers repeat_kv), the math
-    kernel's fp32 copies
-    (MATH_QSIZED_FP32), and the score-sized tensors (score_bytes); or at its MLP, where the layer still holds
-    the probabilities its attention returned (found by the tracer: gemma-7b QLoRA eager b4 s1024 checkpointed, the
-    fp32 probabilities beside three fp32 intermediates). 0 for fused kernels, whose forward holds less than the
-    backward's recompute of the same block."""
+    kernel's fp32 copies (MATH_QSIZED_FP32), and the score-sized tensors (score_bytes). Or at its MLP, where the
+    layer still holds the probabilities its attention returned. 0 for fused kernels, whose forward holds less than
+    the backward's recompute of the same block. The checkpoint input is counted with the activations.
+    """
     from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 
     kernel = attention_kernel(ctx, relative_bias=True)
@@ -115,8 +122,11 @@ def working_bytes(ctx: Ctx) -> int:
 
 
 def _mlp_bytes(ctx: Ctx, tokens: int, held: int) -> int:
-    """A block's forward at its MLP: the residual sum and its norm, the intermediates (inference.mlp_live) in the
-    activations' dtype, and `held`, the probabilities the layer keeps from its attentions' returns."""
+    """A block's forward at its MLP.
+
+    The residual sum and its norm, the intermediates (mlp_live) in the activations' dtype, and `held`, the
+    probabilities the layer keeps from its attentions' returns.
+    """
 
     a = ctx.spec.arch
     k = a.experts_per_token if a.num_experts else 1
@@ -125,10 +135,12 @@ def _mlp_bytes(ctx: Ctx, tokens: int, held: int) -> int:
 
 
 def _decoder_bytes(ctx: Ctx, kernel: str, qkv: int) -> int:
-    """An encoder-decoder's last decoder block: its causal self-attention over [t, t], then its cross-attention over
-    [t, s] (no mask unless padded) while the layer keeps the self-attention's probabilities (BART's
-    `hidden_states, self_attn_weights = self.self_attn(...)`), then its MLP with both. Found by the tracer: an
-    mBART-shaped config LoRA bf16-mixed eager checkpointed, -23% with one masked [s, s] moment."""
+    """The forward's largest moment in an encoder-decoder's last decoder block.
+
+    Its causal self-attention over [t, t], then its cross-attention over [t, s] (no mask unless padded) while the
+    layer keeps the self-attention's probabilities (BART's `hidden_states, self_attn_weights = self.self_attn(...)`),
+    then its MLP with both.
+    """
     a = ctx.spec.arch
     b, t, s = ctx.setup.batch_size, ctx.tgt_len, ctx.src_len
     self_moment, self_probs = score_bytes(ctx, kernel)
@@ -139,12 +151,13 @@ def _decoder_bytes(ctx: Ctx, kernel: str, qkv: int) -> int:
 
 
 def held_probs_bytes(ctx: Ctx) -> int:
-    """The probabilities a block's last attention returns and the block keeps named to its end (T5Block binds them to
-    `_` through its MLP; Llama's decoder layer likewise): extra only where they are a tensor nothing saves, the fp32
-    dropout output under autocast in a family that does not cast its probabilities back (T5, BERT, BART: PV's matmul
-    saves its own compute-dtype cast). A checkpointed block's recompute holds them until it returns, beside all it
-    saves. Found by the tracer: flan-t5-xl QLoRA eager b8 s512 checkpointed, -3.0% at the decoder's last block
-    (its cross-attention's [b, heads, t, s] fp32 copy)."""
+    """The probabilities a block's last attention returns and the block keeps named to its end.
+
+    T5Block binds them to `_` through its MLP; Llama's decoder layer likewise. They are extra only where nothing
+    saves them: the fp32 dropout output under autocast in a family that does not cast its probabilities back (T5,
+    BERT, BART: PV's matmul saves its own compute-dtype cast). A checkpointed block's recompute holds them until it
+    returns, beside all it saves.
+    """
     a = ctx.spec.arch
     kernel = attention_kernel(ctx, relative_bias=True)
     cast_back = a.eager_held[2]
@@ -154,8 +167,9 @@ def held_probs_bytes(ctx: Ctx) -> int:
 
 
 def indexer_bytes(ctx: Ctx) -> int:
-    """DeepSeek-V3.2's lightning indexer in one attention's forward (modeling_deepseek_v32 DeepseekV32Indexer): a
-    transient of every layer, checkpointed or not, since its top-k indices carry no gradient and nothing it computes
+    """DeepSeek-V3.2's lightning indexer in one attention's forward (modeling_deepseek_v32 DeepseekV32Indexer).
+
+    A transient of every layer, checkpointed or not, since its top-k indices carry no gradient and nothing it computes
     is saved. torch.matmul broadcasts q.float() [b, s, h, d] against k.float() [b, 1, d, t], copying k to
     [b, s, d, t] (from batch 2: at batch 1 it folds into one mm) beside its [b, s, h, t] fp32 scores; the scaling and
     relu each make a second score tensor. Under autocast the matmul casts its fp32 inputs back to the compute dtype,
@@ -163,9 +177,7 @@ def indexer_bytes(ctx: Ctx) -> int:
     attention holds when it calls the indexer (_mla_locals_bytes; without checkpointing these are what the block has
     saved so far: attention_phases.in_forward_phases leaves the block's own saves out of the activations).
     Arch.indexer: (h, d, rotary size).
-    Found by the tracer: a DeepSeek-V3.2-shaped config (64 indexer heads of 128) full bf16 b2 s512, -4.6% with the
-    forward's peak at the first layer's indexer; LoRA all-linear bf16-mixed b2 s1024 checkpointed -4.3% with the
-    scores' context (q, k and the attention's locals) left out."""
+    """
     h, d, _ = ctx.spec.arch.indexer
     if not h:
         return 0
@@ -177,20 +189,25 @@ def indexer_bytes(ctx: Ctx) -> int:
 
 
 def _rotated_bytes(ctx: Ctx) -> int:
-    """Bytes per element of a rotated q or k part and of its torch.cat with the unrotated part: fp32 under autocast
-    over an fp32 stream (the compute-dtype part times the stream's fp32 cos and sin promotes, and the cat with it),
-    else the activations' dtype."""
+    """Bytes per element of a rotated q or k part and of its torch.cat with the unrotated part.
+
+    fp32 under autocast over an fp32 stream (the compute-dtype part times the stream's fp32 cos and sin promotes,
+    and the cat with it), else the activations' dtype.
+    """
     return 4 if ctx.mixed else ctx.act_bytes
 
 
 def _indexer_qk_bytes(ctx: Ctx) -> tuple[int, int]:
-    """Per token, the indexer's q and k at its scores' matmul: (named, the matmul's own inputs). Named: q as wq_b
-    returns it [h, d] (its unrotated part a view of it), its rotated part [h, r] and their torch.cat (fp32 under
-    autocast: the rotated part promotes it); k likewise at one head, its LayerNorm's output fp32 under autocast. The
-    matmul's inputs, freed once it returns (before the scaling's second score tensor): q.float()'s and k.float()'s
-    copies where the cat is 16-bit and, under autocast, their compute-dtype casts. Found by the tracer (a
-    DeepSeek-V3.2-shaped config b2 s1024): 9 bytes per q element under bf16-mixed and fp32, 8.5 under bf16; at b1 s2048
-    the scaling's moment holds no copy."""
+    """Per token, bytes of the indexer's q and k at its scores' matmul.
+
+    Named: q as wq_b returns it [h, d] (its unrotated part a view of it), its rotated part [h, r] and their
+    torch.cat (fp32 under autocast: the rotated part promotes it); k likewise at one head, its LayerNorm's output
+    fp32 under autocast. The matmul's inputs, freed once it returns (before the scaling's second score tensor):
+    q.float()'s and k.float()'s copies where the cat is 16-bit and, under autocast, their compute-dtype casts.
+
+    Returns:
+        (named bytes, the matmul's own input bytes) per token.
+    """
     h, d, r = ctx.spec.arch.indexer
     act, rot = ctx.act_bytes, _rotated_bytes(ctx)
     cat = rot  # torch.cat takes the rotated part's dtype
@@ -200,11 +217,12 @@ def _indexer_qk_bytes(ctx: Ctx) -> tuple[int, int]:
 
 
 def _mla_locals_bytes(ctx: Ctx) -> int:
-    """Per token, what DeepSeek-V3.2's attention holds when it calls its indexer (DeepseekV32Attention.forward): the
-    normed input (residual dtype), the outputs of its projections before the core (q_a_proj's, q_b_proj's,
+    """Per token, what DeepSeek-V3.2's attention holds when it calls its indexer (DeepseekV32Attention.forward).
+
+    The normed input (residual dtype), the outputs of its projections before the core (q_a_proj's, q_b_proj's,
     kv_a_proj_with_mqa's and kv_b_proj's, their views named), the rotated q and k parts, query_states' torch.cat
-    ([heads, head size], fp32 under autocast) and key_states, a new tensor of kv_b_proj's dtype. Found by the tracer:
-    a DeepSeek-V3.2-shaped config LoRA all-linear bf16-mixed b2 s1024 checkpointed, 23 MiB beside the indexer's own."""
+    ([heads, head size], fp32 under autocast) and key_states, a new tensor of kv_b_proj's dtype.
+    """
     from memplan.model.layout import blocks
     from memplan.model.trainable import gets_no_grad
 
@@ -225,11 +243,10 @@ def _mla_locals_bytes(ctx: Ctx) -> int:
 #: What PyTorch's math SDPA kernel holds at its softmax (aten _scaled_dot_product_attention_math, attention.cpp):
 #: four fp32 q-sized tensors (q, k and v upcast, kept named to the end, and the scaled q) and per score element the
 #: fp32 scores, the softmax's fp32 output and _safe_softmax's bool mask of the scores (its composite's isneginf,
-#: freed when it returns): 9 bytes. Measured: t5-base bf16 b8 s512 inference held 0.2579 GiB at
-#: sdpa_attention_forward = 2 x [8, 12, 512, 512] fp32 + [8, 12, 512, 512] bool + 4 x [8, 512, 768] fp32, which the
-#: tracer's stand-in reproduces block for block (memplan.runtime.emulate.sdpa; the replay's allocated peak equals the GPU's).
-#: Inside QK^T's matmul the kernel holds more q-sized tensors (the scaled k^T and bmm's contiguous copies of q and k:
-#: 7) but one score tensor: the softmax's moment is the larger from a sequence of about 2.4 head sizes on.
+#: freed when it returns): 9 bytes. Inside QK^T's matmul the kernel holds more q-sized tensors (the scaled k^T and
+#: bmm's contiguous copies of q and k: 7) but one score tensor: the softmax's moment is the larger from a sequence of
+#: about 2.4 head sizes on.
+#: Measured: t5-base bf16 b8 s512 inference at sdpa_attention_forward, reproduced by memplan.runtime.emulate.sdpa.
 MATH_QSIZED_FP32 = 4
 
 
@@ -239,12 +256,13 @@ MATH_SCORE_BYTES = 9
 #: Intermediate-sized tensors live at the MLP peak. Gated (down(act(gate(x)) * up(x))): gate(x) dies when act
 #: returns, so act, up and their product: 3. Plain: fc1's output and the activation's output: 2, plus the
 #: temporaries of activations written as several python ops: transformers NewGELUActivation ("gelu_new",
-#: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) keeps fc1's output and three temporaries: 4 (measured: gpt2 and
-#: gpt2-xl prefill held 3 blocks at activations.py:66 beside fc1's output).
+#: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) keeps fc1's output and three temporaries: 4.
+#: Measured: gpt2 and gpt2-xl prefill (transformers activations.py:66).
 MLP_LIVE_PLAIN = {"gelu_new": 4}
 
 
 def mlp_live(a) -> int:
+    """Intermediate-sized tensors live at the MLP peak: 3 gated, else MLP_LIVE_PLAIN's count or 2."""
     if a.mlp_gated:
         return 3
     return MLP_LIVE_PLAIN.get(a.hidden_act, 2)

@@ -1,5 +1,4 @@
-"""KV caches - inference's, and the one a training forward builds - and the transient working set of one layer
-during prefill (no autograd)."""
+"""KV caches (inference's, and the one a training forward builds) and one layer's working set during prefill."""
 from __future__ import annotations
 
 from memplan.estimator.memory.recording import graph_blocks
@@ -12,14 +11,17 @@ from memplan.estimator.memory.forward_block import MATH_QSIZED_FP32, mlp_live, s
 
 
 def kv_cache_bytes(ctx: Ctx) -> int:
-    """DynamicCache after generating `new_tokens`: per decoder layer K and V [b, kv_heads, prompt+new-1, head_dim]
-    in the model dtype (transformers cache_utils DynamicLayer.update concatenates along the sequence); encoder-
-    decoders also cache cross-attention K/V over the encoder length. Encoders keep no cache."""
+    """Bytes of the DynamicCache after generating `new_tokens`.
+
+    Per decoder layer K and V [b, kv_heads, prompt+new-1, head_dim] in the model dtype (transformers cache_utils
+    DynamicLayer.update concatenates along the sequence); encoder-decoders also cache cross-attention K/V over the
+    encoder length. Encoders keep no cache.
+    """
     a, s = ctx.spec.arch, ctx.setup
     if a.kind == "encoder":
         return 0
     new = s.new_tokens if s.new_tokens is not None else 128
-    kv_elems = a.kv_cache_elems  # K and V (measured: transformers 5 caches MLA's latent, not expanded K and V)
+    kv_elems = a.kv_cache_elems  # K and V (transformers 5 caches MLA's latent, not expanded K and V)
     # decoders: prompt + new - 1 tokens; encoder-decoders: new - 1 in self-attention + the encoder length in
     # cross-attention (cross_cache_bytes) - the same sum
     per_layer = kv_elems * (ctx.src_len + max(new - 1, 0))
@@ -27,14 +29,15 @@ def kv_cache_bytes(ctx: Ctx) -> int:
 
 
 def training_cache_bytes(ctx: Ctx) -> int:
-    """The DynamicCache a training forward builds without checkpointing (config use_cache defaults to True;
-    GradientCheckpointingLayer turns it off only with checkpointing): DynamicLayer.update concatenates each decoder
-    layer's K and V into new tensors (cache_utils torch.cat) held by the model output until the loss is taken, so
-    they are gone by backward. Where the attention saves those very tensors they cost nothing more (counted in the
-    block's activations); they are extra in blocks that record no graph, under autocast over fp32 projections
-    (QLoRA: the kernel saves bf16 casts) and in eager attention with grouped K/V (repeat_kv saves expanded copies).
-    Found by the tracer; measured on an H100: Llama-2-7b QLoRA b2 s512 peaked in forward 0.95 GiB above backward,
-    32 layers x [1024 tokens, 2 x 4096] fp32."""
+    """Bytes of the DynamicCache a training forward builds without checkpointing, beyond the activations.
+
+    config use_cache defaults to True; GradientCheckpointingLayer turns it off only with checkpointing.
+    DynamicLayer.update concatenates each decoder layer's K and V into new tensors (cache_utils torch.cat) held by
+    the model output until the loss is taken, so they are gone by backward. Where the attention saves those very
+    tensors they cost nothing more (counted in the block's activations); they are extra in blocks that record no
+    graph, under autocast over fp32 projections (QLoRA: the kernel saves bf16 casts) and in eager attention with
+    grouped K/V (repeat_kv saves expanded copies).
+    """
     a, s = ctx.spec.arch, ctx.setup
     if not ctx.training or s.grad_ckpt or a.kind == "encoder" or a.labels_disable_cache:
         return 0  # a head given labels may turn the cache off (BART: cachefacts.labels_disable_cache)
@@ -43,7 +46,7 @@ def training_cache_bytes(ctx: Ctx) -> int:
         return int(_pinned_kv_bytes(ctx) * s.batch_size * ctx.tgt_len * a.num_decoder_layers)
     kv_dim = a.num_kv_heads * a.head_dim
     # decoder self-attention K/V over the decoder tokens; an encoder-decoder's cache also holds the cross-attention
-    # K/V over the encoder tokens (EncoderDecoderCache; t5-base freeze: 22 x 2 x [8, 12, 512, 64] in the trace)
+    # K/V over the encoder tokens (EncoderDecoderCache)
     tokens = ctx.tgt_len + (ctx.src_len if a.kind == "seq2seq" else 0)
     promoted = rotary_promotes_kv(ctx)
     per_block = a.kv_cache_elems * s.batch_size * tokens * (ctx.residual_bytes if promoted else ctx.act_bytes)
@@ -55,23 +58,23 @@ def training_cache_bytes(ctx: Ctx) -> int:
 
 
 #: families whose own 4.x eager attention saves the cache's V view itself (4.48.1 modeling_gpt_neox `_attn`): the
-#: cache keeps nothing more there (traced on 4.48.1: Pythia-1b LoRA b2 s512 eager +7.8% with the rule, +1.9% without)
+#: cache keeps nothing more there
 OWN_EAGER_4X = {"gpt_neox"}
 
 #: families that rotate part of each head and concatenate it with the rest (4.48.1 modeling_gpt_neox / modeling_phi:
 #: `torch.cat((query_rot, query_pass), dim=-1)`): K comes out a new contiguous tensor, which sdpa and eager's matmul
-#: save as it is, so the cache's K costs nothing more (traced on 4.48.1, sdpa: Pythia-1b LoRA b8 s512 -11.6% -> -0.2%,
-#: phi-2 LoRA b4 s512 +1.7% -> -0.1% with V's storage alone)
+#: save as it is, so the cache's K costs nothing more; only V's storage is extra
 PARTIAL_ROTARY_CAT = {"gpt_neox", "phi", "stablelm", "persimmon"}
 
 
 def _pinned_kv_bytes(ctx: Ctx) -> float:
-    """Per token and layer, what a training cache before transformers 4.56 keeps alive beside the kernel's own
-    contiguous (or repeated) copies of q, k and v (attention.CACHE_COPIES_SINCE; eager: torch.matmul copies the
-    transposed heads to fold them into its batch): the rotated K (a new tensor; without rotary a view of its
-    projection's output) and V, a view of its projection's output - the whole fused q/k/v output where one Linear
-    makes all three (Phi-3's qkv_proj, GPT-2's c_attn). Found by the tracer on 4.48.1: Phi-3-mini LoRA b1 s2048 sdpa
-    -7.2% (32 x 48 MiB held to the loss), GPT-2 LoRA fp32 b4 s128 eager -4.1% (12 x 4.5 MiB)."""
+    """Per token and layer, what a training cache before transformers 4.56 keeps alive beside the kernel's copies.
+
+    The kernel makes its own contiguous (or repeated) copies of q, k and v (attention.CACHE_COPIES_SINCE; eager:
+    torch.matmul copies the transposed heads to fold them into its batch). The cache keeps the rotated K (a new
+    tensor; without rotary a view of its projection's output) and V, a view of its projection's output: the whole
+    fused q/k/v output where one Linear makes all three (Phi-3's qkv_proj, GPT-2's c_attn).
+    """
     a = ctx.spec.arch
     kv_dim = a.num_kv_heads * a.head_dim
     rotary = rotary_positions(ctx)
@@ -94,16 +97,16 @@ ROTARY = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi", "phi
 
 
 def rotary_promotes_kv(ctx: Ctx) -> bool:
-    """The training cache holds fp32 K/V beside the kernel's bf16 copies (ROTARY under mixed precision). Found by
-    the tracer (phi-2 LoRA bf16-mixed: 2 x 5 MiB per block); on the H100, Llama-3.2-1B bf16-mixed forward peaks
-    -1.0% -> -0.1%."""
+    """The training cache holds fp32 K/V beside the kernel's bf16 copies (ROTARY under mixed precision)."""
     return ctx.mixed and ctx.residual_bytes == 4 and ctx.spec.arch.model_type in ROTARY
 
 
 def prompt_cache_bytes(ctx: Ctx) -> int:
-    """The cache while the prompt runs: decoders hold the K/V of the layers already run (up to the whole prompt's);
-    an encoder-decoder's prompt pass is the encoder, which caches nothing (its cross-attention K/V are made by the
-    first decoder step)."""
+    """Bytes of the cache while the prompt runs.
+
+    Decoders hold the K/V of the layers already run (up to the whole prompt's); an encoder-decoder's prompt pass is
+    the encoder, which caches nothing (its cross-attention K/V are made by the first decoder step).
+    """
     if ctx.spec.arch.kind == "seq2seq":
         return 0
     kv = kv_cache_bytes(ctx)
@@ -111,11 +114,11 @@ def prompt_cache_bytes(ctx: Ctx) -> int:
 
 
 def encoder_output_bytes(ctx: Ctx) -> int:
-    """An encoder-decoder's encoder output [b, src, hidden], which its decoder steps read: generate() keeps it in
-    model_kwargs["encoder_outputs"] through every decoding step, as the prefill's model call holds it through its
-    first decoder step. Traced (real CPU tensors, transformers 5.23): t5-base bf16 b8 s512 held the encoder's
-    final_layer_norm output (6 MiB) beside the cross-attention cache at the decode peak; on the H200 that row was
-    -3.4% (21.7 MiB) without it."""
+    """An encoder-decoder's encoder output [b, src, hidden], which its decoder steps read.
+
+    generate() keeps it in model_kwargs["encoder_outputs"] through every decoding step, as the prefill's model call
+    holds it through its first decoder step.
+    """
     a = ctx.spec.arch
     if a.kind != "seq2seq":
         return 0
@@ -123,8 +126,10 @@ def encoder_output_bytes(ctx: Ctx) -> int:
 
 
 def cross_cache_bytes(ctx: Ctx) -> int:
-    """The cross-attention K/V an encoder-decoder's first decoder step caches for every layer (kv_cache_bytes's
-    encoder-length part); 0 for other models."""
+    """The cross-attention K/V an encoder-decoder's first decoder step caches for every layer; 0 for other models.
+
+    This is kv_cache_bytes's encoder-length part.
+    """
     a = ctx.spec.arch
     if a.kind != "seq2seq":
         return 0
@@ -140,22 +145,22 @@ def kv_growth_bytes(ctx: Ctx) -> int:
 
 #: Hidden-sized tensors live at a layer's MLP peak under no_grad: the embedding output (held by the model's forward
 #: as `inputs_embeds`), the block input (held by the caller's loop), the post-attention residual and the normed MLP
-#: input. Measured: gpt2 and gpt2-xl bf16 prefill on an H100 (benchmarks/diagnose/cases-3.yaml) held these four plus
-#: the attention output, which transformers' GPT2Block keeps in its `attn_output` local until it returns.
+#: input. GPT2Block also keeps its attention output in its `attn_output` local until it returns (HOLDS_ATTN_OUTPUT).
+#: Measured: benchmarks/diagnose/cases-3.yaml (gpt2, gpt2-xl bf16 prefill, H100).
 PREFILL_HIDDEN = 4
 HOLDS_ATTN_OUTPUT = {"gpt2"}
 
 
 def prefill_working_bytes(ctx: Ctx) -> int:
-    """Largest live set inside one layer while the prompt runs (tensors are freed as soon as unused under no_grad,
-    as in a checkpointed block's forward): the hidden states and q/k/v/out, then the hidden states and the MLP
-    intermediates (PREFILL_HIDDEN, mlp_live); an eager attention adds the [b, heads, s, s] tensors its code holds at
-    once (forward_block.score_bytes: Arch.eager_held, the fp32 softmax's input copy, the probabilities a layer returns
-    to the model's loop), the math kernel its fp32 copies, scores, softmax and mask (MATH_SCORE_BYTES). The MLP
-    moment keeps the probabilities the layer's attention returned (Llama's `hidden_states, _ = self.self_attn(...)`)
-    and, where the layer returns them too, the previous layer's. Measured on the H100: bloom-560m bf16 b4 prompt 1000
-    held 382 MiB more than (2 c + 4) bytes per score at its softmax (scores, sum, fp32 copy, softmax, the previous
-    layer's probabilities), -15.7%."""
+    """Largest live set inside one layer while the prompt runs.
+
+    Under no_grad tensors are freed as soon as unused, as in a checkpointed block's forward. The largest of: the hidden
+    states and q/k/v/out, then the hidden states and the MLP intermediates (PREFILL_HIDDEN, mlp_live); an eager
+    attention adds the [b, heads, s, s] tensors its code holds at once (forward_block.score_bytes: Arch.eager_held, the
+    fp32 softmax's input copy, the probabilities a layer returns to the model's loop), the math kernel its fp32 copies,
+    scores, softmax and mask (MATH_SCORE_BYTES). The MLP moment keeps the probabilities the layer's attention returned
+    (Llama's `hidden_states, _ = self.self_attn(...)`) and, where the layer returns them too, the previous layer's.
+    """
 
     a = ctx.spec.arch
     c = ctx.compute_bytes
@@ -181,15 +186,15 @@ def prefill_working_bytes(ctx: Ctx) -> int:
 
 
 def generate_position_bytes(ctx: Ctx) -> int:
-    """What generate()'s own prompt pass holds beyond a plain forward's: generate passes position_ids made from the
-    attention mask, [b, s] (GenerationMixin.prepare_inputs_for_generation: `attention_mask.cumsum(-1) - 1`, for a
-    forward that takes position_ids), where a plain forward makes [1, s] (from cache_position); a learned absolute
-    position embedding (GPT-2's wpe) then returns [b, s, hidden], which the model's forward keeps through every layer.
-    Measured on the H100 (transformers 5.17; the decode phase's peak, generate's prompt pass, less the plain prefill's,
-    whose positions are [1, s, hidden]): gpt2 bf16 b8 s512 5.57 MB, gpt2-xl b8 s896 20.2 MB, against [b - 1, s,
-    hidden] bf16 5.5 / 20.1 MB; the closed form's prefill leaves the [1, s, hidden] out, so the whole [b, s, hidden] is
-    counted here. Rotary tables are made per row as well (cos and sin, [b, s, rotary size]): Llama-3.2-1B b8 s1024
-    1.96 MB, the 7-8B models 3.79 MB, 0.05% of their peaks at most; not counted."""
+    """What generate()'s own prompt pass holds beyond a plain forward's: learned position embeddings per row.
+
+    generate passes position_ids made from the attention mask, [b, s] (GenerationMixin.prepare_inputs_for_generation:
+    `attention_mask.cumsum(-1) - 1`, for a forward that takes position_ids), where a plain forward makes [1, s] (from
+    cache_position). A learned absolute position embedding (GPT-2's wpe) then returns [b, s, hidden], which the
+    model's forward keeps through every layer. The prefill's closed form leaves the [1, s, hidden] out, so the whole
+    [b, s, hidden] is counted here. Rotary tables made per row as well (cos and sin, [b, s, rotary size]) are too
+    small to count.
+    """
     a = ctx.spec.arch
     learned = any(p.role == "pos_embedding" and p.block is None for p in ctx.spec.params)
     if a.kind != "causal" or not learned or ctx.setup.new_tokens == 0:
@@ -198,10 +203,12 @@ def generate_position_bytes(ctx: Ctx) -> int:
 
 
 def _position_bias_bytes(ctx: Ctx, kernel: str) -> int:
-    """T5's relative position bias, computed by the stack's first layer and passed to all: [1, heads, s, s] as
-    compute_bias makes it (measured: 0.0059 GiB at modeling_t5.py compute_bias, t5-base bf16 s512, math kernel);
-    from transformers 5.20 sdpa gets it contiguous, merged with the padding mask: expanded over the batch with
-    padding (Setup.padded), else [1, heads, s, s] (position_bias.self_bias_mask_bytes)."""
+    """T5's relative position bias, computed by the stack's first layer and passed to all.
+
+    [1, heads, s, s] as modeling_t5.py compute_bias makes it. From transformers 5.20 sdpa gets it contiguous, merged
+    with the padding mask: expanded over the batch with padding (Setup.padded), else [1, heads, s, s]
+    (position_bias.self_bias_mask_bytes).
+    """
     a = ctx.spec.arch
     if not has_position_bias(a):
         return 0

@@ -7,6 +7,7 @@ from memplan.estimator.memory.weights import numel
 
 
 def _logit_tokens(ctx: Ctx) -> int:
+    """Tokens the LM head computes logits for per micro-batch (the target length for seq2seq); 0 without a head."""
     a = ctx.spec.arch
     if not a.has_lm_head:
         return 0
@@ -15,9 +16,7 @@ def _logit_tokens(ctx: Ctx) -> int:
 
 #: transformers 4.49 (loss/loss_utils.py ForCausalLMLoss) pads the labels instead of shifting the logits; from 4.46
 #: to 4.48 the loss shifted them, `shift_logits = logits[..., :-1, :].contiguous()`: one more [tokens, vocab] copy
-#: alive in the loss's forward. Traced (transformers 4.48.1, peft 0.13.2): Mistral-7B LoRA bf16 b4 s4096 with
-#: checkpointing peaks at the end of the forward at 24.88 GiB (the measured fms-acceleration row F03: 24.87 GiB),
-#: 1.06 GiB above 4.49's backward peak.
+#: alive in the loss's forward.
 LOGITS_UNSHIFTED_FROM = (4, 49)
 
 #: Causal LMs that called torch CrossEntropyLoss on their own shifted copy of the logits before 4.49 (4.48.1
@@ -28,66 +27,74 @@ OWN_SHIFT_BEFORE_4_49 = {"gpt2", "gpt_bigcode", "falcon", "bloom", "opt", "gpt_n
 
 
 def _shifts_logits(ctx: Ctx) -> bool:
-    """The loss copies the logits shifted by one position (transformers before 4.49, causal LM families). With one
-    sequence the slice `[..., :-1, :]` of the contiguous [1, s, vocab] logits is already contiguous and
-    `.contiguous()` returns it uncopied (seen with a dispatch spy on 4.48.1: Gemma-2 and Mistral at batch 1 slice
-    and view, no copy; the tracer's gemma-2-2b b1 s1024 forward peaks equal 5.23's)."""
+    """The loss copies the logits shifted by one position (transformers before 4.49, causal LM families).
+
+    With one sequence the slice `[..., :-1, :]` of the contiguous [1, s, vocab] logits is already contiguous and
+    `.contiguous()` returns it uncopied.
+    """
     a = ctx.spec.arch
     return (a.kind != "seq2seq" and not a.plain_cross_entropy and ctx.setup.batch_size > 1
             and libs.older_than("transformers", LOGITS_UNSHIFTED_FROM))
 
 
 def _plain_cross_entropy(ctx: Ctx) -> bool:
-    """The family calls CrossEntropyLoss on the logits without the loss_function's fp32 upcast (Arch.
-    plain_cross_entropy, read from its head's code: BERT-like encoders, T5, BART and their copies; every other family
-    goes through `self.loss_function`, loss/loss_utils.py, which first does `logits = logits.float()`), or did before
-    transformers 4.49 (OWN_SHIFT_BEFORE_4_49)."""
+    """The family calls CrossEntropyLoss on the logits without the loss_function's fp32 upcast.
+
+    Arch.plain_cross_entropy is read from the head's code: BERT-like encoders, T5, BART and their copies. Every
+    other family goes through `self.loss_function` (loss/loss_utils.py), which first does `logits = logits.float()`,
+    except those that shifted their own logits before transformers 4.49 (OWN_SHIFT_BEFORE_4_49).
+    """
     a = ctx.spec.arch
     return a.plain_cross_entropy or (a.model_type in OWN_SHIFT_BEFORE_4_49 and _shifts_logits(ctx))
 
 
 def _logit_bytes(ctx: Ctx) -> int:
-    """dtype of the lm_head output: the compute dtype (autocast or a 16-bit model; fp32 for fp32 models)."""
+    """Bytes per element of the lm_head output: the compute dtype (autocast or a 16-bit model; fp32 for fp32 models)."""
     return ctx.compute_bytes
 
 
 def _fp32_logits(ctx: Ctx) -> bool:
-    """Under autocast the head adds an fp32 buffer to the 16-bit logits (BART, mBART, Marian, Pegasus and their
-    copies: `lm_logits + self.final_logits_bias`): the sum, the logits the loss reads, is fp32. Found by the tracer:
-    bart-large full bf16-mixed b8 s512 -3.4% while T5's and BERT's 16-bit loss was modelled. The buffer has the
-    dtype the model was loaded in (Buffer "float"): fp32 under mixed precision, 16-bit under QLoRA (k-bit preparation
-    casts parameters only: an mBART-shaped config QLoRA +9.2% when counted fp32); FSDP's 16-bit parameter policy
-    leaves buffers fp32 too (Ctx.autocast_16bit). Added tokens make it fp32 whatever
-    the model's dtype: resize_token_embeddings grows it with `torch.zeros((1, extra))`, fp32 by default, and torch.cat
-    promotes (modeling_bart `_resize_final_logits_bias`). Found by a stress run: bart-large LoRA bf16 b2 s512
-    checkpointed with 8 added tokens, -20% with 16-bit logits."""
+    """The logits the loss reads are fp32 because the head adds an fp32 bias buffer to them.
+
+    BART, mBART, Marian, Pegasus and their copies compute `lm_logits + self.final_logits_bias`. The buffer has the
+    dtype the model was loaded in (Buffer "float"): fp32 under mixed precision, 16-bit under QLoRA (k-bit
+    preparation casts parameters only); FSDP's 16-bit parameter policy leaves buffers fp32 too (Ctx.autocast_16bit).
+    Added tokens make it fp32 whatever the model's dtype: resize_token_embeddings grows it with
+    `torch.zeros((1, extra))`, fp32 by default, and torch.cat promotes (modeling_bart `_resize_final_logits_bias`).
+    """
     has_bias = any(b.name.endswith("final_logits_bias") and b.dtype == "float" for b in ctx.spec.buffers)
     return has_bias and ((ctx.mixed and ctx.setup.weight_dtype == "fp32") or ctx.autocast_16bit
                          or ctx.setup.added_tokens > 0)
 
 
 def _cuda_split_loss(ctx: Ctx) -> bool:
-    """Plain CrossEntropyLoss on 16-bit logits under autocast: CUDA autocast has no entry for cross_entropy_loss, so
-    aten's decomposition runs (LossNLL.cpp: `log_softmax(self, class_dim, self.scalar_type())`): the fp32_set_opt_dtype
-    policy respects that dtype, a 16-bit log_softmax is saved, and nll_loss (on autocast's fp32 list) casts it to fp32,
-    which its backward saves too. Measured on an H100 (transformers 5.17): t5-base bf16-mixed freeze b8 s512 +7.8%
-    and full b16 s512 with checkpointing +8.3% with an fp32 log_softmax counted; the tracer followed CPU autocast,
-    which casts the logits to fp32 first (emulate_autocast._cuda_cross_entropy now runs CUDA's order)."""
+    """Plain CrossEntropyLoss on 16-bit logits under CUDA autocast: a 16-bit log_softmax plus nll_loss's fp32 cast.
+
+    CUDA autocast has no entry for cross_entropy_loss, so aten's decomposition runs (LossNLL.cpp:
+    `log_softmax(self, class_dim, self.scalar_type())`): the fp32_set_opt_dtype policy respects that dtype, a 16-bit
+    log_softmax is saved, and nll_loss (on autocast's fp32 list) casts it to fp32, which its backward saves too.
+    CPU autocast differs: it casts the logits to fp32 first (emulate_autocast._cuda_cross_entropy runs CUDA's order).
+    """
     return ctx.autocast and _plain_cross_entropy(ctx) and _logit_bytes(ctx) < 4 and not _fp32_logits(ctx)
 
 
 def _loss_bytes(ctx: Ctx) -> int:
-    """dtype of log_softmax inside cross-entropy: fp32 after the loss_function upcast, or under autocast (log_softmax
-    and nll_loss are on autocast's fp32 list); the logits dtype for plain CrossEntropyLoss on a 16-bit model, fp32
-    where an fp32 bias makes them so (_fp32_logits)."""
+    """Bytes per element of log_softmax inside cross-entropy.
+
+    fp32 after the loss_function upcast, or under autocast (log_softmax and nll_loss are on autocast's fp32 list);
+    the logits dtype for plain CrossEntropyLoss on a 16-bit model, fp32 where an fp32 bias makes them so
+    (_fp32_logits).
+    """
     if ctx.autocast or not _plain_cross_entropy(ctx) or _fp32_logits(ctx):
         return 4
     return _logit_bytes(ctx)
 
 
 def logits_forward_bytes(ctx: Ctx) -> int:
-    """Peak of the loss computation in forward: logits + the upcast copy (if any) + log_softmax output, and before
-    transformers 4.49 the shifted copy of the logits (_shifts_logits).
+    """Peak of the loss computation in forward.
+
+    Logits + the upcast copy (if any) + log_softmax output, and before transformers 4.49 the shifted copy of the
+    logits (_shifts_logits).
 
     transformers/loss/loss_utils.py ForCausalLMLoss: `logits = logits.float()` (a copy unless already fp32), labels
     are shifted instead of logits (4.49 on), then F.cross_entropy = log_softmax (saves its output for backward) +
@@ -108,42 +115,53 @@ def logits_forward_bytes(ctx: Ctx) -> int:
 
 
 def softcap_bytes(ctx: Ctx) -> int:
-    """Gemma2's final-logit soft-capping, logits = cap * tanh(logits / cap) (modeling_gemma2.py
-    Gemma2ForCausalLM.forward): tanh saves its [tokens, vocab] output in the logits dtype until the loss's backward
-    reaches it, beside the loss buffers. Found by the tracer: gemma-2-2b LoRA -2.1%, QLoRA -4.0% before."""
+    """Gemma2's final-logit soft-capping, logits = cap * tanh(logits / cap): tanh's saved output.
+
+    tanh saves its [tokens, vocab] output in the logits dtype until the loss's backward reaches it, beside the loss
+    buffers. Source: modeling_gemma2.py Gemma2ForCausalLM.forward.
+    """
     if not ctx.spec.arch.final_logit_softcap:
         return 0
     return _logit_tokens(ctx) * ctx.vocab * _logit_bytes(ctx)
 
 
 def largest_block_bytes(ctx: Ctx) -> int:
-    """The largest single tensor of a training step: one [tokens, vocab] buffer in the loss dtype (the upcast
-    logits, log_softmax output or its gradient); 0 without an LM head or in inference."""
+    """The largest single tensor of a training step; 0 without an LM head or in inference.
+
+    One [tokens, vocab] buffer in the loss dtype: the upcast logits, log_softmax output or its gradient.
+    """
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx) if ctx.training else 0
 
 
 def logits_saved_bytes(ctx: Ctx) -> int:
-    """What the loss keeps for backward: the log_softmax output [tokens, vocab] (and nll_loss's fp32 cast of it:
-    _cuda_split_loss)."""
+    """What the loss keeps for backward: the log_softmax output [tokens, vocab].
+
+    Under _cuda_split_loss also nll_loss's fp32 cast of it.
+    """
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4)
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx)
 
 
 def logits_backward_bytes(ctx: Ctx) -> int:
-    """Peak at the start of backward: saved log_softmax output + nll_loss grad + log_softmax grad, all
-    [tokens, vocab] in the loss dtype (aten nll_loss_backward / _log_softmax_backward_data allocate full-size
-    results), and the soft-capping's saved tanh output (softcap_bytes). _cuda_split_loss: the 16-bit log_softmax
-    output and nll_loss's saved fp32 cast beside its fp32 gradient (the engine frees the cast once nll_loss's
-    backward has run, before the gradient's cast back and log_softmax's backward)."""
+    """Peak at the start of backward, in the loss.
+
+    Saved log_softmax output + nll_loss grad + log_softmax grad, all [tokens, vocab] in the loss dtype (aten
+    nll_loss_backward / _log_softmax_backward_data allocate full-size results), and the soft-capping's saved tanh
+    output (softcap_bytes). Under _cuda_split_loss: the 16-bit log_softmax output and nll_loss's saved fp32 cast
+    beside its fp32 gradient (the engine frees the cast once nll_loss's backward has run, before the gradient's
+    cast back and log_softmax's backward).
+    """
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4 + 4) + softcap_bytes(ctx)
     return _logit_tokens(ctx) * ctx.vocab * 3 * _loss_bytes(ctx) + softcap_bytes(ctx)
 
 
 def head_backward_bytes(ctx: Ctx) -> int:
-    """Live in lm_head's backward (after the loss backward freed its fp32 buffers): the logits gradient in the
-    lm_head output dtype and the head's input gradient [tokens, hidden]."""
+    """Live in lm_head's backward, after the loss backward freed its fp32 buffers.
+
+    The logits gradient in the lm_head output dtype and the head's input gradient [tokens, hidden].
+    """
     t = _logit_tokens(ctx)
     return t * ctx.vocab * _logit_bytes(ctx) + t * ctx.spec.arch.hidden_size * ctx.compute_bytes
 
@@ -161,21 +179,24 @@ def head_grad_bytes(ctx: Ctx) -> int:
 
 
 def tied_accumulation_bytes(ctx: Ctx) -> int:
-    """A trainable tied embedding gets two gradient contributions: lm_head's weight grad (computed first and held
-    by the autograd engine's input buffer) and the embedding's dense backward (at the very end). The engine sums
-    them out of place (torch/csrc/autograd/input_buffer.cpp; seen as an aten::add allocation of [V, H] with
-    torch.profiler on plain CPU autograd, and by the tracer), so both contributions and their sum are alive at once:
-    two extra copies beyond the gradient itself; with accumulation the sum is then added into the held .grad
-    (three extra)."""
+    """Extra gradient copies a trainable tied embedding holds while its two contributions are summed.
+
+    The contributions are lm_head's weight grad (computed first and held by the autograd engine's input buffer) and
+    the embedding's dense backward (at the very end). The engine sums them out of place
+    (torch/csrc/autograd/input_buffer.cpp), so both and their sum are alive at once: two extra copies beyond the
+    gradient itself; with accumulation the sum is then added into the held .grad (three extra).
+    """
     return (3 if ctx.setup.grad_accum > 1 else 2) * tied_table_bytes(ctx)
 
 
 @per_model()
 def tied_table_bytes(ctx: Ctx) -> int:
-    """One gradient of the trainable table two uses share (tied_accumulation_bytes): the input embedding lm_head is
-    tied to, or - encoder-decoders whose checkpoint keeps its own lm_head (flan-t5-xl, T0_3B, mt0-xxl) - the shared
-    embedding the encoder and the decoder both read, whose contributions the engine sums the same way (found by the
-    tracer: mt0-xxl full fine-tuning held 2 x [V, H] fp32 at the end of backward, -3.8% before); 0 without one."""
+    """One gradient of the trainable table two uses share (tied_accumulation_bytes); 0 without one.
+
+    The input embedding lm_head is tied to, or, in encoder-decoders whose checkpoint keeps its own lm_head
+    (flan-t5-xl, T0_3B, mt0-xxl), the shared embedding the encoder and the decoder both read, whose contributions
+    the engine sums the same way.
+    """
     tied = dict(ctx.spec.tied)
     for m in ctx.spec.linears:
         target = tied.get(m.name + ".weight")
@@ -188,16 +209,19 @@ def tied_table_bytes(ctx: Ctx) -> int:
 
 
 def inference_logits_bytes(ctx: Ctx) -> int:
-    """generate(): the prefill computes logits for the last position only (logits_to_keep=1, transformers 5.x
-    GenerationMixin) and copies them to fp32; encoders (no generation) compute all positions."""
+    """Logits bytes at inference.
+
+    generate()'s prefill computes logits for the last position only (logits_to_keep=1, transformers 5.x
+    GenerationMixin) and copies them to fp32; encoders (no generation) compute all positions.
+    """
     a = ctx.spec.arch
     b = ctx.setup.batch_size
     if not a.has_lm_head:
         return 0
     if a.kind == "encoder":
         # beside the logits: the encoder's last hidden state (held in the model's outputs) and, for heads with a
-        # dense + norm transform (BERT's cls.predictions.transform), its output. Measured: bert-large bf16 b8 s512
-        # inference held both (0.0078 GiB each) beside the 0.2329 GiB logits (benchmarks/diagnose/cases-3.yaml).
+        # dense + norm transform (BERT's cls.predictions.transform), its output.
+        # Measured: benchmarks/diagnose/cases-3.yaml (bert-large).
         hidden = 1 + _head_transform(ctx)
         return b * ctx.src_len * (ctx.vocab + hidden * a.hidden_size) * ctx.compute_bytes
     return b * ctx.vocab * (ctx.compute_bytes + 4)

@@ -1,5 +1,8 @@
-"""The attention masks a training or inference step keeps (bytes): eager's additive float masks, sdpa's boolean
-ones past a sliding window or with padding, and before transformers 4.53 one shared float mask."""
+"""The attention masks a training or inference step keeps, in bytes.
+
+Eager's additive float masks, sdpa's boolean ones past a sliding window or with padding, and before transformers
+4.53 one shared float mask.
+"""
 from __future__ import annotations
 
 from memplan.estimator.memory.attention import BOOL_MASKS_SINCE, padded_masks, sdpa_integration_before, windowed
@@ -7,11 +10,14 @@ from memplan.estimator.memory.context import Ctx
 
 
 def mask_bytes(ctx: Ctx) -> int:
-    """Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
+    """Bytes of the attention masks the model's forward builds and keeps for its whole duration.
+
+    Eager attention materialises a [b, 1, s, s] additive mask in the hidden dtype for the whole forward
     (transformers masking_utils eager_mask), one per mask kind (Gemma2 builds its full and its sliding mask even
     below the window); sdpa without padding passes is_causal instead, except past a sliding window: a boolean
     [b, 1, s, s] mask (masking_utils sdpa_mask; attention.windowed). With padding (Setup.padded) sdpa gets a boolean
-    mask of every kind, and an encoder-decoder's cross-attention one [b, 1, t, s] (its decoder's is skipped)."""
+    mask of every kind, and an encoder-decoder's cross-attention one [b, 1, t, s] (its decoder's is skipped).
+    """
     a = ctx.spec.arch
     square = ctx.setup.batch_size * ctx.src_len * ctx.src_len
     if shared_float_mask(ctx):
@@ -27,16 +33,19 @@ def mask_bytes(ctx: Ctx) -> int:
 
 
 def checkpointed_mask_bytes(ctx: Ctx) -> int:
-    """With checkpointing the masks are inputs of every checkpointed block, kept for its recompute until the
-    backward is done (torch.utils.checkpoint saves the inputs); without it they die with the model's forward,
-    before the loss. Found by the tracer: gemma-2-2b QLoRA b1 s2048 eager checkpointed held 2 x 16 MiB."""
+    """The masks alive in backward: with checkpointing all of them, else none (but a shared float mask).
+
+    With checkpointing the masks are inputs of every checkpointed block, kept for its recompute until the backward
+    is done (torch.utils.checkpoint saves the inputs); without it they die with the model's forward, before the loss.
+    """
     return mask_bytes(ctx) if ctx.setup.grad_ckpt or shared_float_mask(ctx) else 0
 
 
 def shared_float_mask(ctx: Ctx) -> bool:
-    """Before transformers 4.53 a padded or windowed sdpa model got one float [b, 1, s, s] mask in the hidden states'
-    dtype per forward (attention.BOOL_MASKS_SINCE), which every layer's kernel keeps for backward: alive until the
-    first layer's backward, with or without checkpointing (traced on 4.48.1: Phi-3-mini LoRA b1 s2048, window 2047,
-    one 8 MiB mask)."""
+    """A padded or windowed sdpa model gets one float mask per forward (transformers before 4.53).
+
+    The [b, 1, s, s] mask is in the hidden states' dtype (attention.BOOL_MASKS_SINCE), and every layer's kernel keeps
+    it for backward: alive until the first layer's backward, with or without checkpointing.
+    """
     return (sdpa_integration_before(ctx, BOOL_MASKS_SINCE)
             and (ctx.setup.padded or windowed(ctx)))

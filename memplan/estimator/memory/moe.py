@@ -1,5 +1,7 @@
-"""Fused mixture-of-experts layers (transformers 5: [E, out, in] expert parameters run through grouped_mm): what
-one block's experts save for backward, and peft's LoRA copies of them."""
+"""Fused mixture-of-experts layers: what one block's experts save for backward, and peft's LoRA copies of them.
+
+transformers 5 holds [E, out, in] expert parameters and runs them through grouped_mm.
+"""
 from __future__ import annotations
 
 from memplan.estimator.memory.context import Ctx
@@ -24,12 +26,14 @@ def routers(ctx: Ctx, blk: BlockLayout) -> list:
 
 
 def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
-    """Fused experts (transformers integrations/moe.py grouped_mm_experts_forward): each token visits k experts;
-    the matmuls run in the experts' weight dtype - _grouped_mm casts its input to weight.dtype and aten::_grouped_mm
-    has no autocast kernel, so bf16-mixed and QLoRA (peft casts the unquantized experts to fp32) compute them in
-    fp32. Saved per visit: the gate_up output [2I] and act(gate) [I]; the product [I] when down_proj needs a weight
-    gradient; the down output [H] (the routing-weight multiply); the gathered input [H] when gate_up needs one.
-    Found by the tracer on Mixtral-8x7B (bf16-mixed LoRA -3.0% before)."""
+    """Bytes per token a block's fused experts save for backward.
+
+    transformers integrations/moe.py grouped_mm_experts_forward: each token visits k experts; the matmuls run in the
+    experts' weight dtype - _grouped_mm casts its input to weight.dtype and aten::_grouped_mm has no autocast kernel, so
+    bf16-mixed and QLoRA (peft casts the unquantized experts to fp32) compute them in fp32. Saved per visit: the gate_up
+    output [2I] and act(gate) [I]; the product [I] when down_proj needs a weight gradient; the down output [H] (the
+    routing-weight multiply); the gathered input [H] when gate_up needs one.
+    """
     a = ctx.spec.arch
     # each expert's width from its down_proj, [E, H, I] or GPT-OSS's [E, I, H] (Qwen2-MoE's moe_intermediate_size is
     # not intermediate_size)
@@ -52,15 +56,16 @@ def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
 
 
 def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str], casts: bool = True) -> int:
-    """peft's LoRA on fused expert tensors (tuners/lora/layer.py ParamWrapper) forms W + BA with baddbmm: a full copy
-    of each targeted expert tensor in its dtype every forward, which grouped_mm saves for the input gradient
-    (Mixtral all-linear: 2.6 GiB per block in bf16; the tracer's -48% before)."""
+    """The W + BA copies peft's LoRA makes of fused expert tensors, which grouped_mm saves.
+
+    peft (tuners/lora/layer.py ParamWrapper) forms W + BA with baddbmm: a full copy of each targeted expert tensor in
+    its dtype every forward, which grouped_mm saves for the input gradient.
+    """
     copies = sum(p.numel for p in experts if p.name in lora_names) * ctx.weight_bytes
     if ctx.weight_bytes >= 4 or not casts:
         return copies
     # the fold casts the fp32 factors to the experts' dtype (ParamWrapper.get_delta_factors: `lhs.to(param.dtype)`),
-    # and baddbmm saves those casts (found by the tracer: a Qwen3-MoE-shaped config LoRA all-linear bf16, 0.17 MiB per
-    # block of 4 experts)
+    # and baddbmm saves those casts
     from memplan.estimator.memory.weights import adapter_numel
 
     names = {p.name for p in experts}
@@ -68,8 +73,10 @@ def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str], casts:
 
 
 def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
-    """The largest single W + BA copy (expert_lora_copy_bytes) of any expert tensor: its gradient is a working
-    tensor of that block's backward."""
+    """The largest single W + BA copy (expert_lora_copy_bytes) of any expert tensor.
+
+    Its gradient is a working tensor of that block's backward.
+    """
     if not ctx.spec.arch.num_experts or not ctx.lora:
         return 0
     lora = {m.name for m in ctx.lora}

@@ -8,14 +8,19 @@ from collections.abc import Iterator
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory import weights
 
-# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8 state1/state2,
-# one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements keep fp32 states.
+# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8
+# state1/state2, one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements
+# keep fp32 states.
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 
 
 def trainable_tensors(ctx: Ctx) -> Iterator[tuple[tuple[int, ...], int]]:
-    """(shape, bytes per element) of every trainable tensor: base params and LoRA A/B matrices (fp32)."""
+    """Every trainable tensor: base params and LoRA A/B matrices (fp32).
+
+    Yields:
+        (shape, bytes per element).
+    """
     for p in ctx.spec.params:
         if p.name in ctx.trainable:
             yield weights.shape(ctx, p), ctx.weight_bytes
@@ -44,6 +49,7 @@ def _adam_state(shape: tuple[int, ...], pbytes: int) -> int:
 
 
 def bnb8_state_bytes(shape: tuple[int, ...], pbytes: int) -> int:
+    """bitsandbytes 8-bit Adam: two uint8 states plus an fp32 absmax per BNB_BLOCK, fp32 below BNB_MIN_8BIT_SIZE."""
     n = _numel(shape)
     if n < BNB_MIN_8BIT_SIZE:
         return 2 * n * 4
@@ -51,11 +57,12 @@ def bnb8_state_bytes(shape: tuple[int, ...], pbytes: int) -> int:
 
 
 def _adafactor_state(shape: tuple[int, ...], pbytes: int) -> int:
-    """transformers.optimization.Adafactor (beta1=None, Trainer's optim="adafactor"): factored second moment for
-    >= 2-D tensors (exp_avg_sq_row [..., rows] + exp_avg_sq_col [..., cols]), full exp_avg_sq for 1-D (Shazeer &
-    Stern, arXiv:1804.04235 sec. 3); in fp32 whatever the parameter's dtype (Adafactor.step upcasts a 16-bit grad,
-    `grad = grad.float()`, and makes the state `.to(grad)`). Found by the tracer: GPT-2 full bf16 Adafactor held
-    twice the 16-bit count."""
+    """transformers.optimization.Adafactor state (beta1=None, Trainer's optim="adafactor"), always fp32.
+
+    Factored second moment for >= 2-D tensors (exp_avg_sq_row [..., rows] + exp_avg_sq_col [..., cols]), full
+    exp_avg_sq for 1-D (Shazeer & Stern, arXiv:1804.04235 sec. 3). fp32 whatever the parameter's dtype:
+    Adafactor.step upcasts a 16-bit grad (`grad = grad.float()`) and makes the state `.to(grad)`.
+    """
     if len(shape) >= 2:
         lead = _numel(shape[:-2])
         return lead * (shape[-2] + shape[-1]) * 4
@@ -82,8 +89,11 @@ def optimizer_state_bytes(ctx: Ctx) -> int:
 
 
 def is_paged(ctx: Ctx) -> bool:
-    """Paged bnb optimizers allocate state with cudaMallocManaged (bitsandbytes GlobalPageManager): outside torch's
-    caching allocator, so not in max_memory_allocated/reserved, but resident on the device unless evicted."""
+    """The optimizer keeps its state in CUDA unified (paged) memory, outside torch's caching allocator.
+
+    Paged bnb optimizers allocate state with cudaMallocManaged (bitsandbytes GlobalPageManager): not in
+    max_memory_allocated/reserved, but resident on the device unless evicted.
+    """
     return ctx.setup.optimizer.startswith("paged-")
 
 
@@ -99,8 +109,7 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
     - adafactor (transformers.optimization.Adafactor.step, per tensor): `update = grad**2 + eps`, then
       `_approx_sq_grad(row, col)` (a full-size product) and `p_data_fp32.add_(-update * lr)` (another): two fp32
       tensors the size of the largest trainable tensor are alive at once; 16-bit params add their fp32 grad copy and
-      fp32 param copy (`grad.float()`, `p.float()`): four. Measured by the tracer (GPT-2 fp32: 2x the tied
-      embedding; Llama-3.2-1B bf16: 4x).
+      fp32 param copy (`grad.float()`, `p.float()`): four.
     - sgd (foreach, no momentum): in-place _foreach_add_: nothing.
     """
     opt = ctx.setup.optimizer

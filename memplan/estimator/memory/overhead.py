@@ -5,12 +5,10 @@ from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.weights import numel
 from memplan.units import MiB
 
-#: CUDA context of a PyTorch process with lazy module loading (default since PyTorch 1.13, pytorch/pytorch#86509:
-#: 287 MB right after init) once training kernels are loaded. 426 MiB measured after the first CUDA call on an
-#: RTX 6000 Ada with PyTorch 2.10 (unslothai/unsloth-zoo#1053); "around 400MB" (pytorch/pytorch#109888). cuBLAS/cuDNN
-#: and flash kernels loaded by a training step add to it. Measured (issue 6): NVML's used memory after torch.cuda.init
-#: less before it was 523.56 MiB in all 18 one-at-a-time runs on an H100 80GB HBM3 (driver 580.159.04, CUDA 13.0,
-#: torch 2.11; data/measured/gpu-h100.csv cuda_context_bytes).
+#: CUDA context of a PyTorch process with lazy module loading (default since PyTorch 1.13, pytorch/pytorch#86509)
+#: once training kernels are loaded; cuBLAS/cuDNN and flash kernels loaded by a training step add to it. Other
+#: reports: pytorch/pytorch#109888, unslothai/unsloth-zoo#1053.
+#: Measured: data/measured/gpu-h100.csv cuda_context_bytes (NVML used memory after torch.cuda.init less before).
 CUDA_CONTEXT_BYTES = 548_995_072
 
 
@@ -20,13 +18,12 @@ LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB
 
 #: Fraction of the transient peak (activations, logits, temporaries) held as free-but-reserved blocks at the
-#: reserved peak: blocks freed in backward are split/reused for differently sized requests. Measured on an H100
-#: (data/measured/gpu-h100.csv, reserved - allocated - rounding_waste over the estimate's transient): training
-#: without checkpointing median 0.096 (75 rows, quartiles 0.06-0.16); with checkpointing median 0.28 (43 rows,
-#: quartiles 0.21-0.39): each block's recompute allocates and frees its full activations between the gradients
-#: backward allocates, so more of the cache ends up split. Inference rows spread too widely (0.14-16) for one
-#: constant and keep the training value. Both are medians, not a per-row fit: reserved stays a looser prediction
-#: than allocated (benchmarks/results/accuracy.md), and the planner does not use it (memplan.planner.budget).
+#: reserved peak: blocks freed in backward are split/reused for differently sized requests. With checkpointing each
+#: block's recompute allocates and frees its full activations between the gradients backward allocates, so more of
+#: the cache ends up split. Inference keeps the training value. Both are medians, not a per-row fit: reserved stays
+#: a looser prediction than allocated (benchmarks/results/accuracy.md), and the planner does not use it
+#: (memplan.planner.budget).
+#: Measured: data/measured/gpu-h100.csv (reserved - allocated - rounding_waste over the estimate's transient).
 TRANSIENT_FRAGMENTATION = 0.10
 TRANSIENT_FRAGMENTATION_CKPT = 0.28
 
@@ -41,8 +38,10 @@ def rounding_waste(tensor_bytes: list[int] | tuple[int, ...]) -> int:
 
 
 def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
-    """Sizes of the resident tensors allocated one by one: each weight, and per trainable weight its gradient and
-    (Adam) two states of the same size."""
+    """Sizes of the resident tensors allocated one by one.
+
+    Each weight, and per trainable weight its gradient and (Adam) two states of the same size.
+    """
     sizes = [numel(ctx, p) * ctx.weight_bytes for p in ctx.spec.params + ctx.spec.media]
     if ctx.training:
         per = 3 if ctx.setup.optimizer in ("adamw", "adamw-fused") else 1
@@ -52,6 +51,7 @@ def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
 
 @per_model("optimizer", "added_tokens")
 def persistent_rounding_waste(ctx: Ctx) -> int:
+    """rounding_waste of the persistent tensors, once per model and selection."""
     return rounding_waste(persistent_tensor_sizes(ctx))
 
 

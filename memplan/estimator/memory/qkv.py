@@ -1,5 +1,8 @@
-"""Where q, k and v come from, for what a block keeps beside the attention's own saves: rotary positions (q and k
-come out of the rotation as new tensors) and one fused q/k/v projection whose output a view keeps alive."""
+"""Where q, k and v come from, for what a block keeps beside the attention's own saves.
+
+Rotary positions (q and k come out of the rotation as new tensors) and one fused q/k/v projection whose output a
+view keeps alive.
+"""
 from __future__ import annotations
 
 from memplan.estimator.memory.context import Ctx, per_model
@@ -12,8 +15,7 @@ def rotary_positions(ctx: Ctx) -> bool:
 
 
 def attn_in_linears(ctx: Ctx) -> list:
-    """The q/k/v projections (layout slot attn_in) of the first block outside an encoder: one fused Linear or
-    several."""
+    """The q/k/v projections (layout slot attn_in) of the first block outside an encoder: one fused Linear or more."""
     from memplan.model.layout import blocks
 
     first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
@@ -22,16 +24,18 @@ def attn_in_linears(ctx: Ctx) -> list:
 
 def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim: int, qk_norm: bool = False,
                         trains: bool = False) -> float:
-    """Per token: one Linear makes q, k and v (ModernBERT's Wqkv, Phi-3's qkv_proj) and rotary makes q and k new
-    tensors, while V stays a view of that output, which the fused kernel saves: the whole output stays alive, its q
-    and k parts beyond attn_core's count. Not where a training cache copies V first (causal models without
-    checkpointing; before 4.56 the cache pins it: inference.training_cache_bytes), nor without rotary (GPT-2: q is
-    a view too, FUSED_QKV_CACHE). Found by the tracer: a ModernBERT-shaped config full bf16 b2 s512 -2.2%."""
+    """Per token, the part of a fused q/k/v projection's output that a saved view keeps alive beyond attn_core.
+
+    One Linear makes q, k and v (ModernBERT's Wqkv, Phi-3's qkv_proj) and rotary makes q and k new tensors, while V
+    stays a view of that output, which the fused kernel saves: the whole output stays alive, its q and k parts
+    beyond attn_core's count. Not where a training cache copies V first (causal models without checkpointing;
+    before 4.56 the cache pins it: inference.training_cache_bytes), nor without rotary (GPT-2: q is a view too,
+    FUSED_QKV_CACHE).
+    """
     a = ctx.spec.arch
     if qk_norm and len(attn_in) == 1 and ctx.training and _norm_saves_input(ctx, trains):
         # q/k norms that save their input save views of the fused output (Persimmon's q_layernorm / k_layernorm read
-        # the split of query_key_value's output): V's part stays alive beside the q and k parts they count (found
-        # by the tracer: a Persimmon-shaped config, -0.6% in every setup, [tokens, hidden] per block)
+        # the split of query_key_value's output): V's part stays alive beside the q and k parts they count
         out = attn_in[0].out_features
         return (out - q_dim - kv_dim) * ctx.act_bytes if out >= q_dim + 2 * kv_dim else 0.0
     if kernel != "fused" or len(attn_in) != 1 or not ctx.training or (
@@ -41,8 +45,10 @@ def fused_qkv_pin_bytes(ctx: Ctx, attn_in: list, kernel: str, q_dim: int, kv_dim
 
 
 def _norm_saves_input(ctx: Ctx, trains: bool) -> bool:
-    """The family's norm saves its input tensor itself when it reads the compute dtype (Arch.norm_saves' third value:
-    LayerNorm); without a measurement, a LayerNorm does."""
+    """The family's norm saves its input tensor itself when it reads the compute dtype.
+
+    Measured per family: Arch.norm_saves' third value (LayerNorm); without a measurement, a LayerNorm does.
+    """
     from memplan.model.spec import norm_case
     from memplan.estimator.memory.saves import autocast_casts_norm_input
 

@@ -9,7 +9,9 @@ from memplan.estimator.memory.context import Ctx, per_model
 
 @per_model()
 def dequant_temp_bytes(ctx: Ctx) -> int:
-    """bitsandbytes MatMul4Bit (autograd/_functions.py) dequantizes the whole weight to the compute dtype for each
+    """Bytes of the largest quantized Linear's weight dequantized to the compute dtype.
+
+    bitsandbytes MatMul4Bit (autograd/_functions.py) dequantizes the whole weight to the compute dtype for each
     matmul with more than one token, in forward and again in backward (it saves only the packed weight), so the
     largest quantized Linear exists once in compute dtype at a time. LLM.int8 (MatMul8bitLt) likewise materialises
     an fp16 weight for the input gradient in backward."""
@@ -20,18 +22,17 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
 
 
 def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = None) -> int:
-    """Autocast weight copies kept from forward to backward in mixed precision: every Linear weight (and the
-    lm_head) is cast to the compute dtype and the matmul saves the cast for the input gradient; trainable leaves
-    are also held in autocast's cache until the autocast region exits (torch/csrc/autograd ... autocast_mode.cpp
-    cached_cast). With checkpointing, frozen weights' casts inside the checkpointed blocks are dropped and re-made in
-    recompute; trainable ones stay cached through the forward, and Linears outside the blocks (the lm_head) are not
-    checkpointed (found by the tracer). Quantized weights are not cast (bitsandbytes dequantizes instead). Blocks
-    below the first trainable one record no graph: their casts are freed at once (recording.graph_blocks).
-    backward=True: once the forward's autocast region exits its cache is cleared, so with checkpointing the backward
-    holds the casts outside the blocks plus those of the one block being recomputed (torch.utils.checkpoint re-enters
-    autocast for the recompute). Measured on an H100: Qwen2.5-1.5B bf16-mixed b1 s4096 with checkpointing peaked
-    1.3 GiB lower in backward than in forward, the 2.9 GiB of cached in-block casts less one block's.
-    stack: only the blocks of that stack, as saved for their backward (none with checkpointing)."""
+    """Autocast weight copies kept from forward to backward in mixed precision.
+
+    Every Linear weight (and the lm_head) is cast to the compute dtype and the matmul saves the cast for the input
+    gradient; trainable leaves are also held in autocast's cache until the autocast region exits (torch/csrc/autograd
+    ... autocast_mode.cpp cached_cast). With checkpointing, frozen weights' casts inside the checkpointed blocks are
+    dropped and re-made in recompute; trainable ones stay cached through the forward, and Linears outside the blocks
+    (the lm_head) are not checkpointed. Quantized weights are not cast (bitsandbytes dequantizes instead). Blocks below
+    the first trainable one record no graph: their casts are freed at once (recording.graph_blocks). backward=True: once
+    the forward's autocast region exits its cache is cleared, so with checkpointing the backward holds the casts outside
+    the blocks plus those of the one block being recomputed (torch.utils.checkpoint re-enters autocast for the
+    recompute). stack: only the blocks of that stack, as saved for their backward (none with checkpointing)."""
     if not (ctx.mixed and ctx.training):
         return 0
     from memplan.estimator.memory.recording import graph_blocks
@@ -52,8 +53,10 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
 
 
 def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
-    """The autocast copies of the block among `keys` ((stack, index)) whose Linears cast the most: what its
-    recompute under checkpointing makes and its matmuls save for the input gradient."""
+    """The autocast copies of the block among `keys` ((stack, index)) whose Linears cast the most.
+
+    That is what its recompute under checkpointing makes and its matmuls save for the input gradient.
+    """
     if not (ctx.mixed and ctx.training):
         return 0
     per = _casts_by_block(ctx)
@@ -68,14 +71,20 @@ def outside_cast_bytes(ctx: Ctx) -> int:
 
 
 def _outside(per: dict) -> int:
+    """Elements cast outside the blocks, from _casts_by_block's mapping."""
     return sum(n for k, (n, _) in per.items() if k[1] is None)
 
 
 @per_model("lora_r", "grad_ckpt")
 def _casts_by_block(ctx: Ctx) -> Mapping[tuple, tuple[int, int]]:
-    """(stack, block index; None outside the blocks) -> (elements autocast casts and the matmuls save there, of which
-    trainable). A frozen weight whose matmul input carries no gradient (recording.gradless_linears) is cast and freed
-    at once: its matmul saves nothing."""
+    """Elements autocast casts and the matmuls save, per block.
+
+    A frozen weight whose matmul input carries no gradient (recording.gradless_linears) is cast and freed at once:
+    its matmul saves nothing.
+
+    Returns:
+        (stack, block index; None outside the blocks) -> (elements cast and saved there, of which trainable).
+    """
     from memplan.estimator.memory.recording import gradless_linears
 
     gradless = gradless_linears(ctx)
@@ -86,18 +95,21 @@ def _casts_by_block(ctx: Ctx) -> Mapping[tuple, tuple[int, int]]:
                                    g + (size if not trains and m.name in gradless else 0))
     # a block whose parameters run several times (ALBERT's shared layer, Arch.block_runs): autocast caches only
     # trainable leaves, so a frozen weight is cast again on every run and each matmul saves its own cast (the
-    # gradless ones in the first run only). Found by the tracer: an ALBERT-shaped config, LoRA query,value
-    # bf16-mixed, -6.4% with one cast per frozen weight
+    # gradless ones in the first run only)
     runs = ctx.spec.arch.block_runs
     return MappingProxyType({k: (t + (n - t) * (runs if k[1] is not None else 1) - g, t)
                              for k, (n, t, g) in per.items()})
 
 
 def _cast_weights(ctx: Ctx):
-    """(Linear, elements autocast casts, whether they train) for every weight a Linear's matmul casts: the base
-    weight unless bitsandbytes holds it, and the LoRA adapters on it (fp32 trainable leaves, weights.lora_bytes, so
-    autocast casts and caches lora_A and lora_B like any trainable weight; found by the tracer on Llama-3-8B QLoRA
-    r256 all-linear with checkpointing, whose forward peak held 1.25 GiB of bf16 adapter copies)."""
+    """Every weight a Linear's matmul casts under autocast.
+
+    The base weight unless bitsandbytes holds it, and the LoRA adapters on it: fp32 trainable leaves
+    (weights.lora_bytes), so autocast casts and caches lora_A and lora_B like any trainable weight.
+
+    Yields:
+        (Linear or expert parameter, elements autocast casts, whether they train).
+    """
     lora = {m.name for m in ctx.lora}
     r = ctx.setup.lora_r
     for m in ctx.spec.linears:
@@ -106,8 +118,7 @@ def _cast_weights(ctx: Ctx):
         if m.name in lora:
             yield m, r * m.rank_mult * (m.in_features + m.out_features), True
     if ctx.spec.arch.experts_dense:  # Llama-4's experts run torch.bmm on their [E, in, out] tensors: autocast casts
-        # them like Linear weights (grouped_mm has no autocast kernel: the other families' experts are not cast).
-        # Found by the tracer: a Llama-4-shaped config bf16-mixed, 4.6% below with the casts left out
+        # them like Linear weights (grouped_mm has no autocast kernel: the other families' experts are not cast)
         for p in ctx.spec.params:
             if p.role == "expert" and len(p.shape) == 3:
                 yield p, p.numel, p.name in ctx.trainable

@@ -1,6 +1,8 @@
-"""What single ops save for backward: a Linear's input (only when its weight trains), a LoRA branch, an activation
-function, a normalisation layer. memplan.estimator.memory.activations adds them up per block (its docstring has the counting
-rule, from torch's tools/autograd/derivatives.yaml)."""
+"""What single ops save for backward: a Linear's input, a LoRA branch, an activation function, a norm.
+
+A Linear saves its input only when its weight trains. memplan.estimator.memory.activations adds them up per block
+(its docstring has the counting rule, from torch's tools/autograd/derivatives.yaml).
+"""
 from __future__ import annotations
 
 from memplan.model.spec import act_case, norm_case
@@ -13,10 +15,12 @@ SAVES_OUTPUT = {"relu"}
 
 
 def act_saved_bytes(ctx: Ctx, trains: bool = False) -> float:
-    """Bytes per element of its input the MLP activation saves (trains: its own parameters, if any, train with the
-    MLP): measured on the family's activation when its inventory was built (Arch.act_saves, codefacts.act_saves;
-    under autocast over FSDP's 16-bit parameters the 16-bit autocast case),
-    else one ATen op's (its input)."""
+    """Bytes per element of its input the MLP activation saves.
+
+    Measured on the family's activation when its inventory was built (Arch.act_saves, codefacts.act_saves; under
+    autocast over FSDP's 16-bit parameters the 16-bit autocast case), else one ATen op's (its input).
+    trains: the activation's own parameters, if any, train with the MLP.
+    """
     table, c = ctx.spec.arch.act_saves, ctx.act_bytes
     if not table:
         return c
@@ -24,8 +28,10 @@ def act_saved_bytes(ctx: Ctx, trains: bool = False) -> float:
 
 
 def act_out_bytes(ctx: Ctx, trains: bool = False) -> float:
-    """Bytes per element the MLP activation returns (Arch.act_out, measured: gelu_new under autocast returns fp32),
-    else the activations' dtype."""
+    """Bytes per element the MLP activation returns: Arch.act_out where measured, else the activations' dtype.
+
+    gelu_new under autocast returns fp32.
+    """
     table, c = ctx.spec.arch.act_out, ctx.act_bytes
     return table[act_case(trains, ctx.autocast, c)] if table else c
 
@@ -35,10 +41,12 @@ def weight_trains(ctx: Ctx, name: str) -> bool:
 
 
 def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
-    """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements: the trained
-    Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA branch. A
-    transformers-5 router peft adapts (kind "router": its ParamWrapper makes W + BA, which F.linear then applies)
-    saves its input as a trained one does, with no branch of its own."""
+    """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements.
+
+    The trained Linears' inputs (one cast copy each under autocast, else the shared tensor once) plus each LoRA
+    branch. A transformers-5 router peft adapts (kind "router": its ParamWrapper makes W + BA, which F.linear then
+    applies) saves its input as a trained one does, with no branch of its own.
+    """
     c = ctx.act_bytes
     cast = in_bytes != c
     trained = sum(1 for m in members if weight_trains(ctx, m.name) or m.kind == "router" and m.name in lora_names)
@@ -55,8 +63,10 @@ def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[s
 
 
 def shared_input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
-    """The part of input_saves that is the shared input tensor itself (not a cast copy nor a branch's own): one
-    storage, however many Linears - in however many blocks - read it."""
+    """The part of input_saves that is the shared input tensor itself, not a cast copy nor a branch's own.
+
+    It is one storage, however many Linears in however many blocks read it.
+    """
     c = ctx.act_bytes
     if in_bytes == c and any(weight_trains(ctx, m.name) for m in members):
         return in_dim * c
@@ -66,12 +76,16 @@ def shared_input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names
 
 
 def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
-    """One LoRA branch -> (bytes per token, whether it saves the layer's own input tensor instead of a copy).
+    """What one LoRA branch saves for backward.
 
     peft casts x to the fp32 adapter dtype (lora/layer.py Linear.forward `_cast_input_dtype`), or under autocast
     lora_A casts it to the compute dtype: a copy per branch that lora_A saves. An fp32 input with no dropout is
     saved as is (shared by all branches on that input). lora_B saves [t, r]. Dropout > 0 adds a 1-byte mask and
-    a dropped copy per branch."""
+    a dropped copy per branch.
+
+    Returns:
+        (bytes per token, whether it saves the layer's own input tensor instead of a copy).
+    """
     s = ctx.setup
     xb = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
     own_copy = ctx.mixed or in_bytes != xb or s.lora_dropout > 0
@@ -82,27 +96,29 @@ def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
 
 
 def adapter_compute_bytes(ctx: Ctx) -> int:
-    """Bytes of the LoRA weights as the step computes with them: fp32 (peft's autocast_adapter_dtype), but 16-bit
-    under an engine that runs the module in 16 bit (FSDP's MixedPrecisionPolicy param_dtype, DeepSpeed's bf16/fp16
-    module cast), where x needs no fp32 copy. Found by a stress run (trace_sharded): Llama-3.2-1B LoRA bf16
-    fsdp-full-shard x8 b2 s1024, +6.0% with an fp32 copy of each adapted input counted."""
+    """Bytes per element of the LoRA weights as the step computes with them.
+
+    fp32 (peft's autocast_adapter_dtype), but 16-bit under an engine that runs the module in 16 bit (FSDP's
+    MixedPrecisionPolicy param_dtype, DeepSpeed's bf16/fp16 module cast), where x needs no fp32 copy.
+    """
     return ctx.compute_bytes if ctx.setup.engine in ("fsdp", "deepspeed") else 4
 
 
 def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | None = None) -> float:
-    """Bytes per token a normalisation layer of width h saves for backward (rows: how many normalised rows a token
-    has, the heads of a per-head q/k norm): measured on the family's own norm when its inventory was built
-    (Arch.norm_saves, codefacts.norm_saves), indexed by the residual stream's dtype and whether the weight trains.
-    Without a measurement (a hand-built spec): Llama's RMSNorm for an RMSNorm (an fp32 copy, rsqrt's fp32 output per
-    row, the normalised tensor in the stream's dtype when the weight trains), else ATen native_layer_norm's (its input
-    plus fp32 mean and rstd per row). in_bytes: the input's dtype where it is not the residual stream's (a q/k norm
-    reads its projection's output, in the compute dtype under autocast: a Qwen3-MoE-shaped config, bf16-mixed, counted
-    an fp32 input and its fp32 normalised copy, 0.6 MiB too many per block at b2 s256)."""
+    """Bytes per token a normalisation layer of width h saves for backward.
+
+    Measured on the family's own norm when its inventory was built (Arch.norm_saves, codefacts.norm_saves), indexed
+    by the residual stream's dtype and whether the weight trains. Without a measurement (a hand-built spec): Llama's
+    RMSNorm for an RMSNorm (an fp32 copy, rsqrt's fp32 output per row, the normalised tensor in the stream's dtype
+    when the weight trains), else ATen native_layer_norm's (its input plus fp32 mean and rstd per row).
+    rows: how many normalised rows a token has (the heads of a per-head q/k norm). in_bytes: the input's dtype where
+    it is not the residual stream's (a q/k norm reads its projection's output, in the compute dtype under autocast).
+    """
 
     r = ctx.residual_bytes if in_bytes is None else in_bytes
     table = ctx.spec.arch.norm_saves
     # a q/k norm's or an inner norm's 16-bit input: an fp32 copy, not the input itself (the residual stream's norms
-    # keep the measured rule: over FSDP's 16-bit parameters the sharded tracer saw no such copy, gpt2-xl +1.2%)
+    # keep the measured rule: over FSDP's 16-bit parameters there is no such copy)
     if in_bytes is not None and autocast_casts_norm_input(ctx, r, trains):
         return 4 * h + table[norm_case(r, trains)][1] * rows
     if not table:
@@ -114,10 +130,11 @@ def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | No
 
 
 def autocast_casts_norm_input(ctx: Ctx, in_bytes: int, trains: bool) -> bool:
-    """Autocast casts a 16-bit input to fp32 before the norm: aten layer_norm is on its fp32 list, and a norm that
-    saves its input alone is one (nn.LayerNorm: Arch.norm_saves with the input as its only per-element save); a
-    family's own norm upcasts by itself, as measured. Found by the tracer: a Persimmon-shaped config's q/k LayerNorms
-    on the projection's bf16 output, bf16-mixed -0.6%."""
+    """Autocast casts a 16-bit input to fp32 before the norm.
+
+    aten layer_norm is on autocast's fp32 list, and a norm that saves its input alone is one (nn.LayerNorm:
+    Arch.norm_saves with the input as its only per-element save); a family's own norm upcasts by itself, as measured.
+    """
     table = ctx.spec.arch.norm_saves
     if not (ctx.autocast and in_bytes < 4 and table and len(table[0]) > 2):
         return False
@@ -126,10 +143,12 @@ def autocast_casts_norm_input(ctx: Ctx, in_bytes: int, trains: bool) -> bool:
 
 
 def norm_keeps_input(ctx: Ctx, trains: bool) -> bool:
-    """The normalisation layer saves its input tensor itself (no copy): LayerNorm always, an RMSNorm whose fp32 cast
-    is a no-op (an fp32 stream), T5's norm, which multiplies the input itself (Arch.norm_saves' third value, measured;
-    without it, those rules). Under checkpointing the block's input norm then saves the checkpoint input, already
-    alive, not a tensor of its own."""
+    """The normalisation layer saves its input tensor itself, not a copy.
+
+    LayerNorm always, an RMSNorm whose fp32 cast is a no-op (an fp32 stream), T5's norm, which multiplies the input
+    itself (Arch.norm_saves' third value, measured; without it, those rules). Under checkpointing the block's input
+    norm then saves the checkpoint input, already alive, not a tensor of its own.
+    """
     r = ctx.residual_bytes
     table = ctx.spec.arch.norm_saves
     if table and len(table[0]) > 2:

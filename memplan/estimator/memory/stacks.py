@@ -1,6 +1,8 @@
-"""What a stack of blocks keeps outside its blocks because of the stack, not of one module: the dropout masks at its
-ends, and under gradient checkpointing the tensors every checkpointed block of the stack receives besides its hidden
-states (one storage for all of them). Sizes in bytes."""
+"""What a stack of blocks keeps outside its blocks because of the stack, not of one module. Sizes in bytes.
+
+The dropout masks at its ends, and under gradient checkpointing the tensors every checkpointed block of the stack
+receives besides its hidden states (one storage for all of them).
+"""
 from __future__ import annotations
 
 from memplan import libs
@@ -10,27 +12,27 @@ from memplan.estimator.memory.recording import graph_blocks, input_grads
 
 #: families whose stacks end with a dropout after the final norm (modeling_t5.py T5Stack.forward:
 #: `hidden_states = self.final_layer_norm(hidden_states)` then `self.dropout(hidden_states)`; the UMT5, LongT5 and
-#: SwitchTransformers stacks copy it). Found by the tracer: t5-base full bf16 b8 s512 with checkpointing, -1.5%
-#: with this, the decoder's embedding dropout, the encoder output and the relative bias below uncounted.
+#: SwitchTransformers stacks copy it).
 FINAL_DROPOUT = {"t5", "mt5", "umt5", "longt5", "switch_transformers"}
 
 
 #: releases before this one add the attention mask to T5's position bias in the first layer of a stack and pass the
 #: [b, heads, q, k] sum on (modeling_t5.py T5Attention.forward `position_bias = position_bias + causal_mask`, 4.46 to
 #: 5.14; 5.15 passes the bias alone and merges the mask inside the attention): under checkpointing every later
-#: layer's checkpoint keeps it. Found by the tracer on 4.48.1: t5-base LoRA bf16-mixed eager b32 s512 checkpointed
-#: -13.3% (three [32, 12, 512, 512] fp32 sums uncounted).
+#: layer's checkpoint keeps it.
 MERGED_BIAS_UNTIL = (5, 15)
 #: releases before this one build the encoder's (and the cross-attentions') extended mask from any attention_mask, all
 #: ones included (T5Stack.forward `(1.0 - mask) * finfo.min`, `invert_attention_mask`); transformers 5's
-#: create_bidirectional_mask returns none for an unpadded batch. Found by the tracer on 5.8.1: t5-base LoRA bf16-mixed
-#: eager b32 s512 checkpointed holds one merged bias (the decoder's, whose causal mask eager always builds), +9.6%
-#: with three.
+#: create_bidirectional_mask returns none for an unpadded batch.
 ENCODER_MASK_UNTIL = (5, 0)
 
 
 def _stacks(ctx: Ctx) -> tuple[tuple[str | None, int], ...]:
-    """(stack, tokens per micro-batch) for each stack: an encoder-decoder's decoder sees the target length."""
+    """The stacks and the tokens each sees per micro-batch; an encoder-decoder's decoder sees the target length.
+
+    Returns:
+        ((stack or None, tokens per micro-batch), ...).
+    """
     b = ctx.setup.batch_size
     if ctx.spec.arch.kind == "seq2seq":
         return ("encoder", b * ctx.src_len), ("decoder", b * ctx.tgt_len)
@@ -38,10 +40,11 @@ def _stacks(ctx: Ctx) -> tuple[tuple[str | None, int], ...]:
 
 
 def dropout_mask_bytes(ctx: Ctx, embeds_record: bool) -> float:
-    """The bool masks of the dropouts outside the blocks (native_dropout keeps one byte per element when its input
-    requires grad): after the embeddings of every stack (the encoder-decoders' decoders too: T5Stack, BartDecoder)
-    when they record (embeds_record), and after a T5 stack's final norm when the stack records or that norm
-    trains."""
+    """The bool masks of the dropouts outside the blocks.
+
+    native_dropout keeps one byte per element when its input requires grad: after the embeddings of every stack (the
+    encoder-decoders' decoders too: T5Stack, BartDecoder) when they record (embeds_record), and after a T5 stack's final
+    norm when the stack records or that norm trains."""
     a = ctx.spec.arch
     if a.hidden_dropout <= 0 and embed_dropout(a) <= 0:
         return 0.0
@@ -58,19 +61,22 @@ def dropout_mask_bytes(ctx: Ctx, embeds_record: bool) -> float:
 
 
 def embed_dropout(a) -> float:
-    """The dropout probability after the input embeddings (Arch.embed_dropout; inventories without it: the hidden
-    dropout). p = 0 returns its input (aten _dropout), no new tensor and no mask: Phi-2's embd_pdrop."""
+    """The dropout probability after the input embeddings (Arch.embed_dropout, else the hidden dropout).
+
+    p = 0 returns its input (aten _dropout), no new tensor and no mask: Phi-2's embd_pdrop.
+    """
     return a.hidden_dropout if a.embed_dropout is None else a.embed_dropout
 
 
 def embedding_leaf_bytes(ctx: Ctx) -> float:
-    """Checkpointing with frozen input embeddings: enable_input_require_grads (recording.input_grads) makes each
-    lookup's output a leaf that requires grad (`output.requires_grad_(True)` in a forward hook), which autograd's
-    AccumulateGrad node holds until the graph is freed after the backward. Where an op follows it before the first
-    block (the embedding dropout, learned positions added, an embedding norm) that leaf is a tensor of its own beside
-    the block's checkpoint input; each stack of an encoder-decoder looks the shared table up once. Found by the
-    tracer: GPT-2 LoRA bf16 b32 s1024 checkpointed -0.25% (its wte output alive at the loss), t5-base LoRA
-    bf16-mixed b32 s512 eager checkpointed -1.4% (both stacks' lookups)."""
+    """The embedding outputs autograd holds as leaves under checkpointing with frozen input embeddings.
+
+    enable_input_require_grads (recording.input_grads) makes each lookup's output a leaf that requires grad
+    (`output.requires_grad_(True)` in a forward hook), which autograd's AccumulateGrad node holds until the graph is
+    freed after the backward. Where an op follows it before the first block (the embedding dropout, learned positions
+    added, an embedding norm) that leaf is a tensor of its own beside the block's checkpoint input; each stack of an
+    encoder-decoder looks the shared table up once.
+    """
     a = ctx.spec.arch
     outside = [p for p in ctx.spec.params if p.block is None]
     if not input_grads(ctx) or any(p.role == "embedding" and p.name in ctx.trainable for p in outside):
@@ -81,11 +87,12 @@ def embedding_leaf_bytes(ctx: Ctx) -> float:
 
 
 def checkpoint_inputs_bytes(ctx: Ctx) -> float:
-    """Under gradient checkpointing (non-reentrant: each block's checkpoint holds its inputs until its backward), the
-    inputs the blocks of a stack share: an encoder-decoder's encoder output (an input of every decoder block, saved
-    nowhere else once the cross-attentions' k/v projections no longer save it), and T5's relative position bias,
-    which the first layer of each stack computes and passes to the others (a permuted view of its embedding output,
-    [q, k, heads] in the weights' dtype; UMT5's layers compute their own)."""
+    """The inputs the checkpointed blocks of a stack share, held until their backward.
+
+    Non-reentrant checkpointing holds each block's inputs until its backward. Shared: an encoder-decoder's encoder
+    output (an input of every decoder block, saved nowhere else once the cross-attentions' k/v projections no longer
+    save it), and T5's relative position bias, which the first layer of each stack computes and passes to the others (a
+    permuted view of its embedding output, [q, k, heads] in the weights' dtype; UMT5's layers compute their own)."""
     if not ctx.setup.grad_ckpt:
         return 0.0
     a = ctx.spec.arch

@@ -11,7 +11,8 @@ from memplan.estimator.memory.context import Ctx, per_model
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
 # one fp32 absmax per block of 64 weights; with compress_statistics (double quant) the absmax values are themselves
-# quantized to uint8 in blocks of 256 with one fp32 absmax per block, plus a 256-entry fp32 code table and an fp32 offset.
+# quantized to uint8 in blocks of 256 with one fp32 absmax per block, plus a 256-entry fp32 code table and an fp32
+# offset.
 # QLoRA paper (arXiv:2305.14314, sec. 3) gives the same 64/256 block sizes: 0.5 + 32/64 bits -> 0.127 bit/param saved.
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
@@ -20,8 +21,11 @@ INT8_ROW_SCALE_BYTES = 4
 
 
 def numel(ctx: Ctx, p) -> int:
-    """Elements of one base parameter as trained: transformers' resize_token_embeddings gives the input embedding
-    and an untied lm_head (the [vocab, hidden] parameters) one more row per added token (pad_to_multiple_of=None)."""
+    """Elements of one base parameter as trained, added-token rows included.
+
+    transformers' resize_token_embeddings gives the input embedding and an untied lm_head (the [vocab, hidden]
+    parameters) one more row per added token (pad_to_multiple_of=None).
+    """
     n = ctx.setup.added_tokens
     if n and p.role in ("embedding", "lm_head") and p.shape[0] == ctx.spec.arch.vocab_size:
         return p.numel + n * (p.numel // p.shape[0])
@@ -35,25 +39,29 @@ def shape(ctx: Ctx, p) -> tuple[int, ...]:
 
 
 def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
-    """Bytes of one base parameter stored at `bytes_per` per element; a quantized Linear's weight at 0.5 (4-bit)
-    or 1 (int8) byte per element."""
+    """Bytes of one base parameter stored at `bytes_per` per element.
+
+    A quantized Linear's weight is stored at 0.5 (4-bit) or 1 (int8) byte per element.
+    """
     if p.name.endswith(".weight") and p.name[:-len(".weight")] in ctx.quantized:
         return p.numel * (0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0)
     return numel(ctx, p) * bytes_per
 
 
 def weights_bytes(ctx: Ctx) -> int:
-    """Base weights: non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte, and the
-    registered buffers (the inventory's, and those of older releases: release_buffer_bytes).
+    """Bytes of the base weights and registered buffers.
 
-    Unique tensors only (tied embeddings counted once: ModelSpec lists unique params). Added tokens grow the input
-    embedding and an untied lm_head by added_tokens x hidden rows (numel).
+    Non-quantized params x weight dtype bytes + quantized Linear weights x (0.5 | 1) byte, and the registered
+    buffers (the inventory's, and those of older releases: release_buffer_bytes). Unique tensors only (tied
+    embeddings counted once: ModelSpec lists unique params). Added tokens grow the input embedding and an untied
+    lm_head by added_tokens x hidden rows (numel).
     """
     return _resident_bytes(ctx) + release_buffer_bytes(ctx)
 
 
 @per_model("added_tokens")
 def _resident_bytes(ctx: Ctx) -> int:
+    """Stored parameters (media parts included) plus the inventory's buffers, once per model and selection."""
     total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params + ctx.spec.media)
     return int(total) + buffer_bytes(ctx)
 
@@ -61,14 +69,15 @@ def _resident_bytes(ctx: Ctx) -> int:
 #: causal-mask tables that older transformers releases registered on every attention layer,
 #: `register_buffer("bias", torch.tril(torch.ones((max_positions, max_positions), dtype=torch.bool)).view(1, 1, ...))`:
 #: GPT2Attention.__init__ until 5.1.0 (gone in 5.2.0) and GPTNeoXAttention._init_bias until 4.48.1 (gone in 4.49.0).
-#: The catalog's inventory is built with a release without them. Found by the tracer on 4.48.1: pythia-1b's weights
-#: 64 MiB above the estimate (16 layers x 2048^2 bytes), gpt2's 12 MiB.
+#: The catalog's inventory is built with a release without them.
 CAUSAL_MASK_BUFFER_UNTIL = {"gpt2": (5, 2), "gpt_neox": (4, 49)}
 
 
 def release_buffer_bytes(ctx: Ctx) -> int:
-    """The per-layer causal-mask buffers of the release estimated for (CAUSAL_MASK_BUFFER_UNTIL), unless the
-    inventory already lists them (a catalog refreshed with such a release)."""
+    """The per-layer causal-mask buffers of the release estimated for (CAUSAL_MASK_BUFFER_UNTIL).
+
+    0 where the inventory already lists them (a catalog refreshed with such a release).
+    """
     a = ctx.spec.arch
     until = CAUSAL_MASK_BUFFER_UNTIL.get(a.model_type)
     if (not until or not a.max_positions or not libs.older_than("transformers", until)
@@ -82,22 +91,30 @@ _BUFFER_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "i
 
 
 def buffer_bytes(ctx: Ctx) -> int:
-    """Registered buffers, each its own allocation: GPT-BigCode's causal-mask table alone is n_positions^2 bool
-    bytes (modeling_gpt_bigcode.py GPTBigCodeModel: register_buffer("bias", torch.tril(ones(max_positions,
-    max_positions, dtype=bool)))) - 64 MiB for StarCoder."""
+    """Bytes of the registered buffers, each its own allocation.
+
+    GPT-BigCode's causal-mask table alone is n_positions^2 bool bytes, 64 MiB for StarCoder (modeling_gpt_bigcode.py
+    GPTBigCodeModel: register_buffer("bias", torch.tril(ones(max_positions, max_positions, dtype=bool)))).
+    """
     return sum(alloc_bytes(b.numel * (ctx.weight_bytes if b.dtype == "float" else _BUFFER_ITEMSIZE.get(b.dtype, 8)))
                for b in ctx.spec.buffers)
 
 
 def alloc_bytes(n: float) -> int:
-    """Bytes the CUDA caching allocator hands out for an n-byte tensor: rounded up to 512 B (kMinBlockSize,
-    c10/cuda/CUDACachingAllocator.cpp round_size); torch.cuda.max_memory_allocated counts these rounded sizes."""
+    """Bytes the CUDA caching allocator hands out for an n-byte tensor: rounded up to 512 B.
+
+    Source: kMinBlockSize, c10/cuda/CUDACachingAllocator.cpp round_size; torch.cuda.max_memory_allocated counts
+    these rounded sizes.
+    """
     return int(-(-int(n) // 512) * 512)
 
 
 def nf4_state_bytes(numel: int, double_quant: bool) -> int:
-    """Metadata of one 4-bit weight: fp32 absmax per 64 weights; with double quant uint8 absmax per 64 weights +
-    fp32 absmax per 256 of those blocks + an fp32 offset (the 256-entry code table is shared, see quant_state_bytes)."""
+    """Bytes of the metadata of one 4-bit weight.
+
+    fp32 absmax per 64 weights; with double quant uint8 absmax per 64 weights + fp32 absmax per 256 of those
+    blocks + an fp32 offset (the 256-entry code table is shared, see quant_state_bytes).
+    """
     blocks = math.ceil(numel / NF4_BLOCK)
     if not double_quant:
         return alloc_bytes(blocks * 4)
@@ -106,8 +123,11 @@ def nf4_state_bytes(numel: int, double_quant: bool) -> int:
 
 @per_model("double_quant")
 def quant_state_bytes(ctx: Ctx) -> int:
-    """Quantization metadata of every quantized Linear (nf4_state_bytes per tensor; int8: one fp32 row scale per
-    output feature), plus bitsandbytes' shared 256-entry fp32 dynamic code table used by double quant."""
+    """Bytes of the quantization metadata of every quantized Linear.
+
+    nf4_state_bytes per tensor (int8: one fp32 row scale per output feature), plus bitsandbytes' shared 256-entry
+    fp32 dynamic code table used by double quant.
+    """
     s = ctx.setup
     total = 0
     for m in ctx.spec.linears + ctx.spec.media_linears:
@@ -123,7 +143,10 @@ def quant_state_bytes(ctx: Ctx) -> int:
 
 @per_model("lora_r")
 def lora_numel(ctx: Ctx) -> int:
-    """LoRA adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]; arXiv:2106.09685)."""
+    """LoRA adapter parameters: r x (in + out) per targeted Linear.
+
+    lora_A [r, in], lora_B [out, r] (Hu et al., arXiv:2106.09685).
+    """
     return adapter_numel(ctx, ctx.lora)
 
 
@@ -134,10 +157,11 @@ def adapter_numel(ctx: Ctx, linears) -> int:
 
 
 def trained_lora(ctx: Ctx) -> tuple:
-    """The targeted Linears whose adapters get gradients: all but those on modules that never get one
-    (select.gets_no_grad: DeepSeek-V3.2's indexer, whose top-k output carries no gradient, so its adapters' .grad
-    stays None and AdamW keeps no state for them). Found by the tracer: a DeepSeek-V3.2-shaped config LoRA all-linear
-    bf16-mixed, optimizer state 3.1 MiB traced, 5.4 MiB counted with the indexer's adapters."""
+    """The targeted Linears whose adapters get gradients.
+
+    All but those on modules that never get one (select.gets_no_grad: DeepSeek-V3.2's indexer, whose top-k output
+    carries no gradient, so its adapters' .grad stays None and AdamW keeps no state for them).
+    """
     return tuple(m for m in ctx.lora if not select.gets_no_grad(ctx.spec, m.name))
 
 
@@ -148,9 +172,12 @@ def trained_lora_numel(ctx: Ctx) -> int:
 
 
 def lora_bytes(ctx: Ctx) -> int:
-    """LoRA adapters are fp32: peft's get_peft_model(autocast_adapter_dtype=True) upcasts bf16/fp16 adapter weights
-    to float32 (peft tuners_utils `_cast_adapter_dtype`); on an fp32 base they are fp32 anyway. Includes the adapters
-    on a composite model's media parts, which never train (media_lora_numel)."""
+    """Bytes of the LoRA adapters, which are fp32.
+
+    peft's get_peft_model(autocast_adapter_dtype=True) upcasts bf16/fp16 adapter weights to float32 (peft
+    tuners_utils `_cast_adapter_dtype`); on an fp32 base they are fp32 anyway. Includes the adapters on a composite
+    model's media parts, which never train (media_lora_numel).
+    """
     return (lora_numel(ctx) + media_lora_numel(ctx)) * 4
 
 
