@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from memplan.model.spec import ACT_CASES
+from memplan.runtime.emulate.autocast import cuda_autocast_fp32
 
 
 def act_saves(name: str) -> tuple[float, ...]:
@@ -45,8 +46,6 @@ def _measure(name: str) -> tuple[tuple[float, float], ...]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.activations import ACT2FN
-
-    from memplan.runtime.emulate.autocast import cuda_autocast_fp32
 
     if name not in ACT2FN:
         return ()

@@ -9,6 +9,7 @@ Every probe returns its default when the model cannot run the probe on meta tens
 from __future__ import annotations
 
 from memplan.inventory.modules import BLOCK_PATH, block_module, block_norm, is_norm_module
+from memplan.model.layout import slot
 
 
 def mlp_dropout(model, linears) -> float:
@@ -26,8 +27,6 @@ def mlp_dropout(model, linears) -> float:
     """
     import torch
     from torch import nn
-
-    from memplan.model.layout import slot
 
     out = next((m for m in linears if m.block == 0 and slot(m) == "mlp_out"), None)
     if out is None or "." not in out.name:

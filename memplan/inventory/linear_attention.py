@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from memplan.inventory.modules import block_module
 from memplan.model.spec import LINEAR_CASES
+from memplan.runtime.emulate.autocast import cuda_autocast_fp32
+from memplan.runtime.steps import materialize
+from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
 #: the names transformers gives a decoder layer's token mixer, in the order they are tried
 _MIXERS = ("linear_attn", "self_attn", "attention", "mixer")
@@ -58,10 +61,6 @@ def _run(mixer, hidden: int, case: tuple, tokens: int) -> tuple[int, int]:
     import torch
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memplan.runtime.emulate.autocast import cuda_autocast_fp32
-    from memplan.runtime.steps import materialize
-    from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
     dtypes, trains = case
     dtype = torch.bfloat16 if dtypes == 2 else torch.float32

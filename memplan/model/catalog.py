@@ -18,6 +18,7 @@ from pathlib import Path
 from memplan.errors import BadInput, OfflineError, not_found
 from memplan.model.hf import config_from_dict
 from memplan.model.spec import ModelSpec
+from memplan.fileio import write_json_atomic
 
 DATA = Path(__file__).parents[1] / "data" / "models"
 CONFIGS = DATA / "configs"
@@ -153,7 +154,6 @@ def hf_config(model, **overrides):
 
 def refresh_catalog(echo=print) -> int:
     """Rebuild every inventory under memplan/data/models/inventory/ and the catalog index. Returns the count."""
-    from memplan.fileio import write_json_atomic
     from memplan.inventory.build import build_spec
 
     sources = _sources_by_id()

@@ -27,6 +27,9 @@ from memplan.fileio import write_text_atomic
 from memplan.model.compat import default_attn_impl
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
+from memplan.estimator.launch import accelerate_config, deepspeed_config
+from memplan.model.trainable import trainable_params
+from memplan.planner.explain import describe
 
 #: Setup.optimizer -> TrainingArguments.optim (transformers OptimizerNames)
 OPTIM_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit",
@@ -105,7 +108,6 @@ def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
     if not plan.fits:
         raise BadInput("nothing fits: there is no plan to write")
     from memplan import __version__
-    from memplan.model.trainable import trainable_params
 
     s, e = plan.setup, plan.estimate
     doc = {"format": PLAN_FORMAT, "model": model_section(spec, s), "peft": peft_section(spec, s)}
@@ -114,7 +116,6 @@ def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
     doc["training_arguments"] = training_arguments_section(s)
     doc["data"] = data_section(spec, s)
     if s.sharding != "none":
-        from memplan.estimator.launch import accelerate_config, deepspeed_config
         doc["accelerate"] = accelerate_config(s, deepspeed_file)
         if s.engine == "deepspeed":
             doc["deepspeed"] = deepspeed_config(spec, s)
@@ -138,7 +139,6 @@ def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
 
 
 def _label(s: Setup) -> str:
-    from memplan.planner.explain import describe
     return describe(s)
 
 

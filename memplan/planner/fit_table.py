@@ -15,6 +15,7 @@ from memplan.planner.budget import DEFAULT_HEADROOM, fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.gpus import Gpu
 from memplan.setup import Setup
+from memplan.estimator.breakdown import estimator_for
 
 #: option name -> (mode, Setup overrides). "{bf}" is bf16 on GPUs that support it, else fp16. The QLoRA row is
 #: the QLoRA paper's recipe (arXiv:2305.14314: NF4 + double quant, paged AdamW, checkpointing, bf16 compute).
@@ -206,7 +207,6 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
     """Evaluate every FIT_OPTIONS row for `spec` on one `gpu` at `seq_len`, and the SCALE_OUT_OPTIONS rows across
     the fewest such GPUs (or `num_gpus` of them), against the budget that keeps `headroom` of the memory spare."""
     if estimator is None:
-        from memplan.estimator.breakdown import estimator_for
         estimator = estimator_for(gpu)
     budget = _budget.budget_bytes(gpu.memory_bytes, headroom)
     rows = []

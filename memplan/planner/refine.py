@@ -17,6 +17,7 @@ import math
 
 from memplan.planner.candidates import split_batch
 from memplan.planner.types import Plan
+from memplan.replay.need import replay_need as traced
 
 #: training steps replayed per micro-batch: what `memplan validate` runs (the optimizer state exists from the
 #: first step's end, and the caches of later steps are what fragments)
@@ -35,7 +36,6 @@ def replay_need(spec, setup) -> tuple[int, int]:
 
     Returns:
         (need bytes, reserved bytes)."""
-    from memplan.replay.need import replay_need as traced
     return traced(spec, setup, STEPS)
 
 

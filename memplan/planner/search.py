@@ -24,15 +24,18 @@ import math
 from collections.abc import Callable, Mapping
 
 from memplan.errors import BadInput, MemplanError
-from memplan.gpus import Gpu, load_gpus
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, fits, need_bytes, split
 from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, quality_key, speed_score, split_batch,
                                         world_size)
 from memplan.planner.explain import describe, lost_reason
-from memplan.planner.fit_table import largest_fitting
 from memplan.planner.types import Alternative, Candidate, Plan
 from memplan.setup import Setup
-from memplan.units import fmt_gib
+from memplan.estimator.breakdown import estimator_for
+from memplan.gpus import Gpu, load_gpus, resolve_gpu
+from memplan.model.catalog import load_spec
+from memplan.planner.fit_table import largest_fitting, GPU_COUNTS, gpu_layout
+from memplan.planner.refine import refine
+from memplan.units import fmt_gib, parse_size
 
 PREFERENCES = ("quality", "speed", "memory")
 DEFAULT_EFFECTIVE_BATCH = 32
@@ -157,13 +160,10 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     for a bad preference, a pin that is not a Setup field, or pins that contradict each other.
     """
     if isinstance(spec, str):
-        from memplan.model.catalog import load_spec
         spec = load_spec(spec)
     if not isinstance(gpu, Gpu):
-        from memplan.gpus import resolve_gpu
         gpu = resolve_gpu(gpu, memory)
     if estimator is None:
-        from memplan.estimator.breakdown import estimator_for
         estimator = estimator_for(gpu)
 
     if headroom is None:
@@ -188,7 +188,6 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     if host_memory is None:
         host_budget = host_memory_bytes()
     else:
-        from memplan.units import parse_size
         host_budget = host_memory if isinstance(host_memory, int) else parse_size(host_memory)
     opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
                 estimator=estimator, alternatives=alternatives, host_budget=host_budget)
@@ -196,7 +195,6 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     if not result.fits and not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
         result = fewest_gpus(spec, gpu, pinned, result, opts)
     if replay:
-        from memplan.planner.refine import refine
         result = refine(result, spec, estimator)
     return result
 
@@ -215,7 +213,6 @@ def fewest_gpus(spec, gpu: Gpu, pinned: dict, single: Plan, opts: dict) -> Plan:
     one of the leanest candidates (checkpointing, the smallest LoRA rank, peft's default targets; pins kept) fits at
     micro-batch 1; per-GPU memory of a sharded setup does not grow with the count, so a bisection finds the fewest.
     Returns `single` (the one-GPU "nothing fits" answer) when even the largest count does not fit."""
-    from memplan.planner.fit_table import GPU_COUNTS, gpu_layout
 
     def feasible(n: int) -> bool:
         p = {**pinned, **gpu_layout(n)}

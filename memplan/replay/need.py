@@ -5,25 +5,25 @@ from __future__ import annotations
 
 from memplan.runtime.allocator import need_and_replay, replayed
 from memplan.setup import Setup
+from memplan.model.catalog import config_dict, load_spec
+from memplan.model.compat import check_setup
+from memplan.replay.synth import events as synthesized
+from memplan.runtime.tracker import StorageTracker
+from memplan.tracer.inference import inference_events
+from memplan.tracer.training import run_traced
 
 
 def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
     """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
     model synthesized from a trace cut to a few blocks where that is exact (memplan.replay.synth), else traced whole.
     Inference setups: validate's prefill and generate() (memplan.tracer.inference; `steps` does not apply)."""
-    from memplan.model.compat import check_setup
-    from memplan.model.catalog import config_dict, load_spec
-    from memplan.replay.synth import events as synthesized
-    from memplan.tracer.training import run
-    from memplan.runtime.tracker import StorageTracker
     spec = load_spec(model)
     check_setup(spec, setup)
     if setup.mode != "train":
-        from memplan.tracer.inference import inference_events
         return inference_events(spec, setup)
     made = synthesized(spec, setup, steps) if synthesize else None
     return made if made is not None else \
-        run(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
+        run_traced(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
 
 
 def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:

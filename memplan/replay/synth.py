@@ -17,7 +17,12 @@ import dataclasses
 import itertools
 
 from memplan.errors import MemplanError
-from memplan.runtime.tracker import StorageTracker
+from memplan.model.catalog import config_dict
+from memplan.model.hf import config_from_dict
+from memplan.runtime.emulate.cuda import cuda_like
+from memplan.runtime.steps import build_model, cut_config, make_optimizer, materialize
+from memplan.runtime.tracker import StorageTracker, block_kind, block_stacks, dispatch_mode
+from memplan.tracer.training import run_traced
 
 CUT = 5
 TEMPLATE = 2
@@ -199,8 +204,6 @@ def _kinds_alike(cut: Run, opt: Run) -> bool:
 def events(spec, setup, steps: int) -> list | None:
     """The whole model's training events (StorageTracker.events form) synthesized from a cut trace, or None where
     synthesis does not apply or its check against a VERIFY-block trace fails (module docstring)."""
-    from memplan.model.catalog import config_dict
-    from memplan.model.hf import config_from_dict
     d = config_dict(spec)
     types = getattr(config_from_dict(d), "layer_types", None)
     depths = [n for n in (spec.arch.num_encoder_layers, spec.arch.num_decoder_layers) if n]
@@ -280,7 +283,6 @@ def layout(model):
     Returns:
         (parameter/buffer name -> (stack, block, name) | None, trainable names in order, stack depths, block kinds,
         parameter then buffer names in the order _traced_run tags them)."""
-    from memplan.runtime.tracker import block_kind, block_stacks
     where, kinds = {}, {}
     stacks = block_stacks(model)
     for stack, blocks in stacks.items():
@@ -295,11 +297,9 @@ def layout(model):
 
 def cut_run(spec, setup, d: dict, layers: int, steps: int) -> Run:
     """The traced training steps of the model cut to `layers` blocks."""
-    from memplan.runtime.steps import build_model, cut_config
-    from memplan.tracer.training import run
     cut = cut_config(d, layers)
     tracker = SegTracker()
-    run(spec, setup, cut, layers, steps, True, tracker=tracker)
+    run_traced(spec, setup, cut, layers, steps, True, tracker=tracker)
     blocks, trainable, depth, kinds, names = layout(build_model(spec, setup, layers, cut))
     return Run(tracker.seg_events, tracker.step_grads(trainable), blocks, depth, kinds,
                dict(zip(tracker.weight_order, names)))
@@ -310,10 +310,6 @@ def optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> Run:
     hand (phase "backward"), the optimizer's step and zero_grad, as the traced loop runs them."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memplan.runtime.emulate.cuda import cuda_like
-    from memplan.runtime.steps import build_model, cut_config, make_optimizer, materialize
-    from memplan.runtime.tracker import dispatch_mode
 
     d = cut_config(d, layers) if layers else d
     model = build_model(spec, setup, layers, d)

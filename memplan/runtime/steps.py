@@ -17,6 +17,10 @@ from collections.abc import Callable
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
 from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
+from memplan.model import trainable as select
+from memplan.model.compat import attn_impl, check_setup
+from memplan.model.hf import config_from_dict
+from memplan.runtime.standins import StandIn8bitAdam
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
 
@@ -41,7 +45,6 @@ def make_optimizer(setup: Setup, params, standin_tracker=None):
     if opt in ("adamw-8bit", "paged-adamw-8bit"):
         paged = opt.startswith("paged")
         if standin_tracker is not None:
-            from memplan.runtime.standins import StandIn8bitAdam
             return StandIn8bitAdam(params, standin_tracker, paged=paged)
         import bitsandbytes as bnb  # Trainer's adamw_bnb_8bit / paged_adamw_8bit
         return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(params, lr=1e-4)
@@ -85,9 +88,6 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     import transformers
 
     from memplan import libs
-    from memplan.model import trainable as select
-    from memplan.model.compat import attn_impl, check_setup
-    from memplan.model.hf import config_from_dict
 
     if quantizer is None:
         from memplan.runtime.standins import quantize_standins as quantizer

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from memplan.model.layout import BLOCK_LISTS
 
 BLOCK = 512
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
@@ -177,8 +178,6 @@ def block_stacks(model) -> dict[str, list]:
     """The model's stacks of blocks: ModuleList path -> its blocks (GPT-2 transformer.h; T5 encoder.block and
     decoder.block; the outermost list where blocks nest lists, as T5's block.i.layer)."""
     import re
-
-    from memplan.model.layout import BLOCK_LISTS
 
     pattern = re.compile(rf"(?:.*\.)?(?:{BLOCK_LISTS})\.\d+")
     stacks: dict[str, list] = {}

@@ -26,7 +26,7 @@ import contextlib
 
 from memplan.errors import BadInput
 from memplan.setup import FSDP_SHARDINGS, Setup
-from memplan.tracer.training import TraceResult, extrapolate, result_from, run
+from memplan.tracer.training import TraceResult, extrapolate, result_from, run_traced
 from memplan.runtime.tracker import StorageTracker, dispatch_mode, round_block
 from memplan.estimator.launch import deepspeed_config
 from memplan.model.catalog import config_dict, load_spec
@@ -142,8 +142,8 @@ def trace_sharded(model, setup: Setup, layers: int | None = None, steps: int = 2
     def sharded_run(n: int | None):
         tracker = ShardedTracker()
         with fake_process_group(setup.world_size) as mesh:
-            return run(spec, setup, cut_config(d, n) if n else d, n, steps, True, tracker=tracker,
-                        shard=_sharder(setup, mesh, tracker))
+            return run_traced(spec, setup, cut_config(d, n) if n else d, n, steps, True, tracker=tracker,
+                               shard=_sharder(setup, mesh, tracker))
 
     layers = _fewest_blocks(layers)
     if not layers or layers >= total:

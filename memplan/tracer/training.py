@@ -71,7 +71,7 @@ class TraceResult:
 
 # ---------------------------------------------------------------------------------------------------- run
 
-def run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
+def run_traced(spec, setup: Setup, d: dict, layers: int | None, steps: int, fake: bool,
          on_step_end=None, tracker: StorageTracker | None = None, shard=None) -> StorageTracker:
     """One traced run. shard(model): applies data-parallel sharding to the meta model and returns a context the
     run happens in (memplan.tracer.sharded); the sharded model is then materialised with to_empty. An error raised
@@ -151,7 +151,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     asked, layers = layers, layers and min_layers(setup, layers)
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
     if not layers or layers >= total_layers or skipping:
-        t = run(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
+        t = run_traced(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = result_from(spec, setup, t, None, total_layers)
         _add_replay(result, t.events)
         if layers and skipping:  # cut traces would differ by a skipped layer's weights alone, not by a block
@@ -159,7 +159,8 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
                                 "({}), so its blocks differ; traced whole".format(
                                     ", ".join(p for p in spec.arch.media_parts if p[-1:].isdigit())))
         return result
-    a, b = (run(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True)) for n in (layers, layers + 1))
+    a, b = (run_traced(spec, setup, cut_config(d, n), n, steps, fake, tracker=StorageTracker(segmented=True))
+            for n in (layers, layers + 1))
     result = extrapolate(spec, setup, a, b, layers, total_layers)
     if layers != asked:
         result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "

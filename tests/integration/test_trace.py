@@ -80,7 +80,7 @@ def test_real_tensor_accounting_equals_live_tensors(fields):
             storages[t.untyped_storage()._cdata] = TK.round_block(t.untyped_storage().nbytes())
         seen.append((tracker.current, sum(storages.values())))
 
-    tracker = T.run(spec, setup, T.cut_config(config_dict(spec), 2), 2, 2, fake=False, on_step_end=check)
+    tracker = T.run_traced(spec, setup, T.cut_config(config_dict(spec), 2), 2, 2, fake=False, on_step_end=check)
     assert len(seen) == 2 and all(a == b for a, b in seen), seen
     gc.collect()
     assert tracker.current == 0 and tracker.peak > seen[-1][0]

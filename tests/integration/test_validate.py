@@ -48,9 +48,9 @@ def test_cpu_validate_equals_the_trace(tiny_model):
     assert m.status == "ok", m.error
     assert m.device == "cpu" and m.reserved_bytes is None
     from memplan.model.catalog import config_dict, load_spec
-    from memplan.tracer.training import run
+    from memplan.tracer.training import run_traced
     spec = load_spec(tiny_model)
-    real = run(spec, s, config_dict(spec), None, 3, fake=False)
+    real = run_traced(spec, s, config_dict(spec), None, 3, fake=False)
     assert m.allocated_bytes == real.peak  # the tracer's real-tensor accounting, exactly
     fake = trace(tiny_model, s, steps=3).peak_tensor_bytes
     assert abs(m.allocated_bytes - fake) / fake < 0.03  # fake tensors: same within 3% (1.7% on this tiny model)
