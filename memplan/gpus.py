@@ -13,6 +13,7 @@ from pathlib import Path
 
 from memplan.units import GiB, MiB, fmt_gib, parse_size
 from memplan.errors import BadInput, not_found, MemplanError
+from memplan import libs
 
 CSV = Path(__file__).parent / "data" / "gpus.csv"
 
@@ -121,7 +122,6 @@ def resolve_gpu(name: str | None = None, memory: int | str | None = None) -> Gpu
 def assume_gpu(gpu: "Gpu | str | None"):
     """Estimate for this GPU's architecture (a Gpu or a name as NVML reports it; unknown names assume nothing):
     the cuBLAS workspace size depends on it (cublas_workspace_bytes)."""
-    from memplan import libs
     if isinstance(gpu, str):
         try:
             gpu = find_gpu(gpu)
@@ -149,8 +149,6 @@ LARGE_WORKSPACE_MAJORS = (9, 10, 12)
 def cublas_workspace_bytes(training: bool) -> int:
     """cuBLAS workspaces alive during the step on the GPU being estimated for (memplan.libs.assume(
     compute_capability=...); unknown: the 32 MiB default)."""
-    from memplan import libs
-
     cc = libs.assumed("compute_capability")
     try:
         major = int(str(cc).split(".")[0]) if cc else None

@@ -18,6 +18,7 @@ from memplan.units import GiB
 from memplan.estimator.breakdown import COMPONENTS, estimate
 from memplan.estimator.memory.context import resolve
 from memplan.estimator.phases import inference_phases, training_phases
+from memplan.estimator import breakdown
 
 KNOBS = ("batch_size", "seq_len", "lora_r")
 FORMATS = (".png", ".svg", ".pdf")
@@ -137,9 +138,7 @@ def default_values(knob: str, spec, setup) -> list[int]:
 
 
 def _estimator(estimator):
-    if estimator is None:
-        from memplan.estimator.breakdown import estimate as estimator
-    return estimator
+    return estimator or breakdown.estimate
 
 
 def sweep(spec, setup, knob: str, values: Sequence[int], estimator: Callable | None = None) -> list[tuple]:

@@ -10,10 +10,11 @@ phases.
 from __future__ import annotations
 
 from memplan.estimator.memory import block_ends, forward_block, quant
-from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory.attention import score_grad_bytes
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.masks import checkpointed_mask_bytes, mask_bytes
+from memplan.estimator.memory import logits as lg, weights
+from memplan.model.layout import blocks
 
 
 def largest(*moments: dict[str, int]) -> dict[str, int]:
@@ -132,8 +133,6 @@ def encoder_backward_phase(ctx: Ctx, res: dict, grads: int, held: int, sizes: li
     with no gradient written (backward_start), or its first block with every gradient written. sizes:
     activations.per_block_bytes.
     """
-    from memplan.estimator.memory import weights
-    from memplan.model.layout import blocks
 
     last = block_ends.stack_last(ctx, sizes, "encoder") if ctx.spec.arch.kind == "seq2seq" else None
     if last is None:

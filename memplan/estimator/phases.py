@@ -18,6 +18,8 @@ from memplan.gpus import cublas_workspace_bytes
 from memplan.model import layout
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.masks import checkpointed_mask_bytes, mask_bytes
+from memplan.estimator.memory.weights import numel
+from memplan.model.spec import linear_case
 
 
 def _resident(ctx: Ctx) -> dict[str, int]:
@@ -151,7 +153,6 @@ def _late_grad_bytes(ctx: Ctx) -> int:
     them (its backward made that buffer already). The first block's recompute and working tensors never coexist
     with them; embedding_backward holds them.
     """
-    from memplan.estimator.memory.weights import numel
 
     if ctx.spec.arch.tie_word_embeddings or ctx.spec.arch.kind == "seq2seq":  # the decoder's embedding backward
         return 0  # writes the shared table's gradient before the encoder's blocks
@@ -278,7 +279,6 @@ def _linear_work(ctx: Ctx) -> float:
 
     Measured per family: Arch.linear_work (linfacts.measure), the trained case where the blocks' base weights train.
     """
-    from memplan.model.spec import linear_case
 
     a = ctx.spec.arch
     if not a.linear_work:

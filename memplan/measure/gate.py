@@ -22,6 +22,7 @@ from memplan.measure.rows import QUANTITIES, int_or_none, measured_files, read_r
 from memplan.units import GiB
 from memplan.errors import MemplanError, BadInput
 from memplan.tracer.training import comparable_estimate_bytes
+from memplan.estimator import breakdown
 
 DEFAULT_TOLERANCE = 0.05
 
@@ -93,8 +94,7 @@ def estimate_row(row: dict, estimator=None):
     """The estimate of a stored row's setup as it ran: under the transformers and peft releases and the GPU it
     recorded (memplan.libs.assume, gpus.assume_gpu), so rows of several releases stay comparable. estimator: the
     function to call (memplan.estimator.breakdown.estimate by default)."""
-    if estimator is None:
-        from memplan.estimator.breakdown import estimate as estimator
+    estimator = estimator or breakdown.estimate
     with libs.assume(transformers=row.get("transformers"), peft=row.get("peft")), assume_gpu(row.get("gpu") or None):
         return estimator(row["model"], setup_from_row(row))
 
@@ -155,8 +155,7 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
 
 def check(paths, tolerance: float = DEFAULT_TOLERANCE, measure: str = "allocated", estimator=None) -> CheckResult:
     """Check every row of the CSV files named or found in the folders named."""
-    if estimator is None:
-        from memplan.estimator.breakdown import estimate as estimator
+    estimator = estimator or breakdown.estimate
     if measure not in QUANTITIES:
         raise BadInput(f"measure must be one of {', '.join(QUANTITIES)}, got {measure!r}")
     out = []

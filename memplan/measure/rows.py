@@ -28,6 +28,7 @@ from pathlib import Path
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
 from memplan.setup import DISTRIBUTED_FIELDS, Setup
+from memplan import __version__
 
 SETUP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Setup))
 QUANTITIES = ("allocated", "reserved", "device")
@@ -220,7 +221,6 @@ def environment(device: str = "cuda") -> dict[str, str]:
             env[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
-    from memplan import __version__
     env["memplan"] = __version__
     env["python"] = platform.python_version()
     if device == "cpu":

@@ -17,6 +17,7 @@ from memplan.planner.oom import OomInfo
 from memplan.planner.remedies import REMEDIES, Remedy, RemedyContext, apply_remedy, combine, rank_key
 from memplan.setup import Setup
 from memplan.units import fmt_gib
+from memplan.estimator import breakdown
 
 BARELY = 0.05  # a fitting setup with less than this fraction of the budget spare "barely fits"
 FRAGMENTED = 0.10  # reserved-but-unallocated above this fraction of PyTorch's reserved memory: fragmentation
@@ -149,8 +150,7 @@ def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None =
     if setup.mode != "train":
         raise BadInput("doctor diagnoses training setups; for inference use `memplan fit` or "
                        "`memplan estimate --mode infer`")
-    if estimator is None:
-        from memplan.estimator.breakdown import estimate as estimator
+    estimator = estimator or breakdown.estimate
     c = RemedyContext(spec, int(budget_bytes), estimator, bf16)
     est = c.est(setup)
     before = need_bytes(est)

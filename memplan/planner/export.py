@@ -30,6 +30,7 @@ from memplan.units import GiB
 from memplan.estimator.launch import accelerate_config, deepspeed_config
 from memplan.model.trainable import trainable_params
 from memplan.planner.explain import describe
+from memplan import __version__
 
 #: Setup.optimizer -> TrainingArguments.optim (transformers OptimizerNames)
 OPTIM_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit",
@@ -107,8 +108,6 @@ def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
     JSON is written (the accelerate section points to it)."""
     if not plan.fits:
         raise BadInput("nothing fits: there is no plan to write")
-    from memplan import __version__
-
     s, e = plan.setup, plan.estimate
     doc = {"format": PLAN_FORMAT, "model": model_section(spec, s), "peft": peft_section(spec, s)}
     if s.technique == "freeze":

@@ -20,7 +20,8 @@ from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import config_from_dict
-from memplan.runtime.standins import StandIn8bitAdam
+from memplan.runtime.standins import StandIn8bitAdam, quantize_standins
+from memplan import libs
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
 
@@ -87,10 +88,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     import peft
     import transformers
 
-    from memplan import libs
-
-    if quantizer is None:
-        from memplan.runtime.standins import quantize_standins as quantizer
+    quantizer = quantizer or quantize_standins
     dtypes = torch_dtypes()
     check_setup(spec, setup)
     config = config_from_dict(d)

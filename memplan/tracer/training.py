@@ -38,7 +38,6 @@ from memplan.tracer.inference import inference_trace
 PHASES = TRAIN_PHASES
 
 
-
 @dataclass
 class TraceResult:
     """Peak live bytes of the traced step, per phase and per category at the peak. Sizes in bytes."""

@@ -17,6 +17,7 @@ from memplan.estimator.memory.block_tail import mlp_out_bytes, post_attention_by
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.model.layout import BlockLayout, blocks
 from memplan.estimator.memory.saves import norm_keeps_input
+from memplan.estimator.memory.weights import numel
 
 
 class EndBlock(NamedTuple):
@@ -126,7 +127,6 @@ def _block_grads(ctx: Ctx) -> MappingProxyType:
         (stack, index) -> (trainable elements but the MLP output projection's, the q/k/v projections' elements,
         all trainable elements).
     """
-    from memplan.estimator.memory.weights import numel
 
     slots = {}
     for blk in blocks(ctx.spec):

@@ -299,8 +299,6 @@ def _fsdp(ctx: Ctx, n: int, nccl: int) -> RankState:
                      host_bytes=host, nccl_device_bytes=nccl)
 
 
-
-
 def _trainable_by_unit(ctx: Ctx) -> dict[tuple, int]:
     """Trainable elements per unit (_unit), LoRA adapters included."""
     out: dict[tuple, int] = defaultdict(int)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from memplan.estimator.memory.attention import QK_FP32, attention_kernel, heads_broadcast, kernel_bytes, softmax_out_bytes
 from memplan.estimator.memory.context import Ctx
+from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
+from memplan.model.layout import blocks
+from memplan.model.trainable import gets_no_grad
 
 
 def score_bytes(ctx: Ctx, kernel: str, masked: bool = True) -> tuple[int, int]:
@@ -72,7 +75,6 @@ def query_bytes(ctx: Ctx) -> int:
     The projections' dtype, but fp32 under autocast where a query norm with an fp32 weight follows them (Qwen3's
     RMSNorm returns `weight * x.to(input_dtype)`, fp32 x bf16).
     """
-    from memplan.model.layout import blocks
 
     first = next(iter(blocks(ctx.spec)), None)
     return 4 if ctx.mixed and first is not None and first.qk_norm_widths else ctx.act_bytes
@@ -88,7 +90,6 @@ def working_bytes(ctx: Ctx) -> int:
     layer still holds the probabilities its attention returned. 0 for fused kernels, whose forward holds less than
     the backward's recompute of the same block. The checkpoint input is counted with the activations.
     """
-    from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 
     kernel = attention_kernel(ctx, relative_bias=True)
     per_score, returned = score_bytes(ctx, kernel)
@@ -223,8 +224,6 @@ def _mla_locals_bytes(ctx: Ctx) -> int:
     kv_a_proj_with_mqa's and kv_b_proj's, their views named), the rotated q and k parts, query_states' torch.cat
     ([heads, head size], fp32 under autocast) and key_states, a new tensor of kv_b_proj's dtype.
     """
-    from memplan.model.layout import blocks
-    from memplan.model.trainable import gets_no_grad
 
     a = ctx.spec.arch
     first = next(iter(blocks(ctx.spec)), None)

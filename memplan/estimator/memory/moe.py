@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from memplan.estimator.memory.context import Ctx
 from memplan.model.layout import BlockLayout
+from memplan.estimator.memory.weights import adapter_numel
+from memplan.model import trainable as select
 
 
 def expert_params(ctx: Ctx, blk: BlockLayout) -> list:
@@ -17,7 +19,6 @@ def expert_params(ctx: Ctx, blk: BlockLayout) -> list:
 
 def routers(ctx: Ctx, blk: BlockLayout) -> list:
     """The block's transformers-5 routers as Linears (select.router_linear): they read the MLP's normed input."""
-    from memplan.model import trainable as select
 
     if not ctx.spec.arch.num_experts:
         return []
@@ -66,7 +67,6 @@ def expert_lora_copy_bytes(ctx: Ctx, experts: list, lora_names: set[str], casts:
         return copies
     # the fold casts the fp32 factors to the experts' dtype (ParamWrapper.get_delta_factors: `lhs.to(param.dtype)`),
     # and baddbmm saves those casts
-    from memplan.estimator.memory.weights import adapter_numel
 
     names = {p.name for p in experts}
     return copies + adapter_numel(ctx, [m for m in ctx.lora if m.kind == "expert" and m.name in names]) * ctx.weight_bytes

@@ -6,6 +6,9 @@ view keeps alive.
 from __future__ import annotations
 
 from memplan.estimator.memory.context import Ctx, per_model
+from memplan.estimator.memory.saves import autocast_casts_norm_input
+from memplan.model.layout import blocks
+from memplan.model.spec import norm_case
 
 
 @per_model()
@@ -16,7 +19,6 @@ def rotary_positions(ctx: Ctx) -> bool:
 
 def attn_in_linears(ctx: Ctx) -> list:
     """The q/k/v projections (layout slot attn_in) of the first block outside an encoder: one fused Linear or more."""
-    from memplan.model.layout import blocks
 
     first = next((b for b in blocks(ctx.spec) if b.stack != "encoder"), None)
     return [m for slot, m in first.linears if slot == "attn_in"] if first else []
@@ -49,8 +51,6 @@ def _norm_saves_input(ctx: Ctx, trains: bool) -> bool:
 
     Measured per family: Arch.norm_saves' third value (LayerNorm); without a measurement, a LayerNorm does.
     """
-    from memplan.model.spec import norm_case
-    from memplan.estimator.memory.saves import autocast_casts_norm_input
 
     table = ctx.spec.arch.norm_saves
     if autocast_casts_norm_input(ctx, ctx.act_bytes, trains):  # it saves an fp32 copy instead

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from memplan.estimator.memory.context import Ctx, per_model
+from memplan.estimator.memory.recording import graph_blocks, gradless_linears
 
 
 @per_model()
@@ -35,7 +36,6 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
     recompute). stack: only the blocks of that stack, as saved for their backward (none with checkpointing)."""
     if not (ctx.mixed and ctx.training):
         return 0
-    from memplan.estimator.memory.recording import graph_blocks
 
     recorded = graph_blocks(ctx)
     per = _casts_by_block(ctx)
@@ -85,7 +85,6 @@ def _casts_by_block(ctx: Ctx) -> Mapping[tuple, tuple[int, int]]:
     Returns:
         (stack, block index; None outside the blocks) -> (elements cast and saved there, of which trainable).
     """
-    from memplan.estimator.memory.recording import gradless_linears
 
     gradless = gradless_linears(ctx)
     per: dict[tuple, tuple[int, int, int]] = {}
