@@ -159,7 +159,6 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
 @handle_errors
 def models(as_json):
     """List the built-in model catalog."""
-
     index = catalog_index()
     if as_json:
         emit_json(index)
@@ -172,7 +171,6 @@ def models(as_json):
 @handle_errors
 def gpus(as_json):
     """List the GPU catalog."""
-
     rows = load_gpus()
     if as_json:
         emit_json([dataclasses.asdict(g) for g in rows])

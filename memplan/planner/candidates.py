@@ -39,9 +39,6 @@ SHARDING_ORDER: tuple[tuple[str, str, float], ...] = (
 SHARDING_SPEED = {**{(sh, off): f for sh, off, f in SHARDING_ORDER}, ("zero1", "none"): 1.0,
                   ("fsdp-shard-grad-op", "none"): 0.95, ("zero1", "optimizer"): 0.6, ("zero2", "optimizer"): 0.6,
                   ("fsdp-full-shard", "params+optimizer"): 0.35}
-#: the search dimensions: the Setup fields the planner chooses (the rest come from pins or Setup defaults)
-SEARCHED = ("technique", "precision", "quant", "double_quant", "lora_r", "lora_targets", "optimizer", "grad_ckpt",
-            "batch_size", "grad_accum", "sharding", "offload")
 
 
 def _precisions(technique: str, bf16: bool) -> tuple[str, ...]:

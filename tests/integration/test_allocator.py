@@ -230,6 +230,7 @@ def test_refine_leaves_multi_gpu_and_nothing_fits_plans_alone():
 
 def test_plan_cli_replay_flag(monkeypatch):
     from memplan.planner import refine as refine_mod
+    from memplan.planner import search
     calls: list = []
     limits: list = []
     real_refine = refine_mod.refine
@@ -237,7 +238,7 @@ def test_plan_cli_replay_flag(monkeypatch):
     def fake_refine(plan, spec, estimator):  # the CLI's path with the traces replaced by a linear need
         limits.append(refine_mod.allocator_limit(plan))
         return real_refine(plan, spec, estimator, _replay_fake(4, limits[0], calls))
-    monkeypatch.setattr(refine_mod, "refine", fake_refine)
+    monkeypatch.setattr(search, "refine", fake_refine)  # where plan() calls it
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--technique", "full",
                                   "--precision", "bf16-mixed", "--grad-accum", "1", "--effective-batch", "64",
                                   "--seq-len", "1024", "--replay", "--json"])
@@ -274,17 +275,17 @@ def test_inference_replays_prefill_and_generate_on_fake_tensors():
 def test_inference_trace_generates_exactly_the_new_tokens(monkeypatch):
     # the stop decision is answered from the length: an encoder-decoder's sequence is its decoder's (start token +
     # new tokens), not the prompt's; validate's generate() makes new_tokens decoder passes after its prefill's one
-    import memplan.runtime.steps as steps
+    import memplan.tracer.inference as inference
     from memplan.model.catalog import load_spec
     from memplan.setup import Setup
     from memplan.tracer.inference import inference_events
     calls = []
-    loop = steps.inference_loop
+    loop = inference.inference_loop
 
     def counting(model, *args):
         model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
         return loop(model, *args)
-    monkeypatch.setattr(steps, "inference_loop", counting)
+    monkeypatch.setattr(inference, "inference_loop", counting)  # where the tracer calls it
     events = inference_events(load_spec("google-t5/t5-small"), Setup(mode="infer", batch_size=1, seq_len=16,
                                                                      new_tokens=3))
     assert len(calls) == 1 + 3 and {p for _, _, p in events} >= {"prefill", "decode"}

@@ -15,7 +15,7 @@ from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, setup_problems
 from memplan.errors import BadInput
 from memplan.setup import Setup
-from memplan.model.spec import Linear, ModelSpec, Param
+from memplan.model.spec import Linear, ModelSpec
 from memplan.units import DTYPE_BYTES
 
 
@@ -189,6 +189,3 @@ def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Lin
     return _memo_get(key, spec, compute)
 
 
-def params_bytes(params: list[Param] | tuple[Param, ...], bytes_per: float) -> int:
-    """sum(numel) * bytes_per, rounded down to whole bytes."""
-    return int(sum(p.numel for p in params) * bytes_per)
