@@ -154,9 +154,7 @@ def trace_sharded(model, setup: Setup, layers: int | None = None, steps: int = 2
 #: the fewest blocks a sharded trace extrapolates from. With 2, the first block is also the penultimate and the second
 #: the last, and FSDP treats its edge blocks apart (the backward prefetches the next block's all-gather, the root's
 #: parameters stay gathered from forward to backward): the per-block difference between 2 and 3 blocks is not one
-#: middle block's. Found by a stress run: Mistral-7B full bf16-mixed fsdp-full-shard x4 b4 s512 checkpointed,
-#: extrapolated from 2 and 3 blocks 36.1 GiB (-16% for the estimate), from 3 and 4 or 8 and 9 29.6 GiB, the whole
-#: 32-block model's trace to the byte.
+#: middle block's (evidence: docs/MODEL.md, memplan/tracer/sharded.py).
 MIN_SHARDED_BLOCKS = 3
 
 
