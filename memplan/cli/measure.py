@@ -104,6 +104,10 @@ def _run_sweep(sweep_file, out, device, steps, timeout):
             sys.exit(130)
     click.echo(f"{counts['run']} run ({counts['ok']} ok, {counts['oom']} oom, {counts['error']} error), "
                f"{counts['already_done']} already in {out}, {len(skipped)} invalid combinations skipped")
+    if counts["error"]:
+        click.echo(f"{counts['error']} run(s) failed (status error in {out}): run the same command to retry them",
+                   err=True)
+        sys.exit(1)
 
 
 @click.command("check")

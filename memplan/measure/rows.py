@@ -150,14 +150,19 @@ def measured_files(paths) -> list[Path]:
     return out
 
 
-def append_row(path: str | Path, row: dict) -> None:
+def append_row(path: str | Path, row: dict, supersede_errors: bool = False) -> None:
     """Append one row, atomically: the file is rewritten beside itself with the new row and renamed over the old
     one, so an interrupted write leaves the previous file intact. Writes the header on a new file; rows keep the
     file's column order. A row with values in columns the file lacks (a file written before those columns
     existed) widens the file: the missing columns are added in COLUMNS order, empty for its earlier rows, which is
-    how read_rows reads them anyway."""
+    how read_rows reads them anyway.
+
+    supersede_errors: drop the file's "error" rows with this row's key (a retried run replaces its failed attempt,
+    so a key has one row)."""
     path = Path(path)
     existing = path.read_text() if path.exists() else ""
+    if existing.strip() and supersede_errors and row.get("key"):
+        existing = _without_errors_of(existing, row["key"])
     if existing.strip():
         header = next(csv.reader(io.StringIO(existing)))
         extra = {k for k, v in row.items() if k not in header and v not in ("", None)}
@@ -196,12 +201,29 @@ def _rewritten(text: str, header: list[str]) -> str:
     return buf.getvalue()
 
 
+def _without_errors_of(text: str, key: str) -> str:
+    """`text` (a CSV with a header) less its rows with `key` whose status is "error"."""
+    reader = csv.DictReader(io.StringIO(text))
+    kept = [r for r in reader if not (r.get("key") == key and r.get("status") == "error")]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=reader.fieldnames, lineterminator="\n")
+    w.writeheader()
+    w.writerows(kept)
+    return buf.getvalue()
+
+
+#: the statuses that are results: an OOM is what the setup does; an error (a crash, a killed or timed-out run, a
+#: model that cannot be built) is not, and a resumed sweep runs it again
+RESULT_STATUSES = ("ok", "oom")
+
+
 def done_keys(path: str | Path) -> set[str]:
-    """Keys of the rows already in `path` (empty when it does not exist): a resumed sweep skips them."""
+    """Keys of the rows in `path` that hold a result (ok or oom; empty when the file does not exist): a resumed
+    sweep skips them and retries the rest."""
     path = Path(path)
     if not path.exists():
         return set()
-    return {r["key"] for r in read_rows(path) if r.get("key")}
+    return {r["key"] for r in read_rows(path) if r.get("key") and r.get("status") in RESULT_STATUSES}
 
 
 def int_or_none(text: str) -> int | None:

@@ -17,7 +17,10 @@ StorageTracker, bnb stand-ins) - allocated only; never process RSS.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -155,8 +158,7 @@ def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEF
     job = {"model": model_id, "setup": setup.to_dict(), "device": device, "steps": steps,
            "memory_fraction": memory_fraction, "emulate_bytes": emulate_bytes, "shared_gpu": shared_gpu}
     try:
-        proc = subprocess.run([sys.executable, "-m", "memplan.measure.runner", json.dumps(job)], capture_output=True,
-                              text=True, timeout=timeout)
+        proc = run_tied([sys.executable, "-m", "memplan.measure.runner", json.dumps(job)], timeout)
     except subprocess.TimeoutExpired:
         return Measurement(status="error", device=device, steps=steps, error=f"timed out after {timeout} s")
     for line in proc.stdout.splitlines():
@@ -165,6 +167,32 @@ def validate(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEF
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return Measurement(status="error", device=device, steps=steps,
                        error=f"subprocess exited {proc.returncode}: " + " | ".join(tail))
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before it runs (Linux): the kernel kills it when its parent dies (prctl PR_SET_PDEATHSIG), so a
+    killed sweep leaves no run holding GPU memory while the resume measures. A parent that died before the call
+    has already left the child to another process: it exits at once."""
+    import ctypes
+
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def run_tied(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), with the child tied to this process:
+    killed with it (SIGKILL, Linux), on a timeout and on an exception here (Ctrl-C)."""
+    tie = functools.partial(_die_with_parent, os.getpid()) if sys.platform.startswith("linux") else None
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=tie) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def require_cuda() -> None:

@@ -104,7 +104,8 @@ def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
 def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int = 3,
               runner: Callable | None = None, on_done: Callable | None = None, timeout: float | None = None,
               notes: str = "") -> dict[str, int]:
-    """Run every job whose key is not yet in `out`, appending one row per run as it ends.
+    """Run every job whose key has no result in `out` yet (an errored row is run again and its new row replaces
+    it), appending one row per run as it ends.
     runner(model, setup, device, steps, emulate, timeout) -> Measurement (default memplan.measure.runner.validate).
     on_done(job, measurement) after each row is written (progress); `notes` goes into every row's notes column.
     Returns counts: run, skipped_done, by status."""
@@ -121,7 +122,7 @@ def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int
         m = runner(job.model, job.setup, device, steps, job.emulate, timeout)
         row_notes = "; ".join(n for n in (f"emulating {job.emulate}" if job.emulate else "", notes) if n)
         append_row(out, make_row(job.model, job.setup, key=key, source="memplan validate", notes=row_notes,
-                                 measured_at=now_iso(), **m.row_values()))
+                                 measured_at=now_iso(), **m.row_values()), supersede_errors=True)
         done.add(key)
         counts["run"] += 1
         counts[m.status] = counts.get(m.status, 0) + 1

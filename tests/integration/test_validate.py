@@ -212,6 +212,65 @@ def test_run_sweep_resumes_where_it_stopped(tmp_path):
     assert [r["batch_size"] for r in measured.read_rows(out)] == ["1", "2", "3"]
 
 
+def test_a_resumed_sweep_retries_errored_rows_and_exits_1_while_any_remain(tmp_path):
+    """An errored row (a killed or crashed child) is not a result: the resume runs it again, the new row replaces
+    it (one row per key), and a sweep that leaves an error exits 1 (issue 41: it stayed "already in r.csv", exit 0)."""
+    from memplan.cli.measure import validate_cmd
+    sweep = _sweep_file(tmp_path, "models: [gpt2]\nmatrix: {batch_size: [1, 2]}\n")
+    out = tmp_path / "rows.csv"
+    outcome = {1: "ok", 2: "error"}
+
+    def runner(model, setup, device, steps, emulate, timeout):
+        status = outcome[setup.batch_size]
+        return Measurement(status=status, device=device, steps=steps, error="killed" if status == "error" else "",
+                           allocated_bytes=1000 if status == "ok" else None)
+
+    jobs = [Job("gpt2", Setup(batch_size=b)) for b in (1, 2)]
+    assert run_sweep(jobs, out, device="cpu", runner=runner)["error"] == 1
+    outcome[2] = "ok"
+    counts = run_sweep(jobs, out, device="cpu", runner=runner)
+    assert counts["already_done"] == 1 and counts["run"] == 1 and counts["ok"] == 1
+    rows = measured.read_rows(out)
+    assert [(r["batch_size"], r["status"]) for r in rows] == [("1", "ok"), ("2", "ok")]
+
+    import memplan.measure.sweep as sweep_module
+    outcome[1] = outcome[2] = "error"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sweep_module, "validate", lambda *a, **k: runner(a[0], a[1], "cpu", 3, None, None))
+        r = CliRunner().invoke(validate_cmd, ["--sweep", str(sweep), "--out", str(tmp_path / "new.csv"),
+                                              "--device", "cpu"])
+    assert r.exit_code == 1 and "retry" in r.output, r.output
+    assert [row["status"] for row in measured.read_rows(tmp_path / "new.csv")] == ["error", "error"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_parent_takes_its_measuring_child_along(tmp_path):
+    """SIGKILL of the process running validate's child (a sweep, as the OOM killer would) kills the child too: on a
+    GPU an orphan would keep its memory while the resumed sweep measures (issue 41: 3 of 3 children survived)."""
+    pidfile = tmp_path / "child.pid"
+    child_code = f"import os, pathlib, time; pathlib.Path({str(pidfile)!r}).write_text(str(os.getpid())); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from memplan.measure.runner import run_tied; "
+                               f"run_tied([sys.executable, '-c', {child_code!r}])"])
+    deadline = time.time() + 60
+    while time.time() < deadline and not (pidfile.exists() and pidfile.read_text()):
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert _running(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and _running(child):
+        time.sleep(0.05)
+    assert not _running(child)
+
+
 def test_killed_sweep_resumes_with_complete_rows(tiny_model, tmp_path):
     """SIGKILL a real `memplan validate --sweep` after its first row: the CSV holds only complete rows, and the
     same command finishes the rest without repeating any."""
