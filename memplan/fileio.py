@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from memplan.errors import BadInput
+
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temp file beside `path`, then rename it over `path` (never a half-written file)."""
@@ -48,3 +50,24 @@ def append_csv_row_atomic(path: Path, fieldnames: list[str], row: dict) -> None:
         old += "\n"
     w.writerow(row)
     write_text_atomic(path, old + buf.getvalue())
+
+
+def check_writable(path: Path, option: str = "--out") -> None:
+    """Raise BadInput unless a file can be written at `path`, before any work whose result would go there: its
+    folder is created as the write would create it, and a temporary file is made and removed in it (root ignores
+    permission bits, so a probe is the only honest test; a read-only filesystem refuses it)."""
+    path = Path(path)
+    if path.is_dir():
+        raise BadInput(f"{option} {path} is a folder: name a file in it, e.g. {path / 'rows.csv'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+        if path.exists():
+            with open(path, "ab"):
+                pass
+    except OSError as e:
+        blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else (e.strerror or str(e))
+        raise BadInput(f"cannot write {option} {path}: {why}; choose a writable path") from None

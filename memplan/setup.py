@@ -147,24 +147,36 @@ class Setup:
 _CHOICES = (("mode", MODES, False), ("technique", TECHNIQUES, False), ("precision", PRECISIONS, False),
             ("quant", QUANTS, True), ("optimizer", OPTIMIZERS, False), ("attn_impl", ATTN_IMPLS, True),
             ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False))
-#: (field, smallest value, None allowed)
-_INTEGERS = (("num_gpus", 1, False), ("num_nodes", 1, False), ("batch_size", 1, False), ("seq_len", 1, False),
-             ("target_len", 1, True), ("grad_accum", 1, False), ("lora_r", 1, False), ("added_tokens", 0, False),
-             ("prompt_len", 1, True), ("new_tokens", 0, True))
+#: (field, smallest value, largest value, None allowed). The largest values are far past any run (a 16M-token
+#: sequence, a million samples per micro-batch, 65,536 GPUs per node) and keep every byte count within a float's
+#: exact integers: a number of hundreds of digits is refused, not overflowed.
+_INTEGERS = (("num_gpus", 1, 2**16, False), ("num_nodes", 1, 2**16, False), ("batch_size", 1, 2**20, False),
+             ("seq_len", 1, 2**24, False), ("target_len", 1, 2**24, True), ("grad_accum", 1, 2**20, False),
+             ("lora_r", 1, 2**16, False), ("added_tokens", 0, 2**24, False), ("prompt_len", 1, 2**24, True),
+             ("new_tokens", 0, 2**24, True))
+
+
+def value_problems(fields: dict) -> list[str]:
+    """The problems of each given Setup field's own value (its vocabulary, its integer range), without the
+    combinations: for pins that a search completes, and for validate()."""
+    p: list[str] = []
+    for name, allowed, optional in _CHOICES:
+        value = fields.get(name)
+        if name in fields and value not in allowed and not (optional and value is None):
+            p.append(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+    for name, minimum, maximum, optional in _INTEGERS:
+        value = fields.get(name)
+        if name in fields and (isinstance(value, bool) or not isinstance(value, int)
+                               or not minimum <= value <= maximum) and not (optional and value is None):
+            big = isinstance(value, int) and abs(value) >= 10**12
+            shown = f"a {len(str(abs(value)))}-digit number" if big else repr(value)
+            p.append(f"{name} must be an integer from {minimum} to {maximum:,}, got {shown}")
+    return p
 
 
 def validate(s: Setup) -> list[str]:
     """Every problem with a Setup's values and combinations (empty when valid). Model-independent."""
-    p: list[str] = []
-    for name, allowed, optional in _CHOICES:
-        value = getattr(s, name)
-        if value not in allowed and not (optional and value is None):
-            p.append(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
-    for name, minimum, optional in _INTEGERS:
-        value = getattr(s, name)
-        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum) \
-                and not (optional and value is None):
-            p.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+    p = value_problems({f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
     if not isinstance(s.lora_dropout, (int, float)) or not 0 <= s.lora_dropout < 1:
         p.append(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}")
     if s.mode == "train":

@@ -44,6 +44,9 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
+#: the largest memory size accepted (1 EiB): far past any machine, and within a float's exact integers' reach
+MAX_SIZE = 2**60
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": GiB, "b": 1,
@@ -61,9 +64,10 @@ def parse_size(text: str) -> int:
     """
     m = _SIZE_RE.match(str(text))
     unit = (m.group(2) or "").lower() if m else None
+    shown = repr(str(text)) if len(str(text)) <= 40 else repr(str(text)[:37] + "...")
     if not m or unit not in _SIZE_UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size; use e.g. 12GiB, 12GB (=10^9 bytes), 16000MiB")
-    value = float(m.group(1))
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return int(value * _SIZE_UNITS[unit])
+        raise ValueError(f"cannot read {shown} as a memory size; use e.g. 12GiB, 12GB (=10^9 bytes), 16000MiB")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not 1 <= value <= MAX_SIZE:  # also inf from a number of hundreds of digits, and 0.5b (half a byte)
+        raise ValueError(f"memory size must be from 1 byte to 1 EiB, got {shown}")
+    return int(value)

@@ -9,7 +9,7 @@ from memplan.cli.options import emit_json, given_setup_fields, handle_errors, se
 from memplan.errors import BadInput
 from memplan.cli.report import validation_rows, print_validation, print_check
 from memplan.estimator.breakdown import estimate
-from memplan.fileio import write_text_atomic
+from memplan.fileio import check_writable, write_text_atomic
 from memplan.measure.gate import check, markdown
 from memplan.measure.rows import append_row, make_row
 from memplan.measure.runner import require_cuda, validate
@@ -66,6 +66,8 @@ def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json
     setup = Setup(**given_setup_fields(options))
     spec = load_spec(model)
     est = estimate(spec, setup)  # setup problems surface before a GPU is touched
+    if out:
+        check_writable(out)  # before the run, whose result would be lost
     m = validate(model, setup, device=device, steps=steps, memory_fraction=fraction, emulate=emulate,
                  timeout=timeout)
     if out:
@@ -86,6 +88,7 @@ def _run_sweep(sweep_file, out, device, steps, timeout):
     from rich.progress import Progress
 
     jobs, skipped, file_steps = load_sweep(sweep_file)
+    check_writable(out)
     for s in skipped:
         click.echo(f"skipped (invalid combination): {s}", err=True)
     with Progress(transient=False) as progress:

@@ -29,7 +29,7 @@ from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, quality_ke
                                         world_size)
 from memplan.planner.explain import describe, lost_reason
 from memplan.planner.types import Alternative, Candidate, Plan
-from memplan.setup import Setup
+from memplan.setup import Setup, value_problems
 from memplan.estimator.breakdown import estimator_for
 from memplan.gpus import Gpu, load_gpus, resolve_gpu
 from memplan.model.catalog import load_spec
@@ -177,6 +177,7 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
         problems.append(f"headroom must be a fraction in [0, 1), got {headroom!r}")
     names = {f.name for f in dataclasses.fields(Setup)}
     problems += [f"{k!r} is not a Setup field" for k in pinned if k not in names]
+    problems += value_problems({k: v for k, v in pinned.items() if k in names})
     if pinned.get("mode", "train") != "train":
         problems.append("plan searches training setups; for inference use `memplan fit` or `memplan estimate "
                         "--mode infer`")
@@ -188,7 +189,10 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     if host_memory is None:
         host_budget = host_memory_bytes()
     else:
-        host_budget = host_memory if isinstance(host_memory, int) else parse_size(host_memory)
+        try:
+            host_budget = host_memory if isinstance(host_memory, int) else parse_size(host_memory)
+        except ValueError as e:
+            raise BadInput(f"--host-memory: {e}") from None
     opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
                 estimator=estimator, alternatives=alternatives, host_budget=host_budget)
     result = _plan_at(spec, gpu, pinned, opts)

@@ -65,10 +65,21 @@ def test_fit_t4_uses_fp16(run):
 @pytest.mark.parametrize("args,needle", [
     (("estimate", "llama-7"), "unknown model"),
     (("fit", "gpt2", "--gpu", "voodoo5"), "unknown GPU"),
-    (("estimate", "gpt2", "--batch-size", "0"), "batch_size must be an integer >= 1"),
+    (("estimate", "gpt2", "--batch-size", "0"), "batch_size must be an integer from 1 to 1,048,576"),
     (("estimate", "gpt2", "--seq-len", "4096"), "max_position_embeddings (1024)"),
     (("estimate", "gpt2", "--technique", "lora", "--lora-targets", "q_proj"), "c_attn"),
     (("fit", "gpt2", "--gpu", "3060", "--memory", "12GiB"), "either --gpu or --memory"),
+    # issue 41's numbers: each a traceback (OverflowError, ValueError, ZeroDivisionError) or a wrong answer before
+    (("estimate", "gpt2", "--batch-size", "9" * 400), "batch_size must be an integer from 1 to 1,048,576, got a 400"),
+    (("estimate", "gpt2", "--mode", "infer", "--prompt-len", "9" * 400), "prompt_len must be an integer from 1"),
+    (("fit", "gpt2", "--memory", "9" * 400), "memory size must be from 1 byte to 1 EiB"),
+    (("fit", "gpt2", "--memory", "0.5b"), "memory size must be from 1 byte to 1 EiB"),
+    (("plan", "gpt2", "--gpu", "t4", "--host-memory", "abc"), "--host-memory: cannot read 'abc'"),
+    (("plan", "gpt2", "--gpu", "t4", "--host-memory", "0"), "--host-memory: memory size must be from 1 byte"),
+    (("plan", "gpt2", "--gpu", "t4", "--host-memory", "-1GiB"), "--host-memory: cannot read"),
+    (("plan", "gpt2", "--gpu", "t4", "--num-gpus", "0"), "num_gpus must be an integer from 1 to 65,536"),
+    (("plot", "gpt2", "--x", "batch_size", "--values", "1000000000000", "-o", "x.png"), "batch_size must be"),
+    (("plot", "gpt2", "--x", "batch_size", "--values", "", "-o", "x.png"), "--values '': give whole numbers"),
 ])
 def test_bad_input_exit_2_without_traceback(run, args, needle):
     r = run(*args)
@@ -127,3 +138,22 @@ def test_composite_configs_are_estimated_or_refused_with_what_to_pass(run, tmp_p
     r = run("estimate", str(tmp_path / "config.json"), "--technique", "qlora", "--precision", "bf16",
             "--lora-targets", "all-linear")
     assert r.exit_code == code and needle in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("out, needle", [("afile/rows.csv", "afile is a file, not a folder"), (".", "is a directory")])
+def test_an_unwritable_out_is_refused_before_anything_is_measured(run, tmp_path, monkeypatch, out, needle):
+    """issue 41: with --out unwritable the whole measurement ran, then a traceback lost its result."""
+    import memplan.cli.measure as measure_cli
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before checking --out")
+    monkeypatch.setattr(measure_cli, "validate", must_not_run)
+    monkeypatch.setattr(measure_cli, "run_sweep", must_not_run)
+    (tmp_path / "afile").write_text("")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("models: [gpt2]\nmatrix: {batch_size: [1]}\n")
+    target = str(tmp_path / out)
+    for args in (["validate", "gpt2", "--device", "cpu", "--out", target],
+                 ["validate", "--sweep", str(sweep), "--device", "cpu", "--out", target]):
+        r = run(*args)
+        assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
