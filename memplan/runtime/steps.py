@@ -12,6 +12,7 @@ Lazy torch: nothing is imported at module import.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
@@ -24,6 +25,18 @@ from memplan.runtime.standins import StandIn8bitAdam, quantize_standins
 from memplan import libs
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+
+class _OptionalKernelNotice(logging.Filter):
+    """Drops bitsandbytes' warning that its optional CPU 4-bit kernel (the `kernels` package) is missing: printed at
+    every model build on a CPU with AVX512-BF16, read by users as a failure, and irrelevant to memory
+    (bitsandbytes/backends/cpu/ops.py falls back to its own kernel)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNotice())
 
 
 def torch_dtypes() -> dict:

@@ -157,3 +157,16 @@ def test_an_unwritable_out_is_refused_before_anything_is_measured(run, tmp_path,
                  ["validate", "--sweep", str(sweep), "--device", "cpu", "--out", target]):
         r = run(*args)
         assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
+
+
+def test_bitsandbytes_optional_kernel_notice_is_not_printed(caplog):
+    """issue 41: every model build printed bitsandbytes' "Failed to load CPU gemm_4bit_forward from
+    kernels-community" to stderr (an optional speed-up), which users read as a failure; its other warnings stay."""
+    import logging
+
+    import memplan.runtime.steps  # noqa: F401  (installs the filter, as every model build does)
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "No module named 'kernels'")
+        log.warning("another bitsandbytes warning")
+    assert "kernels-community" not in caplog.text and "another bitsandbytes warning" in caplog.text
