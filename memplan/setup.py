@@ -181,6 +181,10 @@ def validate(s: Setup) -> list[str]:
         p.append(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}")
     if s.mode == "train":
         p.extend(_training_combinations(s))
+        given = [f"--{n.replace('_', '-')}" for n in ("prompt_len", "new_tokens") if getattr(s, n) is not None]
+        if given:
+            p.append(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode infer only: drop "
+                     f"{'it' if len(given) == 1 else 'them'}, or add --mode infer")
     p.extend(_distributed_combinations(s))
     if s.double_quant and s.quant not in ("nf4", "fp4"):
         p.append("double_quant applies to 4-bit quantization only: add --quant nf4 (or fp4) or drop --double-quant")
@@ -203,6 +207,12 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"trainable as a block count must be >= 1, got {s.trainable}")
     if s.lora_targets is not None and s.technique not in ("lora", "qlora"):
         p.append("lora_targets applies to --technique lora/qlora only")
+    defaults = {f.name: f.default for f in dataclasses.fields(Setup)}
+    changed = [f"--{n.replace('_', '-')}" for n in ("lora_r", "lora_alpha", "lora_dropout")
+               if getattr(s, n) != defaults[n]]
+    if changed and s.technique not in ("lora", "qlora"):
+        p.append(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} a LoRA adapter, which --technique "
+                 f"{s.technique} does not train: drop {'it' if len(changed) == 1 else 'them'}, or use --technique lora")
     if s.technique in ("lora", "qlora") and isinstance(s.lora_targets, tuple) and not s.lora_targets:
         p.append("lora_targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
     return p

@@ -80,6 +80,12 @@ def test_fit_t4_uses_fp16(run):
     (("plan", "gpt2", "--gpu", "t4", "--num-gpus", "0"), "num_gpus must be an integer from 1 to 65,536"),
     (("plot", "gpt2", "--x", "batch_size", "--values", "1000000000000", "-o", "x.png"), "batch_size must be"),
     (("plot", "gpt2", "--x", "batch_size", "--values", "", "-o", "x.png"), "--values '': give whole numbers"),
+    # issue 41's silently ignored flags
+    (("estimate", "gpt2", "--lora-r", "16"), "--lora-r sets a LoRA adapter, which --technique full does not train"),
+    (("estimate", "gpt2", "--technique", "freeze", "--lora-dropout", "0.1"), "--lora-dropout sets a LoRA adapter"),
+    (("estimate", "gpt2", "--prompt-len", "64"), "--prompt-len applies to --mode infer only"),
+    (("estimate", "gpt2", "--double-quant"), "double_quant applies to 4-bit quantization only"),
+    (("estimate", "gpt2", "--attn-impl", "flash_attention_2"), "flash_attention_2 runs in fp16/bf16 only"),
 ])
 def test_bad_input_exit_2_without_traceback(run, args, needle):
     r = run(*args)
