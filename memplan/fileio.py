@@ -10,15 +10,27 @@ from pathlib import Path
 from memplan.errors import BadInput
 
 
+def _new_file_mode() -> int:
+    """What open() would give a new file: 0o666 less the process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file beside `path`, then rename it over `path` (never a half-written file)."""
+    """Write to a temp file beside `path`, flush it to disk, then rename it over `path` (never a half-written file,
+    not even after a power loss). An existing file keeps its permissions (a 0600 plan stays 0600); a new one gets
+    what open() would give it. Missing folders of `path` are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o7777 if path.exists() else _new_file_mode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o644)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
