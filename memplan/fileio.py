@@ -70,7 +70,7 @@ def check_writable(path: Path, option: str = "--out") -> None:
     permission bits, so a probe is the only honest test; a read-only filesystem refuses it)."""
     path = Path(path)
     if path.is_dir():
-        raise BadInput(f"{option} {path} is a folder: name a file in it, e.g. {path / 'rows.csv'}")
+        raise BadInput(f"{option} {path} is a folder: name a file in it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

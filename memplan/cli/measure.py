@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from memplan.cli.options import emit_json, given_setup_fields, handle_errors, setup_options
+from memplan.cli.options import emit_json, given_setup_fields, handle_errors, parse_fraction, setup_options
 from memplan.errors import BadInput
 from memplan.cli.report import validation_rows, print_validation, print_check
 from memplan.estimator.breakdown import estimate
@@ -16,19 +16,6 @@ from memplan.measure.runner import require_cuda, validate
 from memplan.measure.sweep import now_iso, load_sweep, run_sweep
 from memplan.model.catalog import load_spec
 from memplan.setup import Setup
-
-
-def _fraction(value: str | None) -> float | None:
-    if value is None:
-        return None
-    text = value.strip()
-    try:
-        f = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise BadInput(f"--memory-fraction {value!r}: give a fraction such as 0.15 or 15%") from None
-    if not 0 < f <= 1:
-        raise BadInput(f"--memory-fraction must be in (0, 1], got {value!r}")
-    return f
 
 
 @click.command("validate")
@@ -59,7 +46,8 @@ def validate_cmd(model, device, steps, memory_fraction, emulate, sweep_file, out
         return _run_sweep(sweep_file, out, device, steps, timeout)
     if not model:
         raise BadInput("name a MODEL (catalog id or config.json), or pass --sweep sweep.yaml --out rows.csv")
-    _validate_one(model, device, steps, _fraction(memory_fraction), emulate, out, timeout, as_json, options)
+    fraction = parse_fraction(memory_fraction, "--memory-fraction") if memory_fraction is not None else None
+    _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json, options)
 
 
 def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json, options):
@@ -127,7 +115,8 @@ def check_cmd(paths, tolerance, measure, report_path, as_json):
     """Re-estimate every stored measurement (default data/measured/) with the current estimator; exit 1 when a
     row is outside the tolerance or a measured OOM is predicted to fit."""
 
-    tol = _fraction(tolerance)
+    tol = parse_fraction(tolerance, "--tolerance")
+    check_writable(report_path, "--report")
     result = check(paths or ("data/measured",), tolerance=tol, measure=measure)
     write_text_atomic(report_path, markdown(result))
     if as_json:

@@ -13,7 +13,7 @@ import typing
 
 import click
 
-from memplan.errors import MemplanError
+from memplan.errors import BadInput, MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
                            Setup, parse_targets, parse_trainable)
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
@@ -65,17 +65,27 @@ def setup_from_options(options: dict) -> Setup:
     return Setup(**given_setup_fields(options))
 
 
+def parse_fraction(value: str, option: str, zero_ok: bool = False, one_ok: bool = True) -> float:
+    """A fraction given as 0.05 or 5%, for `option`; BadInput naming the option and its range otherwise (NaN
+    and infinities included)."""
+    text = value.strip()
+    try:
+        x = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise BadInput(f"{option} {value!r}: give a fraction or a percentage, e.g. 0.05 or 5%") from None
+    low, high = ("[0%" if zero_ok else "(0%"), ("100%]" if one_ok else "100%)")
+    if not ((0 <= x if zero_ok else 0 < x) and (x <= 1 if one_ok else x < 1)):
+        raise BadInput(f"{option} must be in {low}, {high}, got {value!r}")
+    return x
+
+
 def _parse_headroom(ctx, param, value: str | None) -> float | None:
     if value is None:
         return None
-    text = value.strip()
     try:
-        x = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a fraction or percentage (e.g. 5% or 0.05)") from None
-    if not 0 <= x < 1:
-        raise click.BadParameter(f"{value!r} must be between 0% and 100%")
-    return x
+        return parse_fraction(value, "--headroom", zero_ok=True, one_ok=False)
+    except BadInput as e:
+        raise click.BadParameter(str(e).removeprefix("--headroom ")) from None
 
 
 def headroom_option(func=None, *, replay: bool = False):

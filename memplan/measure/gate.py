@@ -161,7 +161,13 @@ def check(paths, tolerance: float = DEFAULT_TOLERANCE, measure: str = "allocated
     out = []
     for f in measured_files(paths):
         for row in read_rows(f):
-            out.append(check_row(row, str(f), tolerance, measure, estimator))
+            try:
+                out.append(check_row(row, str(f), tolerance, measure, estimator))
+            except BadInput as e:  # a value the row cannot hold (NaN, text): the row fails, the others are checked
+                out.append(CheckRow(file=str(f), key=row.get("key", ""), model=row.get("model", ""), label="",
+                                    status=row.get("status", ""), quantity="", measured_bytes=None,
+                                    predicted_bytes=None, tolerance=tolerance, gated=True, verdict="fail",
+                                    reason=f"unreadable row: {e}"))
     return CheckResult(tuple(out), tolerance)
 
 

@@ -125,21 +125,28 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
     """Every row of a measured CSV (missing columns read as empty strings)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}") from None
-    reader = csv.DictReader(io.StringIO(text))
-    if reader.fieldnames is None:
-        return []
-    if "model" not in reader.fieldnames:
-        raise BadInput(f"{path} is not a measured-rows CSV (no 'model' column); expected the columns of "
-                       "memplan.measure.rows.COLUMNS")
-    return [{c: (r.get(c) or "") for c in (*COLUMNS, *reader.fieldnames)} for r in reader]
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{path} is not UTF-8 text (byte {e.start}): a measured-rows CSV is written in UTF-8") from None
+    try:
+        reader = csv.DictReader(io.StringIO(text))
+        if reader.fieldnames is None:
+            return []
+        if "model" not in reader.fieldnames:
+            raise BadInput(f"{path} is not a measured-rows CSV (no 'model' column); expected the columns of "
+                           "memplan.measure.rows.COLUMNS")
+        return [{c: (r.get(c) or "") for c in (*COLUMNS, *reader.fieldnames)} for r in reader]
+    except csv.Error as e:
+        raise BadInput(f"{path} is not a readable CSV: {e}") from None
 
 
 def measured_files(paths) -> list[Path]:
     """The CSV files named, or found (recursively) in the folders named, sorted."""
     out: list[Path] = []
+    if isinstance(paths, (str, Path)):  # one path, not its characters
+        paths = [paths]
     for p in map(Path, paths):
         if p.is_dir():
             out.extend(sorted(p.rglob("*.csv")))
@@ -227,8 +234,14 @@ def done_keys(path: str | Path) -> set[str]:
 
 
 def int_or_none(text: str) -> int | None:
+    """A stored byte count; None when empty. BadInput for anything else that is not a finite number."""
     text = (text or "").strip()
-    return int(float(text)) if text else None
+    if not text:
+        return None
+    try:
+        return int(float(text))
+    except (ValueError, OverflowError):
+        raise BadInput(f"cannot read {text[:40]!r} as a byte count") from None
 
 
 def environment(device: str = "cuda") -> dict[str, str]:

@@ -176,3 +176,23 @@ def test_bitsandbytes_optional_kernel_notice_is_not_printed(caplog):
         log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "No module named 'kernels'")
         log.warning("another bitsandbytes warning")
     assert "kernels-community" not in caplog.text and "another bitsandbytes warning" in caplog.text
+
+
+def test_check_refuses_unreadable_inputs_and_reports_unreadable_rows(run, tmp_path):
+    """issue 41, defect 7: binary bytes and NaN tracebacks, --report '' or under /proc, --tolerance 150% named
+    --memory-fraction, and memplan.check("file.csv") walked the filesystem from / (a string's characters)."""
+    import memplan
+
+    report = str(tmp_path / "r.md")
+    (tmp_path / "bin.csv").write_bytes(b"model\n\xff\xfe\x00")
+    (tmp_path / "nan.csv").write_text("model,status,measured_allocated_bytes\ngpt2,ok,nan\n")
+    r = run("check", str(tmp_path / "bin.csv"), "--report", report)
+    assert r.exit_code == 2 and "is not UTF-8 text" in r.output, r.output
+    for args, needle in ((("--report", ""), "is a folder"), (("--report", "/proc/memplan/x.md"), "cannot write --report"),
+                         (("--tolerance", "150%"), "--tolerance must be in (0%, 100%]")):
+        r = run("check", str(tmp_path / "nan.csv"), *args)
+        assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
+    r = run("check", str(tmp_path / "nan.csv"), "--report", report)
+    assert r.exit_code == 1 and "unreadable row" in (tmp_path / "r.md").read_text(), r.output
+    result = memplan.check(str(tmp_path / "nan.csv"))  # one file, not the characters of its name
+    assert [row.file for row in result.rows] == [str(tmp_path / "nan.csv")]
