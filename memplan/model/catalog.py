@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from memplan.errors import BadInput, OfflineError, not_found
+from memplan.model.config_rules import config_problems
 from memplan.model.hf import config_from_dict
 from memplan.model.spec import ModelSpec
 from memplan.fileio import write_json_atomic
@@ -91,15 +92,22 @@ def read_config(path: str | Path) -> dict:
     """Parse a config.json, naming the file and the problem when it is not a usable config."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise BadInput(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{path}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
+    except RecursionError:
+        raise BadInput(f"{path}: nested too deeply to be a config.json") from None
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(data, dict):
         raise BadInput(f"{path}: a config.json must hold a JSON object, found {type(data).__name__}")
     if "model_type" not in data:
         raise BadInput(f"{path}: missing key 'model_type' (every transformers config.json names its model_type)")
+    problems = config_problems(data)
+    if problems:
+        raise BadInput(f"{path} is not a usable config:\n" + "\n".join(f"  - {q}" for q in problems))
     return data
 
 

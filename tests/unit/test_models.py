@@ -103,3 +103,67 @@ def test_local_config_matches_catalog(tmp_path):
     spec = load_spec(tmp_path)
     # gpt2 minus 10 blocks of 7,087,872 params each (12 x 7,087,872 + embeddings = 124,439,808)
     assert spec.numel_total == 124_439_808 - 10 * 7_087_872
+
+
+_GPT2 = "openai-community__gpt2.json"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"n_layer": "2"}, "n_layer must be a whole number from 1 to 1,024, got '2'"),
+    ({"n_layer": 2.5}, "n_layer must be a whole number"),
+    ({"n_layer": float("nan")}, "n_layer must be a whole number"),
+    ({"n_layer": 0}, "n_layer must be a whole number"),
+    ({"n_layer": -1}, "n_layer must be a whole number"),
+    ({"n_layer": 100000}, "n_layer must be a whole number from 1 to 1,024, got 100000"),
+    ({"n_head": 0}, "n_head must be a whole number"),
+    ({"n_embd": 0}, "n_embd must be a whole number"),
+    ({"n_embd": -64}, "n_embd must be a whole number"),
+    ({"n_embd": float("inf")}, "n_embd must be a whole number"),
+    ({"n_embd": 10**9}, "n_embd must be a whole number from 1 to 1,048,576"),
+    ({"vocab_size": 0}, "vocab_size must be a whole number"),
+    ({"vocab_size": -5}, "vocab_size must be a whole number"),
+    ({"torch_dtype": "float128"}, "torch_dtype must be a torch dtype name"),
+    ({"model_type": ["gpt2"]}, "model_type must be a non-empty string"),
+    ({"n_embd": 770}, "is not a multiple of num_attention_heads 12"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
+])
+def test_unusable_configs_exit_2_naming_the_field(tmp_path, override, needle):
+    """issue 41, defect 5: each was a traceback, a hang (100,000 layers ran past 120 s) or an answer for a degenerate
+    model; now exit 2 with the field, its value and its range, before transformers builds anything."""
+    import time
+
+    from click.testing import CliRunner
+
+    from memplan.cli.main import main
+
+    src = json.loads((catalog.CONFIGS / _GPT2).read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**src, **override}))
+    start = time.perf_counter()
+    r = CliRunner().invoke(main, ["estimate", str(tmp_path / "config.json")])
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("content, needle", [
+    (json.dumps({"model_type": "gpt2", "name": "é"}, ensure_ascii=False).encode("latin-1"), "not UTF-8 text"),
+    (json.dumps({"model_type": "gpt2"}).encode("utf-16"), "not UTF-8 text"),
+    (b"\x00\x01\x02\xff", "not UTF-8 text"),
+    (b'{"model_type": "gpt2", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
+])
+def test_unreadable_config_files_exit_2(tmp_path, content, needle):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(BadInput, match=needle):
+        load_spec(tmp_path / "config.json")
+
+
+def test_every_known_config_passes_the_config_rules():
+    """No false alarm: the catalog's configs and the family shapes all pass memplan.model.config_rules."""
+    from pathlib import Path
+
+    from memplan.model.config_rules import config_problems
+
+    root = Path(__file__).resolve().parents[2]
+    paths = sorted(catalog.CONFIGS.glob("*.json")) + sorted((root / "benchmarks" / "shapes").rglob("config.json"))
+    assert len(paths) > 80
+    assert {str(p): config_problems(json.loads(p.read_text())) for p in paths
+            if config_problems(json.loads(p.read_text()))} == {}
