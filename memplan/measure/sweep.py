@@ -13,6 +13,7 @@ A sweep file (YAML):
       - {technique: full, batch_size: 4}
     emulate: [null, "RTX 3060"]               # optional: also run capped to these cards' memory
     steps: 3
+    max_runs: 10000                           # refuse a file that expands to more runs (raise it on purpose)
 
 Combinations the Setup refuses (e.g. double_quant without 4-bit) are skipped and counted, never run. Rows are
 appended atomically as each run ends; a row whose key (memplan.measure.rows.row_key) is already in the output file is
@@ -21,16 +22,19 @@ not run again, so an interrupted sweep resumes where it stopped.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.errors import BadInput, SetupError
 from memplan.measure.rows import SETUP_FIELDS, append_row, done_keys, make_row, row_key
 from memplan.setup import Setup
 from memplan.measure.runner import validate
 
-_KEYS = {"model", "models", "base", "matrix", "include", "exclude", "emulate", "steps"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +48,37 @@ class Job:
             row_key(self.model, self.setup, device + "@" + self.emulate, None)
 
 
-def _fields(d: dict, where: str) -> dict:
-    if not isinstance(d, dict):
-        raise BadInput(f"sweep: {where} must be a mapping of Setup fields")
-    bad = [k for k in d if k not in SETUP_FIELDS]
-    if bad:
-        raise BadInput(f"sweep: {where} has unknown Setup field(s) {bad}; fields: {', '.join(SETUP_FIELDS)}")
-    return dict(d)
+#: runs a sweep may expand to unless its file raises `max_runs` (a typo in a matrix can ask for millions)
+MAX_RUNS = 10_000
+
+
+class SweepFile(BaseModel):
+    """The schema of a sweep file (module docstring); pydantic reports every problem with its place."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    models: list[str] = Field(default_factory=list)
+    model: str | None = None
+    base: dict[str, Any] = Field(default_factory=dict)
+    matrix: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(default_factory=dict)
+    include: list[dict[str, Any]] = Field(default_factory=list)
+    exclude: list[dict[str, Any]] = Field(default_factory=list)
+    emulate: list[str | None] = Field(default_factory=lambda: [None])
+    steps: int = Field(default=3, ge=2)
+    max_runs: int = Field(default=MAX_RUNS, ge=1)
+
+
+def _schema_errors(e: ValidationError) -> str:
+    def message(err: dict) -> str:
+        if err["type"] == "extra_forbidden":
+            return f"unknown key; allowed: {', '.join(SweepFile.model_fields)}"
+        return err["msg"]
+    return "\n".join(f"  - {'.'.join(map(str, err['loc'])) or 'file'}: {message(err)}" for err in e.errors())
+
+
+def _unknown_fields(doc: SweepFile) -> list[str]:
+    where = [("base", doc.base), ("matrix", doc.matrix), *((f"include[{i}]", d) for i, d in enumerate(doc.include)),
+             *((f"exclude[{i}]", d) for i, d in enumerate(doc.exclude))]
+    return [f"{place}.{k}" for place, d in where for k in d if k not in SETUP_FIELDS]
 
 
 def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
@@ -58,28 +86,30 @@ def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
     import yaml
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise BadInput(f"cannot read sweep file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"sweep file {path} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         raise BadInput(f"sweep file {path} is not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
+    if not isinstance(raw, dict):
         raise BadInput(f"sweep file {path} must be a YAML mapping (models, base, matrix, include, exclude)")
-    unknown = set(doc) - _KEYS
+    try:
+        doc = SweepFile.model_validate(raw)
+    except ValidationError as e:
+        raise BadInput(f"sweep file {path}:\n{_schema_errors(e)}") from None
+    unknown = _unknown_fields(doc)
     if unknown:
-        raise BadInput(f"sweep file {path}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(sorted(_KEYS))}")
-    models = doc.get("models") or ([doc["model"]] if doc.get("model") else [])
+        raise BadInput(f"sweep file {path}: unknown Setup field(s) {unknown}; fields: {', '.join(SETUP_FIELDS)}")
+    models = doc.models or ([doc.model] if doc.model else [])
     if not models:
         raise BadInput(f"sweep file {path} names no model: add `models: [gpt2, ...]`")
-    base = _fields(doc.get("base") or {}, "base")
-    matrix = _fields(doc.get("matrix") or {}, "matrix")
-    for k, v in matrix.items():
-        if not isinstance(v, list) or not v:
-            raise BadInput(f"sweep: matrix.{k} must be a non-empty list")
-    include = [_fields(d, "an include entry") for d in doc.get("include") or []]
-    exclude = [_fields(d, "an exclude entry") for d in doc.get("exclude") or []]
-    emulate = doc.get("emulate") or [None]
-    steps = doc.get("steps", 3)
+    base, matrix, include, exclude, emulate, steps = doc.base, doc.matrix, doc.include, doc.exclude, doc.emulate, doc.steps
+    runs = (math.prod(len(v) for v in matrix.values()) if matrix else (0 if include else 1)) + len(include)
+    if runs * len(models) * len(emulate) > doc.max_runs:
+        raise BadInput(f"sweep file {path} expands to {runs * len(models) * len(emulate):,} runs, more than "
+                       f"max_runs ({doc.max_runs:,}): narrow the matrix, or raise max_runs in the file")
     combos = [dict(zip(matrix, values)) for values in itertools.product(*matrix.values())] if matrix else []
     if not matrix and not include:
         combos = [{}]
