@@ -20,6 +20,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.planner.budget import need_bytes
 from memplan.errors import BadInput
@@ -234,7 +237,42 @@ def read_plan_document(path: str | Path) -> dict:
     if missing:
         raise BadInput(f"{path} is not a memplan plan file (missing sections: {', '.join(missing)}); "
                        "write one with `memplan plan MODEL -o plan.yaml`")
+    try:
+        PlanFile.model_validate(doc)
+    except ValidationError as e:
+        problems = "\n".join(f"  - {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise BadInput(f"{path} is not a usable plan file:\n{problems}") from None
     return doc
+
+
+# The parts of a plan file that memplan reads back (load_plan, doctor --from); other keys are the user's to add.
+class _ModelSection(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    dtype: Literal["float32", "bfloat16", "float16"]  # setup.TORCH_DTYPE_NAMES
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"]
+    auto_class: str = "AutoModelForCausalLM"
+    quantization_config: dict[str, Any] | None = None
+    prepare_for_kbit_training: bool = False
+
+
+class _MemplanSection(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    setup: dict[str, Any]
+    gpu: str | None = None
+    gpu_memory_gib: float | int | None = Field(default=None, gt=0)
+
+
+class PlanFile(BaseModel):
+    """The schema of the sections memplan reads back from a plan file (pydantic names every problem's place)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: _ModelSection
+    training_arguments: dict[str, Any]
+    data: dict[str, Any]
+    memplan: _MemplanSection
+    peft: dict[str, Any] | None = None
+    freeze: dict[str, list[str]] | None = None
 
 
 def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:

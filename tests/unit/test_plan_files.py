@@ -1,0 +1,51 @@
+"""Plan files read back (load_plan, doctor --from) are checked against a schema (pydantic): a hand-edited section of
+the wrong type is named, never a KeyError or AttributeError deep inside."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from memplan.cli.main import main
+from memplan.errors import BadInput
+from memplan.planner.export import load_plan
+
+
+@pytest.fixture(scope="module")
+def plan_doc(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    r = CliRunner().invoke(main, ["plan", "gpt2", "--gpu", "RTX 3060", "--technique", "lora", "-o", str(path)])
+    assert r.exit_code == 0, r.output
+    return yaml.safe_load(path.read_text())
+
+
+def _edited(doc: dict, edit) -> dict:
+    import copy
+    doc = copy.deepcopy(doc)
+    edit(doc)
+    return doc
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.update(memplan="hello"), "memplan: Input should be a valid dictionary"),
+    (lambda d: d["memplan"].update(setup=["lora"]), "memplan.setup: Input should be a valid dictionary"),
+    (lambda d: d.update(model=7), "model: Input should be a valid dictionary"),
+    (lambda d: d["model"].pop("dtype"), "model.dtype: Field required"),  # load_plan raised KeyError
+    (lambda d: d["model"].update(dtype="float128"), "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
+    (lambda d: d["memplan"].update(gpu_memory_gib="abc"), "memplan.gpu_memory_gib"),
+])
+def test_hand_edited_plans_name_the_wrong_section(tmp_path, plan_doc, edit, needle):
+    """issue 41, defect 6 (plan files)."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(_edited(plan_doc, edit)))
+    r = CliRunner().invoke(main, ["doctor", "--from", str(path), "--memory", "12GiB"])
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
+    with pytest.raises(BadInput, match="is not a usable plan file"):
+        load_plan(path, use_cpu=True)
+
+
+def test_the_plan_memplan_writes_passes_its_own_schema(tmp_path, plan_doc):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan_doc))
+    r = CliRunner().invoke(main, ["doctor", "--from", str(path), "--memory", "12GiB", "--json"])
+    assert r.exit_code in (0, 1), r.output
