@@ -55,6 +55,8 @@ def find_gpu(name: str) -> Gpu:
     """Catalog GPU for `name`: exact name or alias after normalisation ("3060", "rtx 3060 12gb", "A100-80",
     "a100 80g"), else the unique catalog entry whose normalised name contains it. "a100" alone is the 80 GB card
     (listed as its alias: the common cloud default); any other ambiguity lists the candidates."""
+    if not isinstance(name, str):
+        raise BadInput(f"a GPU name is text such as \"RTX 3060\", got {name!r}; run `memplan gpus` to list the names")
     key = _norm(name)
     if not key:
         raise BadInput("empty GPU name; run `memplan gpus` to list the names")
@@ -102,6 +104,9 @@ def _detected(pynvml, index: int) -> Gpu:
 
 def resolve_gpu(name: str | None = None, memory: int | str | None = None) -> Gpu:
     """--gpu NAME, --memory SIZE (a custom card, bf16 assumed), or the first detected GPU."""
+    for option, value in (("--gpu", name), ("--memory", memory)):
+        if isinstance(value, str) and not value.strip():
+            raise BadInput(f"{option} is empty: name a GPU (`memplan gpus` lists them) or give a size such as 12GiB")
     if name and memory:
         raise BadInput("pass either --gpu or --memory, not both")
     if name:

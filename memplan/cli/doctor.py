@@ -54,6 +54,9 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
 
 def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
     """(GPU memory bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
+    for option, value in (("--gpu", gpu_name), ("--memory", memory)):
+        if value is not None and not value.strip():
+            raise BadInput(f"{option} is empty: name a GPU (`memplan gpus` lists them) or give a size such as 12GiB")
 
     if not (gpu_name or memory) and oom and oom.total_capacity_bytes:
         return oom.total_capacity_bytes, "total capacity in the OOM message", True

@@ -62,8 +62,9 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
 @click.argument("model")
 @click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060", a100-80 (see `memplan gpus`)')
 @click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB, 24GB")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="tokens per sample")
-@click.option("--num-gpus", type=click.IntRange(min=1),
+@click.option("--seq-len", type=click.IntRange(min=1, max=2**24), default=512, show_default=True,
+              help="tokens per sample")
+@click.option("--num-gpus", type=click.IntRange(min=1, max=2**16),
               help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
 @headroom_option
 @click.option("--trust-remote-code", is_flag=True)
@@ -89,7 +90,7 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
 @click.argument("model")
 @click.option("--gpu", "gpu_name", help='GPU name, e.g. "RTX 3060" (see `memplan gpus`); default: the detected GPU')
 @click.option("--memory", help="memory budget instead of a GPU name, e.g. 12GiB")
-@click.option("--effective-batch", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--effective-batch", type=click.IntRange(min=1, max=2**24), default=32, show_default=True,
               help="samples per optimizer step (micro-batch x gradient accumulation)")
 @click.option("--prefer", type=click.Choice(["quality", "speed", "memory"]), default="quality", show_default=True,
               help="what to maximise first (docs/PLANNER.md)")
@@ -124,10 +125,11 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
 @main.command("trace")
 @click.argument("model")
 @setup_options
-@click.option("--layers", type=click.IntRange(min=1),
+@click.option("--layers", type=click.IntRange(min=1, max=1024),
               help="trace N and N+1 blocks and extrapolate to the full depth (N is raised to 2, and for freeze to "
                    "one more than its trainable blocks, as stated in the output)")
-@click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="training steps to run")
+@click.option("--steps", type=click.IntRange(min=2, max=100), default=2, show_default=True,
+              help="training steps to run")
 @click.option("--compare/--no-compare", default=True, show_default=True, help="also show memplan's estimate")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (the estimate's keys)")

@@ -23,7 +23,8 @@ from memplan.setup import Setup
 @setup_options
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: the same steps on the CPU, allocated bytes through the tracer's accounting")
-@click.option("--steps", type=click.IntRange(min=2), default=3, show_default=True, help="optimizer steps to run")
+@click.option("--steps", type=click.IntRange(min=2, max=100), default=3, show_default=True,
+              help="optimizer steps to run")
 @click.option("--memory-fraction", help="cap the allocator to this fraction of the GPU (0.15 or 15%)")
 @click.option("--emulate", help='cap the allocator to a smaller card\'s memory, e.g. "RTX 3060" (less the context)')
 @click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False), help="run every setup of a sweep YAML file")

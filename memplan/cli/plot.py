@@ -45,7 +45,8 @@ def plot_command(model, knob, gpu_name, memory, values, output, headroom, trust_
     setup = setup_from_options(options)
     spec = load_spec(model, trust_remote_code=trust_remote_code)
     xs = _parse_values(values) if values is not None else default_values(knob, spec, setup)
-    gpu = resolve_gpu(gpu_name, memory) if gpu_name or memory else next(iter(detect_gpus()), None)
+    given = gpu_name is not None or memory is not None  # an empty --gpu '' is refused, not ignored
+    gpu = resolve_gpu(gpu_name, memory) if given else next(iter(detect_gpus()), None)
     points = sweep(spec, setup, knob, xs)
     budget = budget_bytes(gpu.memory_bytes, headroom) if gpu else None
     if gpu and not values:

@@ -150,6 +150,9 @@ def diagnose(spec, setup: Setup, budget_bytes: int, estimator: Callable | None =
     if setup.mode != "train":
         raise BadInput("doctor diagnoses training setups; for inference use `memplan fit` or "
                        "`memplan estimate --mode infer`")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise BadInput(f"budget_bytes must be a positive whole number of bytes, got {budget_bytes!r} "
+                       "(memplan.units.parse_size reads '12GiB')")
     estimator = estimator or breakdown.estimate
     c = RemedyContext(spec, int(budget_bytes), estimator, bf16)
     est = c.est(setup)

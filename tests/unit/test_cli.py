@@ -80,6 +80,9 @@ def test_fit_t4_uses_fp16(run):
     (("plan", "gpt2", "--gpu", "t4", "--num-gpus", "0"), "num_gpus must be an integer from 1 to 65,536"),
     (("plot", "gpt2", "--x", "batch_size", "--values", "1000000000000", "-o", "x.png"), "batch_size must be"),
     (("plot", "gpt2", "--x", "batch_size", "--values", "", "-o", "x.png"), "--values '': give whole numbers"),
+    (("fit", "gpt2", "--memory", "24GB", "--num-gpus", "9" * 40), "not in the range 1<=x<=65536"),
+    (("plot", "gpt2", "--memory", "", "--x", "batch_size", "-o", "x.png"), "--memory is empty"),
+    (("doctor", "gpt2", "--gpu", ""), "--gpu is empty"),
     # issue 41's silently ignored flags
     (("estimate", "gpt2", "--lora-r", "16"), "--lora-r sets a LoRA adapter, which --technique full does not train"),
     (("estimate", "gpt2", "--technique", "freeze", "--lora-dropout", "0.1"), "--lora-dropout sets a LoRA adapter"),
@@ -196,3 +199,16 @@ def test_check_refuses_unreadable_inputs_and_reports_unreadable_rows(run, tmp_pa
     assert r.exit_code == 1 and "unreadable row" in (tmp_path / "r.md").read_text(), r.output
     result = memplan.check(str(tmp_path / "nan.csv"))  # one file, not the characters of its name
     assert [row.file for row in result.rows] == [str(tmp_path / "nan.csv")]
+
+
+def test_api_arguments_of_the_wrong_kind_raise_memplans_errors():
+    """issue 41's API cases: find_gpu(12) raised AttributeError, diagnose(budget="12GiB") ValueError, and
+    diagnose(budget=0) answered."""
+    import memplan
+    from memplan.errors import BadInput
+
+    with pytest.raises(BadInput, match="a GPU name is text"):
+        memplan.find_gpu(12)
+    for budget in ("12GiB", 0, -5):
+        with pytest.raises(BadInput, match="budget_bytes must be a positive whole number"):
+            memplan.diagnose(memplan.load_spec("gpt2"), memplan.Setup(), budget)
