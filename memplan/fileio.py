@@ -2,6 +2,7 @@
 or Ctrl-C never leaves a half-written plan, CSV row or inventory (os.replace is atomic on POSIX and Windows)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import tempfile
@@ -17,14 +18,30 @@ def _new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+def _remove_orphaned_temps(path: Path) -> None:
+    """Delete the temporary files a killed writer left beside `path` (named `<name>.<pid>.<random>.tmp`): those of a
+    process that no longer runs. A live writer's file is left alone."""
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 1:].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # alive, another user's
+            pass
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temp file beside `path`, flush it to disk, then rename it over `path` (never a half-written file,
     not even after a power loss). An existing file keeps its permissions (a 0600 plan stays 0600); a new one gets
     what open() would give it. Missing folders of `path` are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_temps(path)
     mode = path.stat().st_mode & 0o7777 if path.exists() else _new_file_mode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

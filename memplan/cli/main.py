@@ -98,13 +98,14 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
 @click.option("--host-memory", help="RAM per node for CPU offload, e.g. 512GiB (default: this machine's RAM)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")
+@click.option("--force", is_flag=True, help="-o: overwrite launcher files beside the plan that hold other content")
 @click.option("--replay", is_flag=True, help="set the micro-batch by replaying PyTorch's CUDA caching allocator over "
               "traced steps of the whole model (single GPU; seconds to minutes on the CPU; docs/PLANNER.md)")
 @setup_options
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")
 @handle_errors
-def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory, output, fmt, replay,
+def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory, output, fmt, force, replay,
          trust_remote_code, as_json, **options):
     """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
 
@@ -114,7 +115,7 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
                          headroom=headroom, host_memory=host_memory, replay=replay, **pins)
     written = None
     if output and result.fits:
-        written = str(write_plan(result, spec, output, fmt))
+        written = str(write_plan(result, spec, output, fmt, force=force))
     if as_json:
         emit_json(dict(result.to_dict(), written=written))
     else:

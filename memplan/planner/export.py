@@ -167,16 +167,22 @@ def launcher_paths(path: str | Path) -> tuple[Path, Path]:
     return path.with_name(path.stem + ".accelerate.yaml"), path.with_name(path.stem + ".deepspeed.json")
 
 
-def write_plan(plan, spec, path: str | Path, fmt: str | None = None) -> Path:
+def write_plan(plan, spec, path: str | Path, fmt: str | None = None, force: bool = False) -> Path:
     """Write the plan file atomically (a crash never leaves a half-written file), and for a multi-GPU plan the
-    accelerate config and DeepSpeed JSON beside it (launcher_paths). Returns the plan's path."""
+    accelerate config and DeepSpeed JSON beside it (launcher_paths). A launcher file that exists with other content
+    (a user's edit, another plan's) is not overwritten unless `force`. Returns the plan's path."""
     path = Path(path)
     acc_path, ds_path = launcher_paths(path)
     doc = plan_document(plan, spec, deepspeed_file=str(ds_path.resolve()))
-    if "deepspeed" in doc:
-        write_text_atomic(ds_path, json.dumps(doc["deepspeed"], indent=2) + "\n")
+    launchers = {ds_path: json.dumps(doc["deepspeed"], indent=2) + "\n"} if "deepspeed" in doc else {}
     if "accelerate" in doc:
-        write_text_atomic(acc_path, dumps(doc["accelerate"], "yaml"))
+        launchers[acc_path] = dumps(doc["accelerate"], "yaml")
+    clash = [str(p) for p, text in launchers.items() if p.exists() and p.read_text(errors="replace") != text]
+    if clash and not force:
+        raise BadInput(f"{' and '.join(clash)} exist{'s' if len(clash) == 1 else ''} with other content: pass "
+                       "--force to overwrite, or write the plan elsewhere with -o")
+    for p, text in launchers.items():
+        write_text_atomic(p, text)
     write_text_atomic(path, dumps(doc, format_for(path, fmt)))
     return path
 

@@ -46,3 +46,18 @@ def test_check_writable_refuses_a_folder_and_a_path_under_a_file(tmp_path):
         check_writable(tmp_path / "afile" / "rows.csv")
     check_writable(tmp_path / "new" / "rows.csv")  # a missing folder is created, as the write would
     assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())
+
+
+def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path):
+    """issue 41: .tmp files stayed beside their target after a kill (12 of 180 kills); the next write to the target
+    removes those of processes that no longer run, and leaves a live writer's alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"rows.csv.{dead.stdout.strip()}.abc.tmp"
+    live = tmp_path / f"rows.csv.{os.getppid()}.def.tmp"
+    orphan.write_text("half")
+    live.write_text("in progress")
+    write_text_atomic(tmp_path / "rows.csv", "model\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["rows.csv", live.name])

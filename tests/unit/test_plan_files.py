@@ -49,3 +49,19 @@ def test_the_plan_memplan_writes_passes_its_own_schema(tmp_path, plan_doc):
     path.write_text(yaml.safe_dump(plan_doc))
     r = CliRunner().invoke(main, ["doctor", "--from", str(path), "--memory", "12GiB", "--json"])
     assert r.exit_code in (0, 1), r.output
+
+
+def test_launcher_files_with_other_content_need_force(tmp_path):
+    """issue 41, defect 8: a multi-GPU plan overwrote the .accelerate.yaml / .deepspeed.json beside it without a
+    word; the same content is rewritten, other content (a user's edit) only with --force."""
+    path = tmp_path / "p.yaml"
+    args = ["plan", "meta-llama/Llama-2-7b-hf", "--gpu", "t4", "--num-gpus", "4", "--sharding", "zero3", "-o", str(path)]
+    runner = CliRunner()
+    assert runner.invoke(main, args).exit_code == 0
+    assert runner.invoke(main, args).exit_code == 0  # unchanged launcher files: rewritten quietly
+    acc = tmp_path / "p.accelerate.yaml"
+    acc.write_text(acc.read_text() + "main_process_port: 29501\n")
+    r = runner.invoke(main, args)
+    assert r.exit_code == 2 and "exists with other content: pass --force" in r.output, r.output
+    assert "main_process_port" in acc.read_text()
+    assert runner.invoke(main, args + ["--force"]).exit_code == 0 and "main_process_port" not in acc.read_text()
