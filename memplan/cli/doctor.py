@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from memplan.cli.options import given_setup_fields, handle_errors, headroom_option, setup_options
+from memplan.cli.options import given_setup_fields, handle_errors, headroom_option, load_model, setup_options
 from memplan.errors import BadInput
 from memplan.planner.budget import DEFAULT_HEADROOM, budget_bytes
 from memplan.planner.doctor import Diagnosis, diagnose, setup_from_plan
@@ -15,7 +15,6 @@ from memplan.setup import Setup
 from memplan.units import GiB, fmt_gib
 from memplan.cli.report import table
 from memplan.gpus import find_gpu, resolve_gpu
-from memplan.model.catalog import load_spec
 from memplan.planner.explain import describe
 from memplan.planner.export import read_plan_document
 
@@ -93,7 +92,7 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
     if not model:
         raise BadInput("name a MODEL (e.g. meta-llama/Llama-2-7b-hf) or a plan file with --from plan.yaml")
     gpu_bytes, source, bf16 = _gpu_memory(gpu_name, memory, oom, doc)
-    return diagnose(load_spec(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
+    return diagnose(load_model(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
                     bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
                     gpu_memory_bytes=gpu_bytes)
 

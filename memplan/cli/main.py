@@ -12,15 +12,15 @@ import click
 
 from memplan.cli.doctor import doctor_command
 from memplan.cli.measure import check_cmd, validate_cmd
-from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, headroom_option, setup_from_options,
-                                 setup_options)
+from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, headroom_option, load_model,
+                                 setup_from_options, setup_options)
 from memplan.cli.plot import plot_command
 from memplan.cli.plots import write_breakdown_png
 from memplan.cli.report import print_estimate, print_fit, print_plan, print_trace, print_models, print_gpus
 from memplan.gpus import resolve_gpu, load_gpus
 from memplan.estimator import breakdown
 from memplan.model import catalog
-from memplan.model.catalog import catalog_index, load_spec
+from memplan.model.catalog import catalog_index
 from memplan.planner import fit_table, search
 from memplan.planner.export import write_plan
 from memplan.tracer.sharded import trace_deepspeed, trace_sharded
@@ -47,7 +47,7 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
     """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
 
     setup = setup_from_options(options)
-    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    spec = load_model(model, trust_remote_code=trust_remote_code)
     result = breakdown.estimate(spec, setup)
     if plot_path:
         gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
@@ -76,7 +76,7 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
 
     if seq_len < 1:
         raise click.BadParameter("must be >= 1", param_hint="--seq-len")
-    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    spec = load_model(model, trust_remote_code=trust_remote_code)
     result = fit_table.fit(spec, resolve_gpu(gpu_name, memory), seq_len, num_gpus=num_gpus, headroom=headroom)
     if as_json:
         emit_json(result.to_dict())
@@ -110,7 +110,7 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
     """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
 
     pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
-    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    spec = load_model(model, trust_remote_code=trust_remote_code)
     result = search.plan(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
                          headroom=headroom, host_memory=host_memory, replay=replay, **pins)
     written = None
@@ -142,7 +142,7 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
     ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
 
     setup = setup_from_options(options)
-    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    spec = load_model(model, trust_remote_code=trust_remote_code)
     if setup.sharding != "none":  # one rank over a fake process group (memplan.tracer.sharded)
         run = trace_deepspeed if setup.engine == "deepspeed" else trace_sharded
         result = run(spec, setup, layers=layers, steps=steps)

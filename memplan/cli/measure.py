@@ -5,7 +5,8 @@ import sys
 
 import click
 
-from memplan.cli.options import emit_json, given_setup_fields, handle_errors, parse_fraction, setup_options
+from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, load_model, parse_fraction,
+                                 setup_options)
 from memplan.errors import BadInput
 from memplan.cli.report import validation_rows, print_validation, print_check
 from memplan.estimator.breakdown import estimate
@@ -14,7 +15,6 @@ from memplan.measure.gate import check, markdown
 from memplan.measure.rows import append_row, make_row
 from memplan.measure.runner import require_cuda, validate
 from memplan.measure.sweep import now_iso, load_sweep, run_sweep
-from memplan.model.catalog import load_spec
 from memplan.setup import Setup
 
 
@@ -53,7 +53,7 @@ def validate_cmd(model, device, steps, memory_fraction, emulate, sweep_file, out
 
 def _validate_one(model, device, steps, fraction, emulate, out, timeout, as_json, options):
     setup = Setup(**given_setup_fields(options))
-    spec = load_spec(model)
+    spec = load_model(model)
     est = estimate(spec, setup)  # setup problems surface before a GPU is touched
     if out:
         check_writable(out)  # before the run, whose result would be lost

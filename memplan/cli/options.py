@@ -10,12 +10,14 @@ import functools
 import json
 import sys
 import typing
+from pathlib import Path
 
 import click
 
 from memplan.errors import BadInput, MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
                            Setup, parse_targets, parse_trainable)
+from memplan.model.catalog import catalog_id, load_spec
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
@@ -117,3 +119,14 @@ def handle_errors(func):
 
 def emit_json(data) -> None:
     click.echo(json.dumps(data, indent=2))
+
+
+def load_model(model: str, trust_remote_code: bool = False):
+    """load_spec for a command's MODEL argument, saying so on stderr when a local path shadows a catalog id
+    (a folder named gpt2 in the working directory is read, not the catalog's gpt2)."""
+    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    shadowed = catalog_id(str(model).strip()) if Path(str(model).strip()).expanduser().exists() else None
+    if shadowed:
+        click.echo(f"note: using the local {model} ({spec.model_id}), not the catalog's {shadowed}; to use the "
+                   f"catalog's, run from another folder or rename the local one", err=True)
+    return spec

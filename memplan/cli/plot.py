@@ -7,14 +7,13 @@ import dataclasses
 import click
 
 from memplan.planner.budget import budget_bytes
-from memplan.cli.options import handle_errors, headroom_option, setup_from_options, setup_options
+from memplan.cli.options import handle_errors, headroom_option, load_model, setup_from_options, setup_options
 from memplan.errors import BadInput
 from memplan.cli.plots import (KNOBS, card_name, curve_figure, default_values, largest_fitting_value, save_figure, sweep,
                            trim)
 from memplan.units import GiB
 from memplan.estimator.breakdown import estimate
 from memplan.gpus import detect_gpus, resolve_gpu
-from memplan.model.catalog import load_spec
 
 
 def _parse_values(text: str) -> list[int]:
@@ -43,7 +42,7 @@ def plot_command(model, knob, gpu_name, memory, values, output, headroom, trust_
     lora_r, with the card's memory and budget, the range that fits shaded and the largest value that fits."""
 
     setup = setup_from_options(options)
-    spec = load_spec(model, trust_remote_code=trust_remote_code)
+    spec = load_model(model, trust_remote_code=trust_remote_code)
     xs = _parse_values(values) if values is not None else default_values(knob, spec, setup)
     given = gpu_name is not None or memory is not None  # an empty --gpu '' is refused, not ignored
     gpu = resolve_gpu(gpu_name, memory) if given else next(iter(detect_gpus()), None)

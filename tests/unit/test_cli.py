@@ -212,3 +212,18 @@ def test_api_arguments_of_the_wrong_kind_raise_memplans_errors():
     for budget in ("12GiB", 0, -5):
         with pytest.raises(BadInput, match="budget_bytes must be a positive whole number"):
             memplan.diagnose(memplan.load_spec("gpt2"), memplan.Setup(), budget)
+
+
+def test_a_local_folder_shadowing_a_catalog_id_is_named(tmp_path, monkeypatch):
+    """issue 41, defect 9: a ./gpt2 folder silently replaced the catalog's gpt2; the command now says which it read."""
+    import json as json_module
+
+    from memplan.model import catalog
+
+    (tmp_path / "gpt2").mkdir()
+    src = json_module.loads((catalog.CONFIGS / "openai-community__gpt2.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json_module.dumps({**src, "n_layer": 2}))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["estimate", "gpt2"])
+    assert r.exit_code == 0 and "using the local gpt2" in r.stderr and "not the catalog's openai-community/gpt2" \
+        in r.stderr, r.output
