@@ -81,6 +81,8 @@ def test_fit_t4_uses_fp16(run):
     (("plot", "gpt2", "--x", "batch_size", "--values", "1000000000000", "-o", "x.png"), "batch_size must be"),
     (("plot", "gpt2", "--x", "batch_size", "--values", "", "-o", "x.png"), "--values '': give whole numbers"),
     (("fit", "gpt2", "--memory", "24GB", "--num-gpus", "9" * 40), "not in the range 1<=x<=65536"),
+    (("fit", "gpt2", "--gpu", "t4", "--headroom", "nan"), "must be in [0%, 100%), got 'nan'"),
+    (("fit", "gpt2", "--gpu", "t4", "--headroom", "-5%"), "must be in [0%, 100%), got '-5%'"),
     (("plot", "gpt2", "--memory", "", "--x", "batch_size", "-o", "x.png"), "--memory is empty"),
     (("doctor", "gpt2", "--gpu", ""), "--gpu is empty"),
     # issue 41's silently ignored flags
