@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from memplan.errors import BadInput, OfflineError, not_found
+from memplan.errors import BadInput, OfflineError, close_matches, not_found
 from memplan.model.config_rules import config_problems
 from memplan.model.hf import config_from_dict
 from memplan.model.spec import ModelSpec
@@ -127,10 +127,11 @@ def _from_hub(name: str, trust_remote_code: bool) -> ModelSpec:
         raise not_found("model", name, ids, "Run `memplan models` for the catalog, or pass a local config.json "
                                             "or model folder.")
     if not _hub_reachable():
-        err = not_found("model", name, ids, "")
+        matches = close_matches(name, ids)
+        did = f" Did you mean: {', '.join(matches)}?" if matches else ""
         raise OfflineError(f"{name!r} is not in the built-in catalog and the Hugging Face Hub is not reachable "
                            f"(offline). Download its config.json and pass the file or its folder instead "
-                           f"(memplan estimate ./config.json).{str(err).split('.', 1)[1] if 'Did you mean' in str(err) else ''}")
+                           f"(memplan estimate ./config.json).{did}")
     from transformers import AutoConfig
 
     from memplan.inventory.build import build_spec

@@ -284,7 +284,9 @@ class PlanFile(BaseModel):
 def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
     """Load a plan file as transformers/peft objects. `training_overrides` are extra TrainingArguments kwargs
     (output_dir, learning_rate, max_steps, ...); they must not change the memory-relevant ones silently, so
-    overriding a planned key raises."""
+    overriding a planned key raises. On a machine without CUDA (a laptop, CI inspecting a plan) the arguments are
+    built with use_cpu=True unless the caller says otherwise: transformers refuses bf16 there, and the plan's
+    objects are still the ones the GPU run gets."""
     import torch
     import transformers
 
@@ -295,6 +297,8 @@ def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
         raise BadInput(f"these TrainingArguments are planned and set the memory budget: {', '.join(clash)}; "
                        "re-plan with them pinned instead (e.g. memplan plan ... --batch-size N)")
     planned = {k: v for k, v in planned.items() if v is not None}
+    if "use_cpu" not in training_overrides and not torch.cuda.is_available():
+        training_overrides = {**training_overrides, "use_cpu": True}
     args = transformers.TrainingArguments(**planned, **training_overrides)
     m = doc["model"]
     qconf = None

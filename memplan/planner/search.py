@@ -178,6 +178,9 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     names = {f.name for f in dataclasses.fields(Setup)}
     problems += [f"{k!r} is not a Setup field" for k in pinned if k not in names]
     problems += value_problems({k: v for k, v in pinned.items() if k in names})
+    if pinned.get("precision") in ("bf16", "bf16-mixed") and not gpu.bf16:
+        problems.append(f"the {gpu.name} has no bf16 (compute capability below 8.0), so a plan pinned to "
+                        f"--precision {pinned['precision']} could not run there: pin fp16-mixed (or fp16) instead")
     if pinned.get("mode", "train") != "train":
         problems.append("plan searches training setups; for inference use `memplan fit` or `memplan estimate "
                         "--mode infer`")

@@ -167,3 +167,14 @@ def test_every_known_config_passes_the_config_rules():
     assert len(paths) > 80
     assert {str(p): config_problems(json.loads(p.read_text())) for p in paths
             if config_problems(json.loads(p.read_text()))} == {}
+
+
+def test_offline_message_keeps_a_dotted_model_id_whole(monkeypatch):
+    """issue 42: the message was split on the first "." of the id ("...(memplan estimate ./config.json).2'")."""
+    monkeypatch.setattr(catalog, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(OfflineError) as e:
+        load_spec("mistralai/Mistral-7B-Instruct-v0.2")
+    text = str(e.value)
+    assert text.startswith("'mistralai/Mistral-7B-Instruct-v0.2' is not in the built-in catalog")
+    assert text.count("Mistral-7B-Instruct-v0.2") == 1 and "./config.json). Did you mean: mistralai/Mistral-7B-v0.1" \
+        in text

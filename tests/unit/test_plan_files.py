@@ -65,3 +65,24 @@ def test_launcher_files_with_other_content_need_force(tmp_path):
     assert r.exit_code == 2 and "exists with other content: pass --force" in r.output, r.output
     assert "main_process_port" in acc.read_text()
     assert runner.invoke(main, args + ["--force"]).exit_code == 0 and "main_process_port" not in acc.read_text()
+
+
+def test_a_bf16_pin_on_a_card_without_bf16_is_refused():
+    """issue 42: plan --gpu t4 --precision bf16 -o wrote `bf16: true` for a T4, which has no bf16, without a word."""
+    r = CliRunner().invoke(main, ["plan", "mistralai/Mistral-7B-v0.1", "--gpu", "t4", "--precision", "bf16"])
+    assert r.exit_code == 2 and "has no bf16" in r.output and "fp16-mixed" in r.output, r.output
+
+
+def test_a_bf16_plan_loads_on_a_machine_without_cuda(tmp_path, plan_doc):
+    """issue 42: load_plan of the default bf16 plan raised transformers' "Your setup doesn't support bf16/gpu" on a
+    laptop or in CI; without CUDA the arguments are built for the CPU, the planned values unchanged."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only path")
+    doc = _edited(plan_doc, lambda d: d["training_arguments"].update(bf16=True, fp16=False))
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    run = load_plan(path, output_dir=str(tmp_path / "out"))
+    assert run.training_arguments.bf16 and run.training_arguments.use_cpu
+    assert run.training_arguments.per_device_train_batch_size == doc["training_arguments"]["per_device_train_batch_size"]
