@@ -38,6 +38,16 @@ class OfflineError(MemplanError):
     """Something needed the network (the Hugging Face Hub) and it is not reachable."""
 
 
+def schema_problems(error, allowed: Iterable[str] = ()) -> str:
+    """A pydantic ValidationError as one line per problem, each with its place (`matrix.batch_size: ...`); an
+    unknown key names the keys `allowed`."""
+    def message(err: dict) -> str:
+        if err["type"] == "extra_forbidden" and allowed:
+            return f"unknown key; allowed: {', '.join(allowed)}"
+        return err["msg"]
+    return "\n".join(f"  - {'.'.join(map(str, err['loc'])) or 'file'}: {message(err)}" for err in error.errors())
+
+
 def close_matches(name: str, choices: Iterable[str], n: int = 5) -> list[str]:
     """Closest names to `name` among `choices`, case-insensitive; substring hits first."""
     choices = list(choices)

@@ -33,6 +33,12 @@ def _remove_orphaned_temps(path: Path) -> None:
             pass
 
 
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file beside `path`, named `<name>.<pid>.<random>.tmp` so that a later write can tell a dead
+    writer's leftover (_remove_orphaned_temps)."""
+    return tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp")
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temp file beside `path`, flush it to disk, then rename it over `path` (never a half-written file,
     not even after a power loss). An existing file keeps its permissions (a 0600 plan stays 0600); a new one gets
@@ -41,7 +47,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_temps(path)
     mode = path.stat().st_mode & 0o7777 if path.exists() else _new_file_mode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp")
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -90,7 +96,7 @@ def check_writable(path: Path, option: str = "--out") -> None:
         raise BadInput(f"{option} {path} is a folder: name a file in it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        fd, tmp = _temp_beside(path)
         os.close(fd)
         os.unlink(tmp)
         if path.exists():

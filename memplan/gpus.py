@@ -102,11 +102,16 @@ def _detected(pynvml, index: int) -> Gpu:
                    compute_capability=f"{major}.{minor}", bf16=major >= 8, detected=True)
 
 
-def resolve_gpu(name: str | None = None, memory: int | str | None = None) -> Gpu:
-    """--gpu NAME, --memory SIZE (a custom card, bf16 assumed), or the first detected GPU."""
+def refuse_empty_card(name: str | None, memory: int | str | None) -> None:
+    """BadInput for an empty --gpu or --memory: given but blank, which would otherwise read as not given."""
     for option, value in (("--gpu", name), ("--memory", memory)):
         if isinstance(value, str) and not value.strip():
             raise BadInput(f"{option} is empty: name a GPU (`memplan gpus` lists them) or give a size such as 12GiB")
+
+
+def resolve_gpu(name: str | None = None, memory: int | str | None = None) -> Gpu:
+    """--gpu NAME, --memory SIZE (a custom card, bf16 assumed), or the first detected GPU."""
+    refuse_empty_card(name, memory)
     if name and memory:
         raise BadInput("pass either --gpu or --memory, not both")
     if name:

@@ -14,7 +14,7 @@ from memplan.planner.oom import OomInfo, parse_oom_message
 from memplan.setup import Setup
 from memplan.units import GiB, fmt_gib
 from memplan.cli.report import table
-from memplan.gpus import find_gpu, resolve_gpu
+from memplan.gpus import find_gpu, refuse_empty_card, resolve_gpu
 from memplan.planner.explain import describe
 from memplan.planner.export import read_plan_document
 
@@ -53,10 +53,7 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
 
 def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
     """(GPU memory bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
-    for option, value in (("--gpu", gpu_name), ("--memory", memory)):
-        if value is not None and not value.strip():
-            raise BadInput(f"{option} is empty: name a GPU (`memplan gpus` lists them) or give a size such as 12GiB")
-
+    refuse_empty_card(gpu_name, memory)
     if not (gpu_name or memory) and oom and oom.total_capacity_bytes:
         return oom.total_capacity_bytes, "total capacity in the OOM message", True
     if not (gpu_name or memory) and doc:

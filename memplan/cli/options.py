@@ -1,7 +1,6 @@
-"""Shared pieces of the command line: one --flag per Setup field, error handling, JSON output.
-
-Kept apart from memplan.cli.main so command modules (memplan.cli.measure, memplan.planner.doctor, memplan.cli.plots) import them
-without importing the click group that registers them.
+"""Shared pieces of the command line: one --flag per Setup field, fractions, error handling, JSON output, the
+MODEL argument. The command modules (cli.measure, cli.doctor, cli.plot) import them; cli.main imports those
+modules and registers their commands on its click group.
 """
 from __future__ import annotations
 

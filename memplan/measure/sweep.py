@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from memplan.errors import BadInput, SetupError
+from memplan.errors import BadInput, SetupError, schema_problems
 from memplan.measure.rows import SETUP_FIELDS, append_row, done_keys, make_row, row_key
 from memplan.setup import Setup
 from memplan.measure.runner import validate
@@ -67,14 +67,6 @@ class SweepFile(BaseModel):
     max_runs: int = Field(default=MAX_RUNS, ge=1)
 
 
-def _schema_errors(e: ValidationError) -> str:
-    def message(err: dict) -> str:
-        if err["type"] == "extra_forbidden":
-            return f"unknown key; allowed: {', '.join(SweepFile.model_fields)}"
-        return err["msg"]
-    return "\n".join(f"  - {'.'.join(map(str, err['loc'])) or 'file'}: {message(err)}" for err in e.errors())
-
-
 def _unknown_fields(doc: SweepFile) -> list[str]:
     where = [("base", doc.base), ("matrix", doc.matrix), *((f"include[{i}]", d) for i, d in enumerate(doc.include)),
              *((f"exclude[{i}]", d) for i, d in enumerate(doc.exclude))]
@@ -98,7 +90,7 @@ def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
     try:
         doc = SweepFile.model_validate(raw)
     except ValidationError as e:
-        raise BadInput(f"sweep file {path}:\n{_schema_errors(e)}") from None
+        raise BadInput(f"sweep file {path}:\n{schema_problems(e, SweepFile.model_fields)}") from None
     unknown = _unknown_fields(doc)
     if unknown:
         raise BadInput(f"sweep file {path}: unknown Setup field(s) {unknown}; fields: {', '.join(SETUP_FIELDS)}")

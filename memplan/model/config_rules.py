@@ -7,15 +7,19 @@ import math
 
 #: (names a family may use for the field, smallest, largest). The largest values are far past any released model
 #: (Llama 3.1 405B: 126 layers, hidden 16,384, vocabulary 128,256) and keep a model build within seconds.
+_HIDDEN = ("hidden_size", "d_model", "n_embd")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
+_KV_HEADS = ("num_key_value_heads", "multi_query_group_num")
+_HEAD_DIM = ("head_dim", "d_kv")
 _COUNTS = (
     (("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "num_decoder_layers"), 1, 1024),
-    (("hidden_size", "d_model", "n_embd"), 1, 2**20),
-    (("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads"), 1, 2**14),
-    (("num_key_value_heads", "multi_query_group_num"), 1, 2**14),
+    (_HIDDEN, 1, 2**20),
+    (_HEADS, 1, 2**14),
+    (_KV_HEADS, 1, 2**14),
     (("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim"), 1, 2**22),
     (("vocab_size",), 1, 2**24),
     (("max_position_embeddings", "n_positions", "n_ctx"), 1, 2**27),
-    (("head_dim", "d_kv"), 1, 2**14),
+    (_HEAD_DIM, 1, 2**14),
 )
 _FLAGS = ("tie_word_embeddings", "is_encoder_decoder")
 #: torch dtype names a config may give as torch_dtype / dtype (torch's own spellings, and "auto")
@@ -73,9 +77,8 @@ def _first(d: dict, names: tuple[str, ...]):
 def _shape_problems(d: dict, at: str) -> list[str]:
     """Heads that cannot split the hidden size, K/V heads that cannot group the query heads."""
     p: list[str] = []
-    hidden, heads = _first(d, _COUNTS[1][0]), _first(d, _COUNTS[2][0])
-    kv = _first(d, _COUNTS[3][0])
-    if hidden and heads and _first(d, _COUNTS[7][0]) is None and hidden % heads:
+    hidden, heads, kv = _first(d, _HIDDEN), _first(d, _HEADS), _first(d, _KV_HEADS)
+    if hidden and heads and _first(d, _HEAD_DIM) is None and hidden % heads:
         p.append(f"{at}hidden_size {hidden:,} is not a multiple of num_attention_heads {heads:,} (and no head_dim "
                  "is given): every head must get the same width")
     if heads and kv and heads % kv:

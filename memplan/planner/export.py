@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.planner.budget import need_bytes
-from memplan.errors import BadInput
+from memplan.errors import BadInput, schema_problems
 from memplan.fileio import write_text_atomic
 from memplan.model.compat import default_attn_impl
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
@@ -246,8 +246,7 @@ def read_plan_document(path: str | Path) -> dict:
     try:
         PlanFile.model_validate(doc)
     except ValidationError as e:
-        problems = "\n".join(f"  - {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise BadInput(f"{path} is not a usable plan file:\n{problems}") from None
+        raise BadInput(f"{path} is not a usable plan file:\n{schema_problems(e)}") from None
     return doc
 
 
