@@ -6,13 +6,14 @@ bytes nominal. NVML reports slightly less on some cards (ECC, reserved regions);
 from __future__ import annotations
 
 import csv
+import difflib
 import functools
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memplan.units import GiB, MiB, fmt_gib, parse_size
-from memplan.errors import BadInput, not_found, MemplanError
+from memplan.errors import BadInput, MemplanError, NotFound
 from memplan import libs
 
 CSV = Path(__file__).parent / "data" / "gpus.csv"
@@ -69,7 +70,24 @@ def find_gpu(name: str) -> Gpu:
         return hits[0]
     if len(hits) > 1:
         raise BadInput(f"GPU name {name!r} is ambiguous: {', '.join(g.name for g in hits)}; name one of them")
-    raise not_found("GPU", name, [g.name for g in gpus], "Run `memplan gpus` to list them, or pass --memory 12GiB.")
+    close = similar_gpus(key, gpus)
+    did = f" Did you mean: {', '.join(close)}?" if close else ""
+    raise NotFound(f"unknown GPU {name!r}.{did} Run `memplan gpus` to list them, or pass --memory 12GiB.")
+
+
+def similar_gpus(key: str, gpus) -> list[str]:
+    """Catalog names whose normalised name or alias is closest to the normalised `key` ("rtx3600" -> RTX 3060):
+    compared without vendor words and separators, so a transposed digit is one edit, not a different card."""
+    by_key: dict[str, str] = {}
+    for g in gpus:
+        for k in (_norm(g.name), *map(_norm, g.aliases)):
+            by_key.setdefault(k, g.name)
+    out: list[str] = []
+    close = difflib.get_close_matches(key, list(by_key), n=8, cutoff=0.75)
+    for k in sorted(close, key=lambda c: sorted(c) != sorted(key)):  # a transposition first: 3600 -> 3060
+        if by_key[k] not in out:
+            out.append(by_key[k])
+    return out[:5]
 
 
 def detect_gpus() -> list[Gpu]:

@@ -20,7 +20,7 @@ from memplan.cli.report import print_estimate, print_fit, print_plan, print_trac
 from memplan.gpus import resolve_gpu, load_gpus
 from memplan.estimator import breakdown
 from memplan.model import catalog
-from memplan.model.catalog import catalog_index
+from memplan.model.catalog import find_models
 from memplan.planner import fit_table, search
 from memplan.planner.export import write_plan
 from memplan.tracer.sharded import trace_deepspeed, trace_sharded
@@ -46,8 +46,8 @@ def main():
 def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **options):
     """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
 
-    setup = setup_from_options(options)
     spec = load_model(model, trust_remote_code=trust_remote_code)
+    setup = setup_from_options(options, spec)
     result = breakdown.estimate(spec, setup)
     if plot_path:
         gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
@@ -109,8 +109,8 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
          trust_remote_code, as_json, **options):
     """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
 
-    pins = given_setup_fields(options)  # validated with each candidate (a pin's problems are reported then)
     spec = load_model(model, trust_remote_code=trust_remote_code)
+    pins = given_setup_fields(options, spec)  # validated with each candidate (a pin's problems are reported then)
     result = search.plan(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
                          headroom=headroom, host_memory=host_memory, replay=replay, **pins)
     written = None
@@ -158,11 +158,13 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
 
 
 @main.command()
+@click.option("--search", "text", help="only ids containing TEXT (case-insensitive), e.g. --search qwen3")
+@click.option("--family", help="only this model_type (transformers' name, e.g. llama, qwen3_moe, gemma3)")
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
-def models(as_json):
-    """List the built-in model catalog."""
-    index = catalog_index()
+def models(text, family, as_json):
+    """List the built-in model catalog: every id memplan answers offline, its family and parameter count."""
+    index = find_models(text, family)
     if as_json:
         emit_json(index)
     else:

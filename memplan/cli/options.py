@@ -16,7 +16,7 @@ import click
 from memplan.errors import BadInput, MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
                            Setup, parse_targets, parse_trainable)
-from memplan.model.catalog import catalog_id, load_spec
+from memplan.model.catalog import catalog_id, load_spec, variant_note
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
@@ -50,20 +50,24 @@ def setup_options(func):
     return func
 
 
-def given_setup_fields(options: dict) -> dict:
-    """The Setup fields the user set on the command line, parsed (target lists split, block counts as ints)."""
+def given_setup_fields(options: dict, spec=None) -> dict:
+    """The Setup fields the user set on the command line, parsed (target lists split, block counts as ints); with
+    the model's `spec`, a pre-quantized upload's bitsandbytes format as the quant unless --quant was given."""
     names = {f.name for f in dataclasses.fields(Setup)}
     given = {k: v for k, v in options.items() if k in names and v is not None}
     if "lora_targets" in given:
         given["lora_targets"] = parse_targets(given["lora_targets"])
     if "trainable" in given:
         given["trainable"] = parse_trainable(given["trainable"])
+    if spec is not None and spec.checkpoint_quant and "quant" not in given:
+        given["quant"] = spec.checkpoint_quant
     return given
 
 
-def setup_from_options(options: dict) -> Setup:
-    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems."""
-    return Setup(**given_setup_fields(options))
+def setup_from_options(options: dict, spec=None) -> Setup:
+    """Setup from the parsed flags (unset flags keep the Setup defaults); raises SetupError listing all problems.
+    With the model's `spec`, a pre-quantized upload's format is the quant unless --quant was given."""
+    return Setup(**given_setup_fields(options, spec))
 
 
 def parse_fraction(value: str, option: str, zero_ok: bool = False, one_ok: bool = True) -> float:
@@ -124,6 +128,8 @@ def load_model(model: str, trust_remote_code: bool = False):
     """load_spec for a command's MODEL argument, saying so on stderr when a local path shadows a catalog id
     (a folder named gpt2 in the working directory is read, not the catalog's gpt2)."""
     spec = load_spec(model, trust_remote_code=trust_remote_code)
+    if spec.variant_of:
+        click.echo(f"note: {variant_note(spec)}", err=True)
     shadowed = catalog_id(str(model).strip()) if Path(str(model).strip()).expanduser().exists() else None
     if shadowed:
         click.echo(f"note: using the local {model} ({spec.model_id}), not the catalog's {shadowed}; to use the "

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from memplan.errors import BadInput, OfflineError, close_matches, not_found
@@ -35,6 +36,23 @@ LEGACY = {
 }
 
 
+VARIANTS = DATA / "variants.csv"
+
+#: Repo-name endings of pre-quantized uploads: (regex, format named in messages, the Setup.quant memplan loads it
+#: with, or None where the format is not modelled yet). A -bnb-4bit upload is stored as bitsandbytes NF4, the
+#: 4-bit default of BitsAndBytesConfig (bnb_4bit_quant_type="nf4"); unsloth's "-unsloth-bnb-4bit" uploads keep
+#: chosen layers in 16 bit (llm_int8_skip_modules), which a uniform nf4 estimate would under-count.
+QUANT_SUFFIXES = (
+    (r"-unsloth-bnb-4bit", "unsloth dynamic 4-bit (some layers kept in 16 bit)", None),
+    (r"-bnb-4bit", "bitsandbytes 4-bit NF4", "nf4"),
+    (r"-bnb-8bit", "bitsandbytes 8-bit", "int8"),
+    (r"-GPTQ(-Int[48])?", "GPTQ", None),
+    (r"-AWQ", "AWQ", None),
+    (r"-FP8(-Dynamic|-Static)?", "FP8", None),
+    (r"-MXFP4", "MXFP4", None),
+)
+
+
 def file_stem(model_id: str) -> str:
     return model_id.replace("/", "__")
 
@@ -48,20 +66,65 @@ def catalog_index() -> dict[str, dict]:
 
 
 def catalog_id(name: str) -> str | None:
-    """The catalog id `name` refers to (exact, case-insensitive, legacy short id or unique bare name), else None."""
+    """The catalog id `name` refers to (exact, case-insensitive, legacy short id or unique bare name: another
+    organisation's copy such as unsloth/Qwen2.5-7B-Instruct finds Qwen/Qwen2.5-7B-Instruct), else None. Variants
+    are catalog ids too (their rows name the base in "variant_of")."""
     index = catalog_index()
     low = {k.lower(): k for k in index}
     key = LEGACY.get(name.lower(), name).lower()
     if key in low:
         return low[key]
-    bare = [k for k in index if k.lower().split("/", 1)[-1] == key]
+    bare_key = key.split("/", 1)[-1]
+    bare = [k for k in index if k.lower().split("/", 1)[-1] == bare_key]
     return bare[0] if len(bare) == 1 else None
+
+
+def find_models(text: str | None = None, family: str | None = None) -> dict[str, dict]:
+    """The catalog rows whose id contains `text` and whose model_type is `family` (both case-insensitive; "-",
+    "_" and "." are alike, so "qwen2.5" finds Qwen2.5 and "qwen3-moe" the qwen3_moe family); BadInput naming
+    the families when `family` is none of them."""
+    index = catalog_index()
+    fold = lambda t: re.sub(r"[-_.\s]", "", t.lower())  # noqa: E731
+    if family is not None:
+        families = sorted({row["model_type"] for row in index.values()})
+        if fold(family) not in map(fold, families):
+            raise not_found("model family", family, families, "Families are transformers' model_type names; "
+                                                              "run `memplan models` to list them.")
+        index = {k: v for k, v in index.items() if fold(v["model_type"]) == fold(family)}
+    if text:
+        index = {k: v for k, v in index.items()
+                 if fold(text) in fold(k) or any(fold(text) in fold(a) for a in v["aliases"])}
+    return index
+
+
+def quantized_upload(name: str) -> tuple[str, str, str | None] | None:
+    """(catalog id of the unquantized model, format, Setup.quant or None) for a pre-quantized upload's id such as
+    Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4 or unsloth/Llama-3.2-3B-Instruct-bnb-4bit; None if `name` is not one or its
+    unquantized model is not in the catalog."""
+    for pattern, label, quant in QUANT_SUFFIXES:
+        m = re.search(pattern + "$", name, flags=re.IGNORECASE)
+        if m:
+            base = catalog_id(name[:m.start()])
+            return (base, label, quant) if base else None
+    return None
 
 
 @functools.lru_cache(maxsize=64)
 def _load_inventory(model_id: str) -> ModelSpec:
+    row = catalog_index()[model_id]
+    if row.get("variant_of"):
+        return replace(_load_inventory(row["variant_of"]), model_id=model_id, variant_of=row["variant_of"])
     path = INVENTORY / (file_stem(model_id) + ".json")
     return ModelSpec.from_dict(json.loads(path.read_text()))
+
+
+def _quantized_spec(name: str, base: str, label: str, quant: str | None) -> ModelSpec:
+    """The spec of a pre-quantized upload of catalog model `base`: its architecture, the format's weights."""
+    if quant is None:
+        raise BadInput(f"{name} is a {label} upload of {base}; memplan does not model pre-quantized {label} weights "
+                       f"yet. For the same architecture quantized on load, estimate {base} with --quant nf4 "
+                       f"(bitsandbytes 4-bit) or without --quant (16-bit weights).")
+    return replace(_load_inventory(base), model_id=name, variant_of=base, checkpoint_quant=quant)
 
 
 def load_spec(model, trust_remote_code: bool = False) -> ModelSpec:
@@ -78,7 +141,22 @@ def load_spec(model, trust_remote_code: bool = False) -> ModelSpec:
     cid = catalog_id(name)
     if cid is not None:
         return _load_inventory(cid)
+    upload = quantized_upload(name)
+    if upload is not None:
+        return _quantized_spec(name, *upload)
     return _from_hub(name, trust_remote_code)
+
+
+def variant_note(spec: ModelSpec) -> str:
+    """One line saying which catalog config answers for a variant or pre-quantized upload; "" for any other."""
+    if not spec.variant_of:
+        return ""
+    if spec.checkpoint_quant:
+        return (f"{spec.model_id}: the architecture of {spec.variant_of}, weights stored as bitsandbytes "
+                f"{spec.checkpoint_quant} (estimate with --quant {spec.checkpoint_quant}; add --double-quant if its "
+                f"quantization_config sets bnb_4bit_use_double_quant)")
+    return (f"{spec.model_id}: answered from {spec.variant_of}'s config.json (the same architecture: "
+            f"{catalog_index()[spec.model_id].get('source', 'see memplan models')})")
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,38 +239,83 @@ def hf_config(model, **overrides):
     return config_from_dict(config_dict(model), **overrides)
 
 
-def refresh_catalog(echo=print) -> int:
-    """Rebuild every inventory under memplan/data/models/inventory/ and the catalog index. Returns the count."""
+def _build_one(cfg_name: str) -> tuple[str, dict]:
+    """Build one catalog config's inventory (a worker of refresh_catalog): (file name, inventory dict)."""
     from memplan.inventory.build import build_spec
 
+    cfg = CONFIGS / cfg_name
+    spec = build_spec(read_config(cfg), model_id=cfg.stem.replace("__", "/", 1), config_file=f"configs/{cfg_name}")
+    return cfg_name, spec.to_dict()
+
+
+def refresh_catalog(echo=print, workers: int | None = None) -> int:
+    """Rebuild every inventory under memplan/data/models/inventory/ and the catalog index (configs, then the
+    variants in variants.csv). Builds run in `workers` processes (default: one per CPU). Returns the entry count."""
+    import concurrent.futures
+    import multiprocessing
+
     sources = _sources_by_id()
+    names = sorted(p.name for p in CONFIGS.glob("*.json"))
+    workers = max(1, min(workers or os.cpu_count() or 1, len(names) or 1))
+    built: dict[str, ModelSpec] = {}
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no inherited torch threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        for cfg_name, inv in pool.map(_build_one, names):
+            write_json_atomic(INVENTORY / cfg_name, inv)
+            spec = ModelSpec.from_dict(inv)
+            built[spec.model_id] = spec
+            echo(f"{spec.model_id}: {spec.numel_total:,} parameters")
     index = {}
-    for cfg in sorted(CONFIGS.glob("*.json")):
-        model_id = cfg.stem.replace("__", "/", 1)
-        spec = build_spec(read_config(cfg), model_id=model_id, config_file=f"configs/{cfg.name}")
-        write_json_atomic(INVENTORY / cfg.name, spec.to_dict())
-        index[model_id] = {"file": cfg.name, "params_total": spec.numel_total, "kind": spec.arch.kind,
-                           "model_type": spec.arch.model_type,
+    for model_id, spec in built.items():
+        index[model_id] = {"file": file_stem(model_id) + ".json", "params_total": spec.numel_total,
+                           "kind": spec.arch.kind, "model_type": spec.arch.model_type,
                            "aliases": sorted(k for k, v in LEGACY.items() if v == model_id),
-                           "source": sources.get(model_id, "")}
-        echo(f"{model_id}: {spec.numel_total:,} parameters")
-    write_json_atomic(INDEX, index, indent=1)
+                           "source": sources.get(model_id, {}).get("source", ""),
+                           "published": sources.get(model_id, {}).get("published", "")}
+    for variant, base, evidence in read_variants():
+        if base not in built:
+            raise BadInput(f"{VARIANTS}: {variant} names base {base!r}, which has no config in {CONFIGS}")
+        if variant in built:
+            raise BadInput(f"{VARIANTS}: {variant} has its own config; list it there or here, not both")
+        row = index[base]
+        index[variant] = {"variant_of": base, "params_total": row["params_total"], "kind": row["kind"],
+                          "model_type": row["model_type"], "aliases": [], "source": evidence,
+                          "published": sources.get(variant, {}).get("published", "")}
+    stale = {p.name for p in INVENTORY.glob("*.json")} - set(names)
+    for name in stale:
+        (INVENTORY / name).unlink()
+    write_json_atomic(INDEX, dict(sorted(index.items(), key=lambda kv: kv[0].lower())), indent=1)
     catalog_index.cache_clear()
     _load_inventory.cache_clear()
     return len(index)
 
 
-def _sources_by_id() -> dict[str, str]:
-    """model id -> 'status; source' from SOURCES.md's table (the provenance of every catalog config)."""
+def read_variants() -> list[tuple[str, str, str]]:
+    """(variant id, base id, evidence) rows of variants.csv: checkpoints whose config.json has the base's
+    architecture (an -Instruct, -it or renamed release), answered from the base's inventory."""
+    import csv
+
+    if not VARIANTS.exists():
+        return []
+    with VARIANTS.open(newline="") as f:
+        rows = [r for r in csv.reader(f) if r and not r[0].startswith("#")]
+    if rows and rows[0][:2] == ["variant", "base"]:
+        rows = rows[1:]
+    return [(r[0].strip(), r[1].strip(), ",".join(r[2:]).strip()) for r in rows]
+
+
+def _sources_by_id() -> dict[str, dict[str, str]]:
+    """model id -> {"source": 'status; source', "published": the model card's count} from SOURCES.md's table
+    (the provenance of every catalog config and the parameter count its card publishes)."""
     path = DATA / "SOURCES.md"
-    out = {}
+    out: dict[str, dict[str, str]] = {}
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.split("|")]
-        if len(cells) > 4 and cells[2] in ("verbatim", "reconstructed"):
+        if len(cells) > 7 and cells[2] in ("verbatim", "reconstructed", "variant"):
             mid = LEGACY.get(cells[1], cells[1])
-            out[mid] = f"{cells[2]}; {cells[3]}"
+            out[mid] = {"source": f"{cells[2]}; {cells[3]}", "published": cells[6]}
     return out
 
 

@@ -43,6 +43,10 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     if a.max_positions and total_len > a.max_positions:
         p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
                  f"use --seq-len <= {a.max_positions}")
+    if spec.checkpoint_quant and setup.quant != spec.checkpoint_quant:
+        p.append(f"{spec.model_id} stores its weights as bitsandbytes {spec.checkpoint_quant}, which load as such: "
+                 f"use --quant {spec.checkpoint_quant}" + (" (with --technique lora, qlora or an inference mode)"
+                                                            if setup.technique in ("full", "freeze") else ""))
     if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
         since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
         where = (f"before transformers {libs.dotted(since)} (estimating for "

@@ -226,6 +226,10 @@ class ModelSpec:
     #: optimizer state or activations (memplan.inventory.build.build_spec)
     media: tuple[Param, ...] = ()
     media_linears: tuple[Linear, ...] = ()
+    #: a catalog variant (an -Instruct, -it or pre-quantized upload) answered from this base id's config
+    variant_of: str = ""
+    #: the bitsandbytes format a pre-quantized upload stores its weights in ("nf4"): a setup must load it so
+    checkpoint_quant: str | None = None
     numel_total: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:

@@ -39,6 +39,29 @@ def test_unknown_and_ambiguous():
         gpus.find_gpu("30")
 
 
+@pytest.mark.parametrize("typo, first", [("RTX 3600", "GeForce RTX 3060 12GB"), ("rtx 5900", "GeForce RTX 5090"),
+                                          ("h1000", "NVIDIA H100 80GB")])
+def test_a_typo_suggests_the_card_meant_first(typo, first):
+    """issue 42 item 8: "RTX 3600" suggested nothing; the names are compared without vendor words and separators,
+    and a transposition of digits ranks first."""
+    with pytest.raises(NotFound, match="Did you mean") as e:
+        gpus.find_gpu(typo)
+    assert str(e.value).split("Did you mean: ")[1].startswith(first)
+
+
+@pytest.mark.parametrize("name, expected, gib", [
+    ("RTX 4060", "GeForce RTX 4060", 8), ("5060 ti", "GeForce RTX 5060 Ti 16GB", 16), ("rtx 5070", "GeForce RTX 5070", 12),
+    ("5070 ti", "GeForce RTX 5070 Ti", 16), ("rtx 5080", "GeForce RTX 5080", 16),
+    ("rtx pro 6000", "NVIDIA RTX PRO 6000 Blackwell", 96), ("b300", "NVIDIA B300", 288), ("gb200", "NVIDIA GB200", 186),
+    ("h20", "NVIDIA H20", 96), ("mi325x", "AMD Instinct MI325X", 256), ("dgx spark", "NVIDIA DGX Spark", 128),
+    ("l40", "NVIDIA L40", 48), ("a40", "NVIDIA A40", 48), ("a100 pcie 40gb", "NVIDIA A100 40GB", 40)])
+def test_current_cards(name, expected, gib):
+    """issue 37: the cards people buy and rent in 2025-26, at the memory their vendors state (gpus.csv sources);
+    "RTX 4060" was ambiguous between the two 4060 Ti cards (issue 42 item 8)."""
+    g = gpus.find_gpu(name)
+    assert (g.name, g.memory_bytes) == (expected, gib * GiB)
+
+
 def test_resolve(monkeypatch):
     monkeypatch.setattr(gpus, "detect_gpus", lambda: [])
     assert gpus.resolve_gpu(memory="12GiB").memory_bytes == 12 * GiB

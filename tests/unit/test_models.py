@@ -178,3 +178,55 @@ def test_offline_message_keeps_a_dotted_model_id_whole(monkeypatch):
     assert text.startswith("'mistralai/Mistral-7B-Instruct-v0.2' is not in the built-in catalog")
     assert text.count("Mistral-7B-Instruct-v0.2") == 1 and "./config.json). Did you mean: mistralai/Mistral-7B-v0.1" \
         in text
+
+
+def test_a_quantized_upload_answers_with_its_base_architecture():
+    """issue 37: a -bnb-4bit upload (any organisation's) is its base model's architecture stored as bitsandbytes
+    NF4; the estimate needs that quant, and a GPTQ/AWQ/FP8 upload says it is not modelled yet, naming the base."""
+    from memplan.setup import Setup
+    from memplan.model.compat import setup_problems
+
+    spec = load_spec("unsloth/Qwen2.5-7B-bnb-4bit")
+    base = load_spec("Qwen/Qwen2.5-7B")
+    assert (spec.variant_of, spec.checkpoint_quant, spec.numel_total) == ("Qwen/Qwen2.5-7B", "nf4", base.numel_total)
+    assert any("--quant nf4" in p for p in setup_problems(spec, Setup(technique="lora")))
+    assert setup_problems(spec, Setup(technique="qlora")) == []
+    for name in ("Qwen/Qwen2.5-7B-GPTQ-Int4", "Qwen/Qwen2.5-7B-AWQ", "Qwen/Qwen2.5-7B-FP8"):
+        with pytest.raises(BadInput, match="upload of Qwen/Qwen2.5-7B; memplan does not model pre-quantized"):
+            load_spec(name)
+
+
+def test_cli_applies_the_uploads_quant_and_says_so():
+    from click.testing import CliRunner
+
+    from memplan.cli.main import main
+
+    r = CliRunner().invoke(main, ["estimate", "unsloth/Qwen2.5-7B-bnb-4bit", "--technique", "qlora", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "note: unsloth/Qwen2.5-7B-bnb-4bit: the architecture of Qwen/Qwen2.5-7B" in r.stderr
+    assert json.loads(r.stdout)["setup"]["quant"] == "nf4"
+
+
+@pytest.mark.parametrize("args, present, absent", [
+    (["--search", "qwen2.5-7"], ["Qwen/Qwen2.5-7B"], ["Qwen/Qwen2.5-0.5B", "openai-community/gpt2"]),
+    (["--family", "T5"], ["google-t5/t5-small", "google/flan-t5-xl"], ["Qwen/Qwen2.5-7B"]),
+    (["--search", "gpt2", "--family", "gpt2"], ["openai-community/gpt2-xl"], ["bigcode/starcoder"]),
+])
+def test_models_search_and_family(args, present, absent):
+    from click.testing import CliRunner
+
+    from memplan.cli.main import main
+
+    r = CliRunner().invoke(main, ["models", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    ids = set(json.loads(r.stdout))
+    assert set(present) <= ids and not ids & set(absent)
+
+
+def test_models_unknown_family_exits_2_with_suggestions():
+    from click.testing import CliRunner
+
+    from memplan.cli.main import main
+
+    r = CliRunner().invoke(main, ["models", "--family", "qwen9"])
+    assert r.exit_code == 2 and "Did you mean: qwen2" in r.output and "Traceback" not in r.output
