@@ -16,7 +16,7 @@ import click
 from memplan.errors import BadInput, MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS, TECHNIQUES,
                            Setup, parse_targets, parse_trainable)
-from memplan.model.catalog import catalog_id, load_spec, variant_note
+from memplan.model.catalog import catalog_id, load_spec, model_notes
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
@@ -128,8 +128,8 @@ def load_model(model: str, trust_remote_code: bool = False):
     """load_spec for a command's MODEL argument, saying so on stderr when a local path shadows a catalog id
     (a folder named gpt2 in the working directory is read, not the catalog's gpt2)."""
     spec = load_spec(model, trust_remote_code=trust_remote_code)
-    if spec.variant_of:
-        click.echo(f"note: {variant_note(spec)}", err=True)
+    for note in model_notes(spec):
+        click.echo(f"note: {note}", err=True)
     shadowed = catalog_id(str(model).strip()) if Path(str(model).strip()).expanduser().exists() else None
     if shadowed:
         click.echo(f"note: using the local {model} ({spec.model_id}), not the catalog's {shadowed}; to use the "

@@ -36,8 +36,7 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
     check_uniform(config, config_file or model_id)
     cls = auto_class(config_dict, config)
     try:
-        with init_empty_weights():
-            model = cls.from_config(config, trust_remote_code=trust_remote_code)
+        model = _on_meta(cls, config, trust_remote_code, torch, init_empty_weights)
     except ImportError as e:  # Gemma-3n's audio/vision towers need timm
         raise BadInput(f"{config_file or model_id}: building {cls.__name__} needs a package that is not installed: "
                        f"{e}") from None
@@ -59,6 +58,19 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
     return ModelSpec(model_id=model_id, arch=arch, params=tuple(params), linears=tuple(linears), tied=tuple(tied),
                      config_file=config_file, transformers_version=transformers.__version__,
                      buffers=tuple(_buffers(model)), media=media, media_linears=media_linears)
+
+
+def _on_meta(cls, config, trust_remote_code: bool, torch, init_empty_weights):
+    """`cls` built from `config` with no storage: under torch's meta device as well as init_empty_weights, since
+    some classes fill tensors in __init__ (Llama-4's experts: torch.zeros(experts, hidden, 2 x expert width), 20 GiB
+    of host memory per block for Maverick under init_empty_weights alone). A class whose __init__ reads values
+    (which meta tensors lack) is built as accelerate builds it."""
+    try:
+        with init_empty_weights(), torch.device("meta"):
+            return cls.from_config(config, trust_remote_code=trust_remote_code)
+    except (RuntimeError, NotImplementedError):
+        with init_empty_weights():
+            return cls.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def _buffers(model) -> list[Buffer]:

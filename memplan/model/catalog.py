@@ -147,6 +147,24 @@ def load_spec(model, trust_remote_code: bool = False) -> ModelSpec:
     return _from_hub(name, trust_remote_code)
 
 
+def stored_format(config: dict) -> str:
+    """The quant_method of a config.json's quantization_config ("fp8", "mxfp4", "gptq"...), "" if it has none."""
+    q = config.get("quantization_config")
+    return str(q.get("quant_method", "quantized")) if isinstance(q, dict) else ""
+
+
+def model_notes(spec: ModelSpec) -> list[str]:
+    """What a user should know about the config that answers for `spec`: a variant's base, and a checkpoint stored
+    pre-quantized (estimated with 16-bit weights, as transformers dequantizes a format it has no kernels for)."""
+    notes = [variant_note(spec)] if spec.variant_of else []
+    row = catalog_index().get(spec.model_id, {})
+    if row.get("stored_as") and not spec.checkpoint_quant:
+        notes.append(f"{spec.model_id}'s checkpoint is stored as {row['stored_as']} (its quantization_config); "
+                     f"memplan estimates 16-bit weights, what transformers holds where it dequantizes the format "
+                     f"(pre-quantized formats are not modelled yet)")
+    return notes
+
+
 def variant_note(spec: ModelSpec) -> str:
     """One line saying which catalog config answers for a variant or pre-quantized upload; "" for any other."""
     if not spec.variant_of:
@@ -272,6 +290,9 @@ def refresh_catalog(echo=print, workers: int | None = None) -> int:
                            "aliases": sorted(k for k, v in LEGACY.items() if v == model_id),
                            "source": sources.get(model_id, {}).get("source", ""),
                            "published": sources.get(model_id, {}).get("published", "")}
+        stored = stored_format(read_config(CONFIGS / index[model_id]["file"]))
+        if stored:
+            index[model_id]["stored_as"] = stored
     for variant, base, evidence in read_variants():
         if base not in built:
             raise BadInput(f"{VARIANTS}: {variant} names base {base!r}, which has no config in {CONFIGS}")
@@ -281,6 +302,8 @@ def refresh_catalog(echo=print, workers: int | None = None) -> int:
         index[variant] = {"variant_of": base, "params_total": row["params_total"], "kind": row["kind"],
                           "model_type": row["model_type"], "aliases": [], "source": evidence,
                           "published": sources.get(variant, {}).get("published", "")}
+        if "stored_as" in row:
+            index[variant]["stored_as"] = row["stored_as"]
     stale = {p.name for p in INVENTORY.glob("*.json")} - set(names)
     for name in stale:
         (INVENTORY / name).unlink()

@@ -23,8 +23,11 @@ def auto_class(config_dict: dict, config):
         order = [tf.AutoModelForImageTextToText]
     elif "ConditionalGeneration" in arch or config.is_encoder_decoder:
         order = [tf.AutoModelForSeq2SeqLM] + order
-    elif "MaskedLM" in arch or "PreTraining" in arch or not arch and type(config) in tf.AutoModelForMaskedLM._model_mapping:
-        order = [tf.AutoModelForMaskedLM] + order  # with no architectures, its causal class is a decoder variant
+    elif "MaskedLM" in arch or "PreTraining" in arch or (not arch or "CausalLM" not in arch and not getattr(
+            config, "is_decoder", False)) and type(config) in tf.AutoModelForMaskedLM._model_mapping:
+        # an encoder named by its bare or task class (BertModel: sentence-transformers; ...ForSequenceClassification)
+        # or by none: its causal class is a decoder variant with a causal mask, which the checkpoint never runs
+        order = [tf.AutoModelForMaskedLM] + order
     for cls in order + [tf.AutoModelForImageTextToText]:  # last: Mistral-4's flat config maps only there
         if type(config) in cls._model_mapping:
             return cls
