@@ -174,8 +174,8 @@ CATALOG_SETUPS = (
 
 
 def survey_catalog(pattern: str | None) -> int:
-    """Estimate vs trace on every catalog config (not variants) whose id contains `pattern`: real shapes, cut to a
-    few blocks; writes benchmarks/results/family_survey_catalog.md."""
+    """Estimate vs trace on every catalog config (not variants) whose id contains one of the comma-separated
+    `pattern`s: real shapes, cut to a few blocks; writes benchmarks/results/family_survey_catalog.md."""
     import torch
     import transformers
 
@@ -185,7 +185,9 @@ def survey_catalog(pattern: str | None) -> int:
     from trace_vs_estimate import run_row
 
     index = catalog_index()
-    ids = [k for k, row in index.items() if not row.get("variant_of") and (not pattern or pattern.lower() in k.lower())]
+    wanted = [p.strip().lower() for p in (pattern or "").split(",") if p.strip()]
+    ids = [k for k, row in index.items() if not row.get("variant_of")
+           and (not wanted or any(w == k.lower() or w in k.lower() for w in wanted))]
     rows, errors = [], []
     for model_id in ids:
         cells, failures = [], []
@@ -202,6 +204,16 @@ def survey_catalog(pattern: str | None) -> int:
                 failures.append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:160]}")
         rows.append((model_id, index[model_id]["model_type"], cells, "; ".join(failures)))
         print(model_id, *cells, rows[-1][3][:120], flush=True)
+    out = ROOT / "benchmarks" / "results" / "family_survey_catalog.md"
+    if pattern and out.exists():  # a partial run replaces its models' rows and keeps the others
+        ran = {r[0] for r in rows}
+        for line in out.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and len(cells) == 3 + len(CATALOG_SETUPS) and cells[0] in index \
+                    and cells[0] not in ran:
+                rows.append((cells[0], cells[1], cells[2:2 + len(CATALOG_SETUPS)], cells[-1]))
+                errors += [abs(float(c.rstrip("%"))) for c in cells[2:2 + len(CATALOG_SETUPS)] if c.endswith("%")]
+        rows.sort(key=lambda r: r[0].lower())
     within = sum(e <= 3 for e in errors)
     head = (f"{datetime.date.today()} · torch {torch.__version__} · transformers {transformers.__version__} · "
             f"{len(rows)} catalog configs · {len(errors)} setups traced · median |error| "
@@ -213,7 +225,7 @@ def survey_catalog(pattern: str | None) -> int:
              "| model | type | " + " | ".join(name for name, _ in CATALOG_SETUPS) + " | not run / failures |",
              "|---|---|" + "---:|" * len(CATALOG_SETUPS) + "---|"]
     lines += [f"| {m} | {t} | " + " | ".join(cells) + f" | {failures} |" for m, t, cells, failures in rows]
-    write_text_atomic(ROOT / "benchmarks" / "results" / "family_survey_catalog.md", "\n".join(lines) + "\n")
+    write_text_atomic(out, "\n".join(lines) + "\n")
     print(head)
     return 0
 
@@ -224,7 +236,7 @@ def main(argv=None) -> int:
                     help="comma-separated transformers model types")
     ap.add_argument("--variant", action="store_true", help="the VARIANT_SETUPS, written to family_survey_variant.md")
     ap.add_argument("--catalog", nargs="?", const="", default=None, metavar="TEXT",
-                    help="survey the catalog's configs (ids containing TEXT) at their real shapes instead")
+                    help="survey the catalog's configs (ids containing TEXT; comma-separated) at their real shapes instead")
     args = ap.parse_args(argv)
     if args.catalog is not None:
         return survey_catalog(args.catalog)

@@ -53,6 +53,8 @@ def close_matches(name: str, choices: Iterable[str], n: int = 5) -> list[str]:
     choices = list(choices)
     low = {c.lower(): c for c in choices}
     hits = [c for c in choices if name.lower() in c.lower()]
+    # a catalog id the name extends ("Qwen/Qwen3-8B" for "Qwen/Qwen3-8B-instrct"), the longest first
+    hits += sorted((c for c in choices if len(c) > 3 and c.lower() in name.lower()), key=len, reverse=True)
     fuzzy = [low[c] for c in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
     out: list[str] = []
     for c in hits + fuzzy:

@@ -147,9 +147,9 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
         raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
     d = config_dict(spec)
-    asked, layers = layers, layers and min_layers(setup, layers)
+    asked, layers = layers, layers and max(min_layers(setup, layers), 1 + leading_irregular_blocks(spec))
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
-    if not layers or layers >= total_layers or skipping:
+    if not layers or layers >= total_layers - 1 or skipping:
         t = run_traced(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
         result = result_from(spec, setup, t, None, total_layers)
         _add_replay(result, t.events)
@@ -163,8 +163,28 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     result = extrapolate(spec, setup, a, b, layers, total_layers)
     if layers != asked:
         result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
-                            "(which may differ, as T5's computes the position bias), and with freeze a frozen block")
+                            "(which may differ, as T5's computes the position bias) and past any that differ from the "
+                            "rest (DeepSeek-V3's dense first blocks), and with freeze a frozen block")
     return result
+
+
+def leading_irregular_blocks(spec) -> int:
+    """How many blocks at the start of the depth differ in parameters from the blocks after them, whose
+    parameters are all alike (DeepSeek-V3: its 3 dense blocks before 58 MoE ones; Llama-4-Maverick, alternating
+    dense and MoE blocks: all but the last). A cut trace must reach past them: the extrapolation repeats the last
+    traced block."""
+    sizes: dict[tuple, int] = {}
+    for p in spec.params:
+        if p.block is not None:
+            sizes[(p.stack, p.block)] = sizes.get((p.stack, p.block), 0) + p.numel
+    irregular = 0
+    for stack in {k[0] for k in sizes}:
+        depth = [sizes[k] for k in sorted(k for k in sizes if k[0] == stack)]
+        j = len(depth) - 1
+        while j > 0 and depth[j - 1] == depth[-1]:
+            j -= 1
+        irregular = max(irregular, j)
+    return irregular
 
 
 def _inference(spec, setup: Setup, layers: int | None, total_layers: int) -> TraceResult:

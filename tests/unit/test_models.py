@@ -275,3 +275,16 @@ def test_models_unknown_family_exits_2_with_suggestions():
 
     r = CliRunner().invoke(main, ["models", "--family", "qwen9"])
     assert r.exit_code == 2 and "Did you mean: qwen3, qwen2" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("model_id, irregular", [
+    ("deepseek-ai/DeepSeek-V3", 3),  # first_k_dense_replace: 3 dense blocks before the MoE ones
+    ("deepseek-ai/DeepSeek-V2-Lite", 1), ("google-t5/t5-small", 1),  # the first block differs (T5: position bias)
+    ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", 47),  # dense and MoE blocks alternate: no cut repeats
+    ("meta-llama/Llama-3.1-8B", 0), ("Qwen/Qwen3-30B-A3B", 0)])
+def test_leading_irregular_blocks(model_id, irregular):
+    """A cut trace (--layers) repeats its last block to the full depth: it must reach past the blocks that
+    differ (the catalog survey traced DeepSeek-V3 cut to 2 and 3 dense blocks and was 29x under the estimate)."""
+    from memplan.tracer.training import leading_irregular_blocks
+
+    assert leading_irregular_blocks(load_spec(model_id)) == irregular
