@@ -84,6 +84,7 @@ class Setup:
     lora_alpha: int = 8  # scaling only: no memory effect
     lora_dropout: float = 0.0  # > 0: dropout mask + a dropped copy of each targeted layer's input saved
     lora_targets: tuple[str, ...] | str | None = None  # module names, "all-linear", or None = peft's default
+    use_dora: bool = False  # peft DoRA: a trainable magnitude per output row; the weight norm rebuilt each forward
     trainable: tuple[str, ...] | int | None = None  # freeze: name patterns, or N = last N blocks (default 1)
     optimizer: Optimizer = "adamw-fused"  # state bytes per trainable param and step temporaries
     batch_size: int = 8  # micro-batch per step: activations and logits scale with it
@@ -207,6 +208,8 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"trainable as a block count must be >= 1, got {s.trainable}")
     if s.lora_targets is not None and s.technique not in ("lora", "qlora"):
         p.append("lora_targets applies to --technique lora/qlora only")
+    if s.use_dora and (s.mode != "train" or s.technique not in ("lora", "qlora")):
+        p.append("use_dora trains a DoRA adapter: it needs --technique lora or qlora in train mode (drop --use-dora)")
     defaults = {f.name: f.default for f in dataclasses.fields(Setup)}
     changed = [f"--{n.replace('_', '-')}" for n in ("lora_r", "lora_alpha", "lora_dropout")
                if getattr(s, n) != defaults[n]]

@@ -32,7 +32,7 @@ COLOURS = {
     "weights": "#4c72b0", "quant_state": "#9bb7e0", "lora_adapters": "#17becf", "gradients": "#dd8452",
     "optimizer_state": "#55a868", "optimizer_temporaries": "#a6d96a", "activations": "#c44e52",
     "autocast_weight_copies": "#f2a7a9", "logits": "#8172b3", "attention_mask": "#c5b0d5",
-    "dequant_temporaries": "#ffbe7d", "backward_temporaries": "#937860", "forward_temporaries": "#a6761d",
+    "dequant_temporaries": "#ffbe7d", "dora_temporaries": "#fdd0a2", "backward_temporaries": "#937860", "forward_temporaries": "#a6761d",
     "kv_cache": "#da8bc3",
     "forward_kv_cache": "#e7a9d5",
     "cublas_workspace": "#ccb974", "allocator_reserve": "#c7c7c7", "paged_optimizer_state": "#a0a0a0",

@@ -9,7 +9,7 @@ phases.
 """
 from __future__ import annotations
 
-from memplan.estimator.memory import block_ends, forward_block, quant
+from memplan.estimator.memory import block_ends, dora, forward_block, quant
 from memplan.estimator.memory.attention import score_grad_bytes
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.masks import checkpointed_mask_bytes, mask_bytes
@@ -23,22 +23,24 @@ def largest(*moments: dict[str, int]) -> dict[str, int]:
 
 
 def in_forward_phases(ctx: Ctx, common: dict, before_head: int, blocks: list) -> dict:
-    """The forward_block and forward_indexer phases: moments inside the blocks' forward.
+    """The forward_block, forward_dora and forward_indexer phases: moments inside the blocks' forward.
 
     Each holds what the blocks before it saved and the embeddings' saves (`before_head`: the head's side comes
     later), the blocks' autocast copies (not yet the head's) and the masks. forward_block, checkpointing with an
     eager or math attention: the last block at its softmax or its MLP (forward_block.working_bytes).
+    forward_dora: the last block's largest DoRA layer rebuilding its weight norm (memory.dora.dora_temp_bytes).
     forward_indexer, DeepSeek-V3.2: the last layer's indexer (forward_block.indexer_bytes); without checkpointing
     the last block has saved only its input and what its attention holds (counted there), so its whole saves are
     left out of `before_head`. blocks: activations.per_block_bytes(ctx).
     """
     works = {"forward_block": forward_block.working_bytes(ctx) if ctx.setup.grad_ckpt else 0,
-             "forward_indexer": forward_block.indexer_bytes(ctx)}
+             "forward_indexer": forward_block.indexer_bytes(ctx), "forward_dora": dora.dora_temp_bytes(ctx)}
     if not any(works.values()):
         return {}
     at = {**common, "activations": before_head, "attention_mask": mask_bytes(ctx),
           "autocast_weight_copies": common["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
-    phases = {name: {**at, "forward_temporaries": work} for name, work in works.items() if work}
+    phases = {name: {**at, ("dora_temporaries" if name == "forward_dora" else "forward_temporaries"): work}
+              for name, work in works.items() if work}
     if "forward_indexer" in phases and not ctx.setup.grad_ckpt:
         a = ctx.spec.arch
         block_input = ctx.setup.batch_size * max(ctx.src_len, ctx.tgt_len) * a.hidden_size * ctx.residual_bytes

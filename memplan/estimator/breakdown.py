@@ -23,7 +23,7 @@ from memplan.model.catalog import load_spec
 #: display order of components; device-only terms last.
 COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
               "gathered_params", "comm_buffers", "activations", "autocast_weight_copies", "logits", "attention_mask",
-              "dequant_temporaries", "forward_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace",
+              "dequant_temporaries", "dora_temporaries", "forward_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace",
               "allocator_reserve",
               "paged_optimizer_state", "nccl_buffers", "cuda_context")
 _DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "nccl_buffers", "cuda_context")

@@ -13,7 +13,7 @@ from memplan.estimator.memory import distributed as dist
 from memplan.estimator.memory import inference as inf
 from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory import optimizer as opt
-from memplan.estimator.memory import block_ends, forward_block, moe, quant, recording, weights
+from memplan.estimator.memory import block_ends, dora, forward_block, moe, quant, recording, weights
 from memplan.gpus import cublas_workspace_bytes
 from memplan.model import layout
 from memplan.estimator.memory.context import Ctx
@@ -55,6 +55,10 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     recompute = block_ends.largest_recompute_bytes(ctx, rows)
     casts = quant.autocast_copy_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
+    dora_temps = dora.dora_temp_bytes(ctx)
+    # what a block's forward makes on the way, again in backward: bitsandbytes' dequantized weight (its backward
+    # dequantizes too), and DoRA's norm rebuild where checkpointing recomputes the block
+    recompute_temps = max(deq, dora_temps if s.grad_ckpt else 0)
     common = {**res, "gradients": held_grads, "activations": int(saved), "autocast_weight_copies": casts}
     back = {**common, "autocast_weight_copies": quant.autocast_copy_bytes(ctx, backward=True),
             "attention_mask": checkpointed_mask_bytes(ctx)}
@@ -81,9 +85,9 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         "backward_start": largest(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows)),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
-        "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, deq, int(outside - after)),
+        "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, recompute_temps, int(outside - after)),
         **first_attention_backward_phase(ctx, res, grads - _late_grad_bytes(ctx), ends[0] if ends else None,
-                                         int(outside - after), deq),
+                                         int(outside - after), recompute_temps),
         "embedding_backward": {**res, "gradients": grads, "backward_temporaries": tied},
         **attention_backward_phase(ctx, res, held_grads, int(in_blocks + recompute - freed), {**back, **block_casts}),
         **encoder_backward_phase(ctx, res, grads, held_grads, blocks, int(outside - after), back, temps),

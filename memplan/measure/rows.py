@@ -58,6 +58,10 @@ def _cell(value) -> str:
     return str(value)
 
 
+#: Setup fields added after measured rows were keyed (issue 39): left out of a row's key at their defaults
+LATER_FIELDS = ("use_dora",)
+
+
 def setup_columns(setup: Setup) -> dict[str, str]:
     """The Setup as one string cell per field (lists comma-joined, None empty)."""
     return {k: _cell(v) for k, v in setup.to_dict().items()}
@@ -99,7 +103,7 @@ def setup_from_row(row: dict) -> Setup:
 def row_key(model: str, setup: Setup, device: str = "cuda", memory_fraction: float | None = None) -> str:
     """A short stable id of (model, setup, device, memory cap): what a resumed sweep skips."""
     fields = setup.to_dict()
-    for name in (*DISTRIBUTED_FIELDS, "padded"):  # rows keep the keys they had before these fields existed
+    for name in (*DISTRIBUTED_FIELDS, "padded", *LATER_FIELDS):  # rows keep the keys they had before these existed
         if fields[name] == Setup.__dataclass_fields__[name].default:
             del fields[name]
     payload = json.dumps([model, fields, device, memory_fraction], sort_keys=True, default=str)

@@ -130,10 +130,10 @@ def router_linear(spec: ModelSpec, p: Param) -> Linear | None:
     return None
 
 
-def lora_params(spec: ModelSpec, targets, r: int) -> int:
+def lora_params(spec: ModelSpec, targets, r: int, use_dora: bool = False) -> int:
     """Adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]); fused experts
-    use rank r x rank_mult."""
-    return sum(r * m.rank_mult * (m.in_features + m.out_features)
+    use rank r x rank_mult; DoRA adds a magnitude per output feature."""
+    return sum(r * m.rank_mult * (m.in_features + m.out_features) + (m.out_features if use_dora else 0)
                for m in lora_linears(spec, targets) + media_lora_linears(spec, targets))
 
 

@@ -77,7 +77,8 @@ def candidate_fields(bf16: bool, pinned: dict) -> list[dict]:
     dimension of one value, so no combination repeats."""
     out: list[dict] = []
     techniques = (pinned["technique"],) if "technique" in pinned else TECHNIQUE_ORDER
-    if "technique" not in pinned and pinned.keys() & {"lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant"}:
+    if "technique" not in pinned and pinned.keys() & {"lora_r", "lora_alpha", "lora_dropout", "lora_targets", "quant",
+                                                      "use_dora"}:
         techniques = ("lora", "qlora")  # a LoRA or quantization pin implies an adapter technique
     if "technique" not in pinned and "trainable" in pinned:
         techniques = ("freeze",)
@@ -108,7 +109,7 @@ def _field(f: Setup | Mapping, name: str):
 
 #: pins that are not searched: every candidate carries them
 _BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable", "attn_impl", "added_tokens",
-              "num_gpus", "num_nodes", "padded")
+              "num_gpus", "num_nodes", "padded", "use_dora")
 
 
 class Pool:

@@ -78,7 +78,7 @@ def peft_section(spec, s: Setup) -> dict | None:
         targets = list(targets)
     task = {"causal": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM"}.get(spec.arch.kind)
     return {"r": s.lora_r, "lora_alpha": s.lora_alpha, "lora_dropout": s.lora_dropout, "target_modules": targets,
-            "bias": "none", "task_type": task}
+            "bias": "none", "task_type": task, "use_dora": s.use_dora}
 
 
 def training_arguments_section(s: Setup) -> dict:

@@ -100,10 +100,34 @@ def standin_linear_classes():
     return StandIn4bit, StandIn8bit
 
 
+@functools.cache
+def peft_dequantizes_standins() -> None:
+    """Let peft's dequantize_module_weight (DoRA's weight norm, at get_peft_model and in every forward) dequantize
+    the stand-ins as it dequantizes bnb layers: 4-bit to its dtype (the compute dtype), 8-bit to fp32 (peft
+    utils/integrations.py dequantize_bnb_weight). Other modules keep peft's own path."""
+    import torch
+    from peft.tuners.lora import dora
+
+    StandIn4bit, StandIn8bit = standin_linear_classes()
+    original = dora.dequantize_module_weight
+
+    def dequantize_module_weight(module):
+        if isinstance(module, StandIn4bit):
+            return module.dequantize(module.compute_dtype)
+        if isinstance(module, StandIn8bit):
+            return torch.empty(module.out_features, module.in_features, dtype=torch.float32,
+                               device=module.weight.device)
+        return original(module)
+
+    dora.dequantize_module_weight = dequantize_module_weight
+
+
 def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
     """Replace the named nn.Linear/Conv1D modules by bitsandbytes stand-ins (4-bit or int8)."""
     import torch
     StandIn4bit, StandIn8bit = standin_linear_classes()
+    if setup.use_dora:
+        peft_dequantizes_standins()
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -140,7 +140,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         if targets is None:
             targets = list(spec.arch.lora_default_targets)
         cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                              target_modules=list(targets) if isinstance(targets, tuple) else targets)
+                              target_modules=list(targets) if isinstance(targets, tuple) else targets,
+                              use_dora=setup.use_dora)
         model = peft.get_peft_model(model, cfg)
     model.train()
     return model

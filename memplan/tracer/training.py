@@ -268,7 +268,7 @@ ESTIMATE_CATEGORY = {
     "autocast_weight_copies": "activations", "attention_mask": "activations",
     "backward_temporaries": "temporaries", "forward_temporaries": "temporaries",
     "optimizer_temporaries": "temporaries",
-    "dequant_temporaries": "temporaries", "kv_cache": "activations", "forward_kv_cache": "temporaries",
+    "dequant_temporaries": "temporaries", "dora_temporaries": "temporaries", "kv_cache": "activations", "forward_kv_cache": "temporaries",
 }
 
 

@@ -22,8 +22,8 @@ from memplan.estimator.memory.qkv import fused_qkv_pin_bytes
 from memplan.model.layout import BlockLayout, blocks
 from memplan.estimator.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.estimator.memory.recording import block_training, gradless_linears, input_grads
-from memplan.estimator.memory.saves import (act_saved_bytes, input_saves, lora_saves, norm_bytes, shared_input_saves,
-                                  weight_trains)
+from memplan.estimator.memory.saves import (act_saved_bytes, dora_dropout_weight_bytes, input_saves, lora_saves,
+                                            norm_bytes, shared_input_saves, weight_trains)
 from memplan.estimator.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes, embedding_leaf_bytes
 
 
@@ -70,7 +70,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         if gets_no_grad(ctx.spec, m.name):  # its graph is freed when the module returns (select.gets_no_grad)
             continue
         per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
-        per_tok += lora_saves(ctx, m.in_features, c)[0] if m.name in lora_names else 0
+        per_tok += lora_saves(ctx, m.in_features, c, m)[0] if m.name in lora_names else 0
         if m.short_name == "kv_b_proj" and kernel == "fused":
             # MLA's values are a view of kv_b_proj's output [heads x (qk_nope + v)] (expand_kv splits it; keys
             # are copied out): the fused kernel saves that view, which keeps the keys' part of the storage alive
@@ -86,7 +86,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     # DeepSeek-V3.2 masks every attention to its indexer's top-k keys (a [b, 1, s, s] mask per layer)
     if kernel == "fused" and (windowed_here or padded_here or a.indexer[0]):
         total += mask_block_bytes(ctx, tokens // max(seqs[0], 1), seqs[0])
-    return total
+    return total + dora_dropout_weight_bytes(ctx, [m for _, m in blk.linears], lora_names)
 
 
 def _linear_mixer(ctx: Ctx, blk: BlockLayout) -> bool:
@@ -299,7 +299,7 @@ def _outside_saves(ctx: Ctx) -> tuple[float, float]:
         into_blocks = not m.is_output and m.in_features != h and m.out_features == h
         n = 0.0
         if m.name in lora_names:
-            branch, shares = lora_saves(ctx, m.in_features, ctx.residual_bytes)
+            branch, shares = lora_saves(ctx, m.in_features, ctx.residual_bytes, m)
             n += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
         if m.is_output:
             n += (m.in_features * c if trains and a.has_lm_head else 0) * tokens

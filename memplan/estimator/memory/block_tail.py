@@ -61,7 +61,7 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
         saved_input = eager and weight_trains(ctx, m.name)
         per_tok += m.in_features * c if saved_input else 0  # the attention's output (MLA: heads x v_head_dim)
         if m.name in lora_names:
-            branch, shares = lora_saves(ctx, m.in_features, c)
+            branch, shares = lora_saves(ctx, m.in_features, c, m)
             # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
             per_tok += branch + (m.in_features * c if shares and eager and not saved_input else 0)
     experts = expert_params(ctx, blk)
@@ -131,7 +131,7 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
     down_lora = 0.0
     for m in outs:
         if m.name in lora_names:
-            branch, shares = lora_saves(ctx, m.in_features, c)
+            branch, shares = lora_saves(ctx, m.in_features, c, m)
             down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
     if routed:
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens

@@ -54,7 +54,7 @@ def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[s
     saved = (trained * in_dim * c if cast else in_dim * c) if trained else 0.0
     for m in members:
         if m.name in lora_names and m.kind != "router":
-            branch, shares_input = lora_saves(ctx, in_dim, in_bytes)
+            branch, shares_input = lora_saves(ctx, in_dim, in_bytes, m)
             saved += branch
             if shares_input and not shared_saved:
                 saved += in_dim * in_bytes  # the shared input itself, saved once by the first lora_A
@@ -75,13 +75,13 @@ def shared_input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names
     return 0.0
 
 
-def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
+def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int, m=None) -> tuple[float, bool]:
     """What one LoRA branch saves for backward.
 
     peft casts x to the fp32 adapter dtype (lora/layer.py Linear.forward `_cast_input_dtype`), or under autocast
     lora_A casts it to the compute dtype: a copy per branch that lora_A saves. An fp32 input with no dropout is
     saved as is (shared by all branches on that input). lora_B saves [t, r]. Dropout > 0 adds a 1-byte mask and
-    a dropped copy per branch.
+    a dropped copy per branch. DoRA (dora_saves) adds two [t, out] tensors of the Linear `m`.
 
     Returns:
         (bytes per token, whether it saves the layer's own input tensor instead of a copy).
@@ -92,7 +92,50 @@ def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int) -> tuple[float, bool]:
     x = in_dim * xb if own_copy else 0.0
     if s.lora_dropout > 0:
         x += in_dim
-    return x + s.lora_r * xb, not own_copy
+    return x + s.lora_r * xb + (dora_saves(ctx, m, in_bytes) if m is not None else 0.0), not own_copy
+
+
+def dora_saves(ctx: Ctx, m, in_bytes: int) -> float:
+    """Bytes per token the DoRA layer on Linear `m` saves beyond its LoRA branch (peft lora/dora.py
+    DoraLinearLayer.forward).
+
+    result = (m / ||W + sBA|| - 1) * base_result + (m / ||W + sBA||) * lora_result * s: the two products save
+    base_result (the base layer's output: in the compute dtype under autocast, else the activations' dtype; a
+    bitsandbytes layer returns its input's dtype) and lora_result (lora_B's output, in the dtype x was cast to) for
+    the magnitude's gradient. The norm is detached (DoRA section 4.3), so no weight-sized tensor is saved. Traced on
+    SmolLM2-135M: 3, 2 and 2 [t, out] units of the compute dtype's width in bf16, bf16-mixed and fp32; QLoRA bf16
+    on Qwen2.5-0.5B: 4 (fp32 base outputs over the fp32 residual stream of prepare_model_for_kbit_training).
+    """
+    if not ctx.setup.use_dora:
+        return 0.0
+    lora = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
+    if ctx.setup.lora_dropout > 0:
+        # no base_result with dropout: F.linear(dropout(x), W cast to x's dtype) recomputes it (its weight:
+        # dora_dropout_weight_bytes); under autocast F.linear also saves a compute-dtype copy of x
+        x_copy = m.in_features * ctx.compute_bytes if ctx.mixed and lora != ctx.compute_bytes else 0
+        return m.out_features * 2 * lora + x_copy
+    if m.name in ctx.quantized:
+        base = in_bytes
+    else:
+        base = ctx.compute_bytes if ctx.mixed else ctx.act_bytes
+        if m.bias:  # base_result - bias: promoted to the bias's dtype (an fp32 bias under autocast)
+            base = max(base, ctx.weight_bytes)
+    return m.out_features * (base + lora)
+
+
+def dora_dropout_weight_bytes(ctx: Ctx, linears, lora_names: set[str]) -> int:
+    """Bytes of base weights DoRA saves per block when lora_dropout > 0 (peft dora.py: without base_result the
+    layer recomputes F.linear(x, W) with W dequantized and cast to x's dtype, and the matmul saves that weight; a
+    weight already in that dtype is saved as itself). Under autocast the saved weight is its compute-dtype cast."""
+    s = ctx.setup
+    if not (s.use_dora and s.lora_dropout > 0):
+        return 0
+    xb = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
+    total = 0
+    for m in linears:
+        if m.name in lora_names and (m.name in ctx.quantized or ctx.weight_bytes != xb):
+            total += m.in_features * m.out_features * xb
+    return total
 
 
 def adapter_compute_bytes(ctx: Ctx) -> int:

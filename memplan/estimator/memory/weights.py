@@ -151,9 +151,11 @@ def lora_numel(ctx: Ctx) -> int:
 
 
 def adapter_numel(ctx: Ctx, linears) -> int:
-    """Adapter elements on `linears`: r x rank_mult x (in + out) each."""
+    """Adapter elements on `linears`: r x rank_mult x (in + out) each; with DoRA also the magnitude, one per output
+    feature (peft lora/dora.py DoraLinearLayer.update_layer: the weight's row norms as a Parameter)."""
     r = ctx.setup.lora_r
-    return sum(r * m.rank_mult * (m.in_features + m.out_features) for m in linears)
+    dora = ctx.setup.use_dora
+    return sum(r * m.rank_mult * (m.in_features + m.out_features) + (m.out_features if dora else 0) for m in linears)
 
 
 def trained_lora(ctx: Ctx) -> tuple:
