@@ -85,6 +85,7 @@ class Setup:
     lora_dropout: float = 0.0  # > 0: dropout mask + a dropped copy of each targeted layer's input saved
     lora_targets: tuple[str, ...] | str | None = None  # module names, "all-linear", or None = peft's default
     use_dora: bool = False  # peft DoRA: a trainable magnitude per output row; the weight norm rebuilt each forward
+    use_liger_kernel: bool = False  # Liger Kernel: no logits (fused linear cross-entropy), leaner norms and MLPs
     trainable: tuple[str, ...] | int | None = None  # freeze: name patterns, or N = last N blocks (default 1)
     optimizer: Optimizer = "adamw-fused"  # state bytes per trainable param and step temporaries
     batch_size: int = 8  # micro-batch per step: activations and logits scale with it
@@ -186,6 +187,11 @@ def validate(s: Setup) -> list[str]:
         if given:
             p.append(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode infer only: drop "
                      f"{'it' if len(given) == 1 else 'them'}, or add --mode infer")
+    if s.use_liger_kernel and s.mode != "train":
+        p.append("use_liger_kernel patches the training step (transformers applies it in Trainer.train()): drop "
+                 "--use-liger-kernel for --mode infer")
+    if s.use_dora and (s.mode != "train" or s.technique not in ("lora", "qlora")):
+        p.append("use_dora trains a DoRA adapter: it needs --technique lora or qlora in train mode (drop --use-dora)")
     p.extend(_distributed_combinations(s))
     if s.double_quant and s.quant not in ("nf4", "fp4"):
         p.append("double_quant applies to 4-bit quantization only: add --quant nf4 (or fp4) or drop --double-quant")
@@ -208,8 +214,6 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"trainable as a block count must be >= 1, got {s.trainable}")
     if s.lora_targets is not None and s.technique not in ("lora", "qlora"):
         p.append("lora_targets applies to --technique lora/qlora only")
-    if s.use_dora and (s.mode != "train" or s.technique not in ("lora", "qlora")):
-        p.append("use_dora trains a DoRA adapter: it needs --technique lora or qlora in train mode (drop --use-dora)")
     defaults = {f.name: f.default for f in dataclasses.fields(Setup)}
     changed = [f"--{n.replace('_', '-')}" for n in ("lora_r", "lora_alpha", "lora_dropout")
                if getattr(s, n) != defaults[n]]

@@ -35,6 +35,20 @@ def attn_impl(spec: ModelSpec, setup: Setup) -> str:
     return setup.attn_impl or default_attn_impl(spec)
 
 
+#: model types Liger Kernel patches (liger_kernel/transformers/monkey_patch.py MODEL_TYPE_TO_APPLY_LIGER_FN, v0.8.2 at
+#: ead96b6); for any other, transformers' apply_liger_kernel is a silent no-op
+LIGER_MODEL_TYPES = frozenset(
+    "deepseek_v4 gemma gemma2 gemma3_text gemma3 gemma4_text gemma4 glm4 glm4v glm4v_moe gpt_oss internvl llama "
+    "llama4_text llama4 llava granite mllama mllama_text_model ministral mistral mixtral nemotron olmo2 pixtral olmo3 "
+    "qwen2 qwen3 qwen3_moe qwen2_vl qwen2_vl_text qwen2_5_vl qwen2_5_vl_text qwen3_next qwen3_5 qwen3_5_text "
+    "qwen3_5_moe qwen3_5_moe_text qwen3_vl qwen3_vl_text qwen3_vl_moe qwen3_vl_moe_text smollm3 phi3 paligemma "
+    "falcon_h1 smolvlm hunyuan_v1_dense hunyuan_v1_moe exaone4".split())
+#: of those, the text decoders memplan estimates Liger for, whose patch functions were read (apply_liger_kernel_to_
+#: llama/mistral/qwen2/qwen3/gemma/gemma2/gemma3_text): RMSNorm blocks with a dense gated MLP of gate_proj/up_proj/
+#: down_proj, which LigerSwiGLUMLP / LigerGEGLUMLP replace (MoE, fused gate_up, vision-language: not modelled yet)
+LIGER_ESTIMATED = frozenset("llama mistral qwen2 qwen3 gemma gemma2 gemma3_text".split())
+
+
 def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     """Every reason `setup` does not suit the model, each a message that names the fix; [] if none."""
     a = spec.arch
@@ -43,6 +57,10 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     if a.max_positions and total_len > a.max_positions:
         p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
                  f"use --seq-len <= {a.max_positions}")
+    if setup.use_liger_kernel and a.model_type not in LIGER_ESTIMATED:
+        why = ("Liger Kernel does not patch it (transformers would train without it, silently)"
+               if a.model_type not in LIGER_MODEL_TYPES else "memplan does not model Liger's patches for it yet")
+        p.append(f"use_liger_kernel on {a.model_type}: {why}; drop --use-liger-kernel")
     if spec.checkpoint_quant and setup.quant != spec.checkpoint_quant:
         p.append(f"{spec.model_id} stores its weights as bitsandbytes {spec.checkpoint_quant}, which load as such: "
                  f"use --quant {spec.checkpoint_quant}" + (" (with --technique lora, qlora or an inference mode)"

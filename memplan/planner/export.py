@@ -92,6 +92,7 @@ def training_arguments_section(s: Setup) -> dict:
         # transformers' gradient_checkpointing_enable with non-reentrant torch.utils.checkpoint, as estimated
         "gradient_checkpointing_kwargs": {"use_reentrant": False} if s.grad_ckpt else None,
         "optim": OPTIM_NAMES[s.optimizer],
+        "use_liger_kernel": s.use_liger_kernel,
     }
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from memplan.planner.budget import fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.planner.fit_table import largest_fitting, max_batch_size
-from memplan.model.compat import default_attn_impl, sdpa_supported
+from memplan.model.compat import LIGER_ESTIMATED, default_attn_impl, sdpa_supported
 from memplan.planner.candidates import speed_score, split_batch
 from memplan.setup import Setup
 
@@ -85,7 +85,7 @@ class RemedyContext:
 
 #: (name, size) by size, each size's remedies by increasing speed/quality cost; _change says what each one does
 REMEDIES: tuple[tuple[str, int], ...] = (
-    ("sdpa", 1), ("largest-micro-batch", 1), ("halve-batch", 1), ("grad-ckpt", 1), ("mixed-precision", 2),
+    ("sdpa", 1), ("liger", 1), ("largest-micro-batch", 1), ("halve-batch", 1), ("grad-ckpt", 1), ("mixed-precision", 2),
     ("adamw-8bit", 2), ("paged-adamw-8bit", 2), ("plain-lora", 2), ("fewer-lora-targets", 2), ("smaller-lora-rank", 2),
     ("16-bit-weights", 2), ("adafactor", 2), ("lora", 3), ("freeze", 3), ("qlora", 4), ("shorter-sequences", 5),
 )
@@ -99,6 +99,11 @@ def _change(name: str, s: Setup, c: RemedyContext) -> tuple[Setup, str, str] | N
     lora, half, arch = s.technique in ("lora", "qlora"), c.half, c.spec.arch
     if name == "sdpa" and (s.attn_impl or default_attn_impl(c.spec)) == "eager" and sdpa_supported(c.spec):
         return replace(s, attn_impl="sdpa"), "sdpa attention instead of eager", "none: same math, usually faster"
+    if (name == "liger" and not s.use_liger_kernel and s.mode == "train" and arch.kind == "causal"
+            and arch.model_type in LIGER_ESTIMATED):
+        return (replace(s, use_liger_kernel=True), "Liger Kernel (use_liger_kernel=True): fused linear "
+                "cross-entropy without logits, leaner RMSNorm and MLP saves",
+                "none for quality (same math); needs `pip install liger-kernel` and a CUDA GPU; usually faster")
     if name == "largest-micro-batch" and s.batch_size > 1 and c.total(s) > c.budget:
         probe = replace(s, grad_accum=max(2, s.grad_accum))  # accumulating keeps the gradients between micro-steps
         b = max_batch_size(c.spec, probe, c.budget, lambda _spec, x: c.est(x), s.batch_size - 1)

@@ -21,6 +21,7 @@ from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import config_from_dict
+from memplan.runtime.liger import apply_liger_standins
 from memplan.runtime.standins import StandIn8bitAdam, quantize_standins
 from memplan import libs
 
@@ -144,6 +145,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
                               use_dora=setup.use_dora)
         model = peft.get_peft_model(model, cfg)
     model.train()
+    if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base
+        apply_liger_standins(model)
     return model
 
 

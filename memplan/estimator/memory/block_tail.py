@@ -11,8 +11,8 @@ from memplan.estimator.memory.attention import kernel_bytes, padded_masks
 from memplan.estimator.memory.context import Ctx
 from memplan.model.layout import BlockLayout
 from memplan.estimator.memory.moe import expert_params, moe_bytes, routers
-from memplan.estimator.memory.saves import (SAVES_OUTPUT, act_out_bytes, act_saved_bytes, input_saves, lora_saves, norm_bytes,
-                                  weight_trains)
+from memplan.estimator.memory.saves import (SAVES_OUTPUT, act_out_bytes, act_saved_bytes, input_saves, liger_patched,
+                                            lora_saves, norm_bytes, weight_trains)
 
 
 def norms_after_attention(ctx: Ctx, blk: BlockLayout) -> int:
@@ -140,6 +140,8 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
         # gelu_new's Python tanh formula also keeps tanh, 0.5x and 1 + tanh)
         # act(gate) in the dtype the activation returns (gelu_new under autocast: fp32, saves.act_out_bytes)
         core = I * (act_saved_bytes(ctx, down_trains) + act_out_bytes(ctx, down_trains) + c)
+        if liger_patched(ctx) and not routed:  # LigerSiLUMulFunction / GEGLU: gate and up, act recomputed
+            core = I * 2 * c
         out = I * c if down_trains else 0
     else:  # fc2's input is a tensor of its own unless the activation saves its output (ReLU)
         shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0

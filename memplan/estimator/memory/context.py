@@ -120,7 +120,8 @@ def _resized_spec(spec: ModelSpec, setup: Setup) -> ModelSpec:
 # field: an estimate after a warm cache equals one from a cold cache.
 
 #: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes.
-SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision", "use_dora")
+SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision", "use_dora",
+                    "use_liger_kernel")
 _MEMO: dict[tuple, tuple[ModelSpec, object]] = {}  # key -> (spec, value): the spec kept alive so its id stays its own
 _MEMO_LIMIT = 20_000
 T = TypeVar("T")

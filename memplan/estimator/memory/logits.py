@@ -48,6 +48,43 @@ def _plain_cross_entropy(ctx: Ctx) -> bool:
     return a.plain_cross_entropy or (a.model_type in OWN_SHIFT_BEFORE_4_49 and _shifts_logits(ctx))
 
 
+def liger(ctx: Ctx) -> bool:
+    """Liger's fused linear cross-entropy replaces the head and the loss (use_liger_kernel, training a causal LM
+    with labels: liger_kernel/transformers/model/*.py lce_forward skips the logits)."""
+    a = ctx.spec.arch
+    return ctx.setup.use_liger_kernel and ctx.training and a.kind == "causal" and a.has_lm_head
+
+
+def _flce_chunk(ctx: Ctx) -> int:
+    """Rows per chunk: next_pow2(ceil(BT / ceil(V / H))), at most BT (ops/fused_linear_cross_entropy.py)."""
+    bt, v, h = _logit_tokens(ctx), ctx.vocab, ctx.spec.arch.hidden_size
+    rows = -(-bt // -(-v // h))
+    return min(1 << max(0, rows - 1).bit_length(), bt)
+
+
+def _flce_saved(ctx: Ctx) -> int:
+    """What the fused loss keeps from its forward to its backward: grad_input [BT, H] in the hidden states' dtype
+    and, when the head trains, grad_weight [V, H] in the weight's dtype (it becomes lm_head.weight.grad)."""
+    return _logit_tokens(ctx) * ctx.spec.arch.hidden_size * ctx.residual_bytes + head_grad_bytes(ctx)
+
+
+def _flce_forward(ctx: Ctx) -> int:
+    """The fused loss at its largest moment, a chunk: the saved buffers, the [C, V] logits block (the matmul's dtype),
+    the [C, H] slice of grad_input, the fp32 loss and the mask per token, and for a 16-bit grad_weight the [V, H] mm
+    result and its fp32 copy (`grad_weight += torch.mm(...).float()`; an fp32 one accumulates in place). Under
+    autocast over fp32 weights each chunk's `x @ weight.t()` casts the transposed view to the compute dtype anew
+    (a view is no leaf: autocast caches only leaves that require grad), and `logits @ weight` casts the weight
+    itself: cached for the whole forward when it trains, made anew per chunk when frozen."""
+    c, v, h, lb = _flce_chunk(ctx), ctx.vocab, ctx.spec.arch.hidden_size, _logit_bytes(ctx)
+    work = c * v * lb + c * h * lb + _logit_tokens(ctx) * 5
+    grads = head_grad_bytes(ctx)
+    if grads and ctx.weight_bytes < 4:
+        work += v * h * (lb + 4)
+    if ctx.mixed and ctx.weight_bytes != lb:
+        work += v * h * lb * (2 if grads else 1)
+    return _flce_saved(ctx) + work
+
+
 def _logit_bytes(ctx: Ctx) -> int:
     """Bytes per element of the lm_head output: the compute dtype (autocast or a 16-bit model; fp32 for fp32 models)."""
     return ctx.compute_bytes
@@ -102,6 +139,8 @@ def logits_forward_bytes(ctx: Ctx) -> int:
     the logits dtype and cast only under autocast (log_softmax is on its fp32 list): there the fp32 input copy is
     alive while log_softmax writes its output.
     """
+    if liger(ctx):
+        return _flce_forward(ctx)
     t, v, lb, loss = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx), _loss_bytes(ctx)
     if _fp32_logits(ctx):  # the 16-bit head output is gone once the biased fp32 sum exists
         lb = 4
@@ -120,7 +159,7 @@ def softcap_bytes(ctx: Ctx) -> int:
     tanh saves its [tokens, vocab] output in the logits dtype until the loss's backward reaches it, beside the loss
     buffers. Source: modeling_gemma2.py Gemma2ForCausalLM.forward.
     """
-    if not ctx.spec.arch.final_logit_softcap:
+    if not ctx.spec.arch.final_logit_softcap or liger(ctx):  # Liger caps inside its kernel, per chunk
         return 0
     return _logit_tokens(ctx) * ctx.vocab * _logit_bytes(ctx)
 
@@ -130,6 +169,11 @@ def largest_block_bytes(ctx: Ctx) -> int:
 
     One [tokens, vocab] buffer in the loss dtype: the upcast logits, log_softmax output or its gradient.
     """
+    if liger(ctx):
+        v, h = ctx.vocab, ctx.spec.arch.hidden_size
+        temp = v * h * 4 if head_grad_bytes(ctx) and ctx.weight_bytes < 4 else 0
+        return max(_flce_chunk(ctx) * v * _logit_bytes(ctx), temp, head_grad_bytes(ctx),
+                   _logit_tokens(ctx) * h * ctx.residual_bytes)
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx) if ctx.training else 0
 
 
@@ -138,6 +182,8 @@ def logits_saved_bytes(ctx: Ctx) -> int:
 
     Under _cuda_split_loss also nll_loss's fp32 cast of it.
     """
+    if liger(ctx):
+        return _flce_saved(ctx)
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4)
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx)
@@ -152,6 +198,8 @@ def logits_backward_bytes(ctx: Ctx) -> int:
     beside its fp32 gradient (the engine frees the cast once nll_loss's backward has run, before the gradient's
     cast back and log_softmax's backward).
     """
+    if liger(ctx):  # its backward scales the saved gradients in place
+        return _flce_saved(ctx)
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4 + 4) + softcap_bytes(ctx)
     return _logit_tokens(ctx) * ctx.vocab * 3 * _loss_bytes(ctx) + softcap_bytes(ctx)
@@ -163,6 +211,8 @@ def head_backward_bytes(ctx: Ctx) -> int:
     The logits gradient in the lm_head output dtype and the head's input gradient [tokens, hidden].
     """
     t = _logit_tokens(ctx)
+    if liger(ctx):  # grad_input is the hidden states' gradient; grad_weight is already the head's .grad
+        return t * ctx.spec.arch.hidden_size * ctx.residual_bytes
     return t * ctx.vocab * _logit_bytes(ctx) + t * ctx.spec.arch.hidden_size * ctx.compute_bytes
 
 

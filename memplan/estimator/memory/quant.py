@@ -49,7 +49,15 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
         in_blocks = max((n for n, _ in inside.values()), default=0)
     else:
         in_blocks = sum(trains for _, trains in inside.values())
-    return (_outside(per) + in_blocks) * ctx.compute_bytes
+    outside = 0 if liger_head(ctx) else _outside(per)  # the fused loss's own (logits._flce_forward)
+    return (outside + in_blocks) * ctx.compute_bytes
+
+
+def liger_head(ctx: Ctx) -> bool:
+    """Liger's fused loss runs the head (logits.liger): it saves no cast of the head's weight for a backward (the
+    casts it makes are counted with it, logits._flce_forward)."""
+    a = ctx.spec.arch
+    return ctx.setup.use_liger_kernel and ctx.training and a.kind == "causal" and a.has_lm_head
 
 
 def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
@@ -65,7 +73,7 @@ def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
 
 def outside_cast_bytes(ctx: Ctx) -> int:
     """The autocast copies of Linears outside the blocks (the lm_head): alive until the head's backward."""
-    if not (ctx.mixed and ctx.training):
+    if not (ctx.mixed and ctx.training) or liger_head(ctx):
         return 0
     return _outside(_casts_by_block(ctx)) * ctx.compute_bytes
 

@@ -147,6 +147,12 @@ def adapter_compute_bytes(ctx: Ctx) -> int:
     return ctx.compute_bytes if ctx.setup.engine in ("fsdp", "deepspeed") else 4
 
 
+def liger_patched(ctx: Ctx) -> bool:
+    """The training step runs Liger's RMSNorm and gated-MLP kernels (use_liger_kernel; the model types
+    model.compat.LIGER_ESTIMATED, whose residual-stream norms and gate/up/down MLPs its patch replaces)."""
+    return ctx.setup.use_liger_kernel and ctx.training
+
+
 def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | None = None) -> float:
     """Bytes per token a normalisation layer of width h saves for backward.
 
@@ -159,6 +165,8 @@ def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | No
     """
 
     r = ctx.residual_bytes if in_bytes is None else in_bytes
+    if in_bytes is None and liger_patched(ctx):  # LigerRMSNorm: X in its dtype and an fp32 rstd per row
+        return r * h + 4 * rows
     table = ctx.spec.arch.norm_saves
     # a q/k norm's or an inner norm's 16-bit input: an fp32 copy, not the input itself (the residual stream's norms
     # keep the measured rule: over FSDP's 16-bit parameters there is no such copy)
