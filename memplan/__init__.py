@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "estimate": "memplan.estimator.breakdown", "Estimate": "memplan.estimator.breakdown", "Setup": "memplan.setup",

@@ -19,7 +19,9 @@ Mode = Literal["train", "infer"]
 Technique = Literal["full", "lora", "qlora", "freeze"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 Quant = Literal["int8", "nf4", "fp4"]
-Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"]
+Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
+                    "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion-32bit", "adamw-torch-8bit",
+                    "adamw-torch-4bit", "schedule-free-adamw"]
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2"]
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp-shard-grad-op", "fsdp-full-shard"]
 Offload = Literal["none", "optimizer", "params+optimizer"]
@@ -272,9 +274,9 @@ def distributed_problems(mode: str, world_size: int, sharding: str, offload: str
     if offload != "none" and optimizer not in ("adamw", "adamw-fused"):
         p.append(f"CPU offload steps AdamW on the CPU (DeepSpeedCPUAdam; torch AdamW on FSDP's CPU shards), not "
                  f"{optimizer}: use --optimizer adamw-fused, or drop --offload")
-    if engine_of(sharding) in ("deepspeed", "fsdp") and optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        p.append(f"{optimizer} (bitsandbytes) is not supported over ZeRO/FSDP-sharded parameters here: use "
-                 "--optimizer adamw-fused or adafactor, or --sharding ddp")
+    if engine_of(sharding) in ("deepspeed", "fsdp") and optimizer not in ("adamw", "adamw-fused", "adafactor", "sgd"):
+        p.append(f"{optimizer} is not supported over ZeRO/FSDP-sharded parameters here: use --optimizer adamw-fused or "
+                 "adafactor, or --sharding ddp")
     if offload == "optimizer" and engine_of(sharding) == "fsdp":
         p.append("FSDP offloads parameters, gradients and optimizer state together (CPUOffload(offload_params=True)): "
                  "use --offload params+optimizer, or a ZeRO stage for optimizer-only offload")

@@ -95,7 +95,8 @@ def estimate_row(row: dict, estimator=None):
     recorded (memplan.libs.assume, gpus.assume_gpu), so rows of several releases stay comparable. estimator: the
     function to call (memplan.estimator.breakdown.estimate by default)."""
     estimator = estimator or breakdown.estimate
-    with libs.assume(transformers=row.get("transformers"), peft=row.get("peft")), assume_gpu(row.get("gpu") or None):
+    with libs.assume(transformers=row.get("transformers"), peft=row.get("peft"), memplan=row.get("memplan")), \
+            assume_gpu(row.get("gpu") or None):
         return estimator(row["model"], setup_from_row(row))
 
 

@@ -101,7 +101,7 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
     try:
         model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"))
         materialize(model, fake=False, device="cuda")
-        opt = make_optimizer(setup, model.parameters()) if setup.mode == "train" else None
+        opt = make_optimizer(setup, model.parameters(), model=model) if setup.mode == "train" else None
         meter.start()
         if opt is None:
             inference_loop(model, spec, setup, "cuda", meter.enter)
@@ -127,7 +127,7 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
         for t in [*model.parameters(), *model.buffers()]:
             tracker.serial_of(t)
         if setup.mode == "train":
-            opt = make_optimizer(setup, model.parameters(), standin_tracker=tracker)
+            opt = make_optimizer(setup, model.parameters(), standin_tracker=tracker, model=model)
             training_loop(model, opt, spec, setup, steps, "cpu", enter)
         else:
             with contextlib.suppress(AttributeError):

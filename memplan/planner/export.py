@@ -37,7 +37,11 @@ from memplan import __version__
 
 #: Setup.optimizer -> TrainingArguments.optim (transformers OptimizerNames)
 OPTIM_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit",
-               "paged-adamw-8bit": "paged_adamw_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+               "paged-adamw-8bit": "paged_adamw_8bit", "adafactor": "adafactor", "sgd": "sgd",
+               "paged-adamw-32bit": "paged_adamw_32bit", "lion-8bit": "lion_8bit", "lion-32bit": "lion_32bit",
+               "paged-lion-8bit": "paged_lion_8bit", "paged-lion-32bit": "paged_lion_32bit",
+               "adamw-torch-8bit": "adamw_torch_8bit", "adamw-torch-4bit": "adamw_torch_4bit",
+               "schedule-free-adamw": "schedule_free_adamw"}
 PLAN_FORMAT = 1
 
 

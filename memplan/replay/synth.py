@@ -321,7 +321,7 @@ def optimizer_run(spec, setup, d: dict, layers: int | None, steps: int) -> Run:
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.tag(t, "weights")
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(setup, params, standin_tracker=tracker)
+        opt = make_optimizer(setup, params, standin_tracker=tracker, model=model)
         for _ in range(steps):
             tracker.phase = "forward"
             tracker.phase = "backward"

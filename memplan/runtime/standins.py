@@ -4,6 +4,7 @@ exactly the storages bitsandbytes allocates and allocate its temporaries (mempla
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -144,15 +145,18 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
         setattr(parent, child, new)
 
 
-class StandIn8bitAdam:
-    """bitsandbytes AdamW8bit / PagedAdamW8bit state (Optimizer2State.init_state, bnb 0.50): uint8 state1 and state2
-    plus one fp32 absmax per 256 elements each, fp32 states for tensors below 4096 elements; the blockwise update
-    is one fused kernel (no temporaries). Paged state is allocated in unified memory, outside torch's allocator."""
+class StandInBnbOptimizer:
+    """bitsandbytes optimizer state (Optimizer1State/Optimizer2State.init_state, bnb 0.50): `states` per parameter
+    (AdamW 2, Lion 1); 8-bit: uint8 states plus one fp32 absmax per 256 elements each, fp32 states for tensors
+    below 4096 elements and for the parameters Trainer overrides to 32 bits (its nn.Embedding weights); 32-bit:
+    fp32 states. The blockwise update is one fused kernel (no temporaries). Paged state is allocated in unified
+    memory, outside torch's allocator."""
 
-    def __init__(self, params, tracker, paged: bool):  # tracker: memplan.runtime.tracker.StorageTracker
+    def __init__(self, params, tracker, paged: bool, fp32=frozenset(), states: int = 2, bits: int = 8):
         self.params = [p for p in params if p.requires_grad]
         self.state: dict = {}
-        self.tracker, self.paged = tracker, paged
+        self.tracker, self.paged = tracker, paged  # tracker: memplan.runtime.tracker.StorageTracker
+        self.fp32, self.states, self.bits = fp32, states, bits
 
     def step(self):
         import torch
@@ -160,21 +164,60 @@ class StandIn8bitAdam:
             if p.grad is None:
                 continue
             if p not in self.state:
-                n = p.numel()
-                if n < 4096:
-                    st = [torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)]
-                else:
-                    blocks = math.ceil(n / 256)
-                    st = [torch.zeros(n, dtype=torch.uint8, device=p.device),
-                          torch.zeros(n, dtype=torch.uint8, device=p.device),
-                          torch.zeros(blocks, dtype=torch.float32, device=p.device),
-                          torch.zeros(blocks, dtype=torch.float32, device=p.device)]
+                with self.tracker.paged() if self.paged else contextlib.nullcontext():
+                    st = self._states(p, torch)
                 for t in st:
-                    if self.paged:
-                        self.tracker.exclude(t)
                     self.tracker.tag(t, "optimizer_state")
                 self.state[p] = st
+
+    def _states(self, p, torch) -> list:
+        n = p.numel()
+        if self.bits == 32 or n < 4096 or id(p) in self.fp32:
+            return [torch.zeros_like(p, dtype=torch.float32) for _ in range(self.states)]
+        blocks = math.ceil(n / 256)
+        return ([torch.zeros(n, dtype=torch.uint8, device=p.device) for _ in range(self.states)]
+                + [torch.zeros(blocks, dtype=torch.float32, device=p.device) for _ in range(self.states)])
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
             p.grad = None
+
+
+class StandInTorchaoAdamW(StandInBnbOptimizer):
+    """torchao AdamW8bit / AdamW4bit as transformers builds them (block_size=256): tensors of at least 4096 elements
+    whose size divides by 256 get two quantized states (1 or 0.5 B per element) with an fp32 scale per block and a
+    code table (256 or 16 fp32); others keep plain states in the param dtype. Each step runs the compiled fp32 math
+    per tensor: the tracer allocates four fp32 tensors of its size (the estimate's reading, unmeasured on a GPU)."""
+
+    def step(self):
+        import torch
+        for p in self.params:
+            if p.grad is None:
+                continue
+            n = p.numel()
+            if p not in self.state:
+                if n < 4096 or n % 256:
+                    st = [torch.zeros_like(p) for _ in range(2)]
+                else:
+                    codes = 256 if self.bits == 8 else 16
+                    st = [torch.zeros(n * self.bits // 8, dtype=torch.uint8, device=p.device) for _ in range(2)]
+                    st += [torch.zeros(n // 256, dtype=torch.float32, device=p.device) for _ in range(2)]
+                    st += [torch.zeros(codes, dtype=torch.float32, device=p.device) for _ in range(2)]
+                for t in st:
+                    self.tracker.tag(t, "optimizer_state")
+                self.state[p] = st
+            _work = [torch.empty(n, dtype=torch.float32, device=p.device) for _ in range(4)]
+
+
+class StandInScheduleFree(StandInBnbOptimizer):
+    """schedulefree.AdamWScheduleFree: z (a copy of the parameter) and exp_avg_sq per tensor, in the param dtype;
+    the foreach step's `denom` is one buffer over the whole group."""
+
+    def step(self):
+        import torch
+        for p in self.params:
+            if p.grad is not None and p not in self.state:
+                self.state[p] = [torch.clone(p).detach(), torch.zeros_like(p)]
+                for t in self.state[p]:
+                    self.tracker.tag(t, "optimizer_state")
+        _denom = [torch.empty_like(p) for p in self.params if p.grad is not None]

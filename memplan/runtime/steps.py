@@ -22,7 +22,8 @@ from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import config_from_dict
 from memplan.runtime.liger import apply_liger_standins
-from memplan.runtime.standins import StandIn8bitAdam, quantize_standins
+from memplan.runtime.standins import (StandInBnbOptimizer, StandInScheduleFree, StandInTorchaoAdamW,
+                                      quantize_standins)
 from memplan import libs
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
@@ -47,22 +48,57 @@ def torch_dtypes() -> dict:
 
 # ---------------------------------------------------------------------------------------------------- optimizer
 
-def make_optimizer(setup: Setup, params, standin_tracker=None):
+#: bitsandbytes optimizers by memplan name: (bitsandbytes.optim class Trainer builds, states, bits)
+BNB_OPTIMIZERS = {"adamw-8bit": ("AdamW8bit", 2, 8), "paged-adamw-8bit": ("PagedAdamW8bit", 2, 8),
+                  "paged-adamw-32bit": ("PagedAdamW32bit", 2, 32), "lion-8bit": ("Lion8bit", 1, 8),
+                  "lion-32bit": ("Lion32bit", 1, 32), "paged-lion-8bit": ("PagedLion8bit", 1, 8),
+                  "paged-lion-32bit": ("PagedLion32bit", 1, 32)}
+
+
+def make_optimizer(setup: Setup, params, standin_tracker=None, model=None):
     """The optimizer Trainer builds for setup.optimizer. standin_tracker: use the bnb 8-bit stand-in (tracer, CPU);
-    None: real bitsandbytes (CUDA)."""
+    None: real bitsandbytes (CUDA). model: its nn.Embedding weights get 32-bit state under a bnb 8-bit optimizer, as
+    Trainer.create_optimizer registers them (GlobalOptimManager.register_module_override(..., {"optim_bits": 32}))."""
     import torch
     params = [p for p in params if p.requires_grad]
     opt = setup.optimizer
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)] if model is not None else []
     if opt == "adamw":  # CUDA's default for torch.optim.AdamW (foreach); the tracer forces it on the CPU too
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
     if opt == "adamw-fused":
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+    if opt in BNB_OPTIMIZERS:
+        cls_name, states, bits = BNB_OPTIMIZERS[opt]
         paged = opt.startswith("paged")
         if standin_tracker is not None:
-            return StandIn8bitAdam(params, standin_tracker, paged=paged)
-        import bitsandbytes as bnb  # Trainer's adamw_bnb_8bit / paged_adamw_8bit
-        return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(params, lr=1e-4)
+            return StandInBnbOptimizer(params, standin_tracker, paged=paged, fp32={id(m.weight) for m in embeddings},
+                                       states=states, bits=bits)
+        import bitsandbytes as bnb  # what Trainer's optim string builds (training_args.OptimizerNames)
+        if bits == 8:
+            manager = bnb.optim.GlobalOptimManager.get_instance()
+            for m in embeddings:
+                manager.register_module_override(m, "weight", {"optim_bits": 32})
+        return getattr(bnb.optim, cls_name)(params, lr=1e-4)
+    if opt in ("adamw-torch-8bit", "adamw-torch-4bit"):
+        bits = 8 if opt.endswith("8bit") else 4
+        if standin_tracker is not None:
+            return StandInTorchaoAdamW(params, standin_tracker, paged=False, bits=bits)
+        try:
+            from torchao.optim import AdamW4bit, AdamW8bit
+        except ImportError:
+            raise BadInput(f"--optimizer {opt} runs torchao's low-bit AdamW: pip install torchao") from None
+        return (AdamW8bit if bits == 8 else AdamW4bit)(params, lr=1e-4, block_size=256)
+    if opt == "schedule-free-adamw":
+        if standin_tracker is not None:
+            return StandInScheduleFree(params, standin_tracker, paged=False)
+        try:
+            import schedulefree
+        except ImportError:
+            raise BadInput("--optimizer schedule-free-adamw runs schedulefree.AdamWScheduleFree: pip install "
+                           "schedulefree") from None
+        optimizer = schedulefree.AdamWScheduleFree(params, lr=1e-4)
+        optimizer.train()  # Trainer calls optimizer.train() before training steps
+        return optimizer
     if opt == "adafactor":  # what Trainer's optim="adafactor" builds
         from transformers.optimization import Adafactor
         return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)

@@ -15,6 +15,7 @@ ends from 3 blocks on only: from fewer, memplan.tracer.training also takes the p
 lower bound."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from memplan.model.layout import BLOCK_LISTS
@@ -39,6 +40,7 @@ class StorageTracker:
         self.tags: dict[int, str] = {}  # serial -> category decided by the caller (weights, gradients, ...)
         self.saved: set[int] = set()
         self.excluded: set[int] = set()  # serials outside the allocator (paged optimizer state)
+        self.outside = False  # inside paged(): new storages are born excluded
         self.current = 0
         self.phase = "setup"
         self.peak = 0
@@ -70,11 +72,24 @@ class StorageTracker:
         self.born[serial] = self.phase
         self.origin[serial] = self.op
         weakref.finalize(st, self._release, key, serial)
+        if self.outside:  # born in paged memory (cudaMallocManaged): never in the caching allocator
+            self.excluded.add(serial)
+            return serial
         if self.events is not None:
             self.events.append((serial, n, self.phase))
         self.current += n
         self._update()
         return serial
+
+    @contextlib.contextmanager
+    def paged(self):
+        """Storages allocated inside live outside the allocator from birth (bitsandbytes' paged optimizer state:
+        its allocation never passes through the caching allocator, so no peak may count it)."""
+        self.outside = True
+        try:
+            yield
+        finally:
+            self.outside = False
 
     def _release(self, key: int, serial: int) -> None:
         hit = self.live.get(key)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from memplan.errors import BadInput
 from memplan.setup import Setup
-from memplan.runtime.standins import StandIn8bitAdam
+from memplan.runtime.standins import StandInBnbOptimizer
 from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.allocator import need_and_replay
 from memplan.runtime.tracker import CATEGORIES, StorageTracker, dispatch_mode, pack_hooks, watch_blocks
@@ -105,7 +105,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
         for b in model.buffers():  # quantization metadata of the stand-ins included
             tracker.tag(b, "weights")
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(setup, params, standin_tracker=tracker)
+        opt = make_optimizer(setup, params, standin_tracker=tracker, model=model)
 
         def enter(phase: str) -> None:
             tracker.phase, tracker.segment = phase, ("pre",)
@@ -115,7 +115,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
                 tracker.tag(p.grad, "gradients")
 
         def tag_state() -> None:
-            if hasattr(opt, "state") and not isinstance(opt, StandIn8bitAdam):
+            if hasattr(opt, "state") and not isinstance(opt, StandInBnbOptimizer):
                 for st in opt.state.values():
                     for t in st.values():
                         tracker.tag(t, "optimizer_state")

@@ -701,3 +701,35 @@ def test_liger_is_a_training_knob():
 
     with pytest.raises(SetupError, match="use_liger_kernel patches the training step"):
         Setup(mode="infer", use_liger_kernel=True)
+
+
+def test_bnb_8bit_keeps_embeddings_in_32_bit_as_trainer_does():
+    """transformers Trainer.create_optimizer registers every nn.Embedding weight for 32-bit bitsandbytes state
+    (GlobalOptimManager.register_module_override(module, "weight", {"optim_bits": 32})): 8 B per element for AdamW
+    instead of ~2.03. Rows measured by memplan 0.1 (whose runner did not) are estimated as it ran."""
+    from memplan import libs
+    from memplan.estimator.breakdown import estimate
+    from memplan.setup import Setup
+
+    s = Setup(technique="full", precision="bf16", optimizer="adamw-8bit", batch_size=1, seq_len=128)
+    now = estimate("meta-llama/Llama-3.1-8B", s).components["optimizer_state"]
+    with libs.assume(memplan="0.1.0"):
+        before = estimate("meta-llama/Llama-3.1-8B", s).components["optimizer_state"]
+    vocab, hidden = 128_256, 4096  # embed_tokens; the untied lm_head is an nn.Linear: 8-bit
+    blocks = -(-vocab * hidden // 256)
+    assert now - before == 8 * vocab * hidden - 2 * (vocab * hidden + 4 * blocks)
+
+
+@pytest.mark.parametrize("optimizer, per_element", [
+    ("lion-32bit", 4.0), ("paged-adamw-32bit", 8.0),  # bitsandbytes 32-bit: fp32 states whatever the param dtype
+    ("lion-8bit", 1 + 4 / 256), ("adamw-8bit", 2 + 8 / 256),  # uint8 states + an fp32 absmax per 256
+    ("adamw-torch-8bit", 2 + 8 / 256), ("adamw-torch-4bit", 1 + 8 / 256),  # torchao, block 256 (+ code tables)
+    ("schedule-free-adamw", 4.0)])  # z and exp_avg_sq in the bf16 param dtype
+def test_optimizer_state_per_element(optimizer, per_element):
+    """State bytes per element of a large 2-D weight (LoRA all-linear excluded: full fine-tuning of Llama-3.2-1B's
+    blocks in bf16): the formulas of memplan/estimator/memory/optimizer.py, each from its library's code."""
+    from memplan.estimator.memory.optimizer import STATE_FN
+
+    shape = (8192, 2048)
+    got = STATE_FN[optimizer](shape, 2) / (shape[0] * shape[1])
+    assert got == pytest.approx(per_element, rel=1e-3)

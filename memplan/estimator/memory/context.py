@@ -169,9 +169,10 @@ def clear_memo() -> None:
 def _releases() -> tuple:
     """The library releases a memoized term depends on, as installed or assumed (memplan.libs.assume).
 
-    transformers decides code paths; peft decides LoRA targets on fused experts (select.PEFT_MOE_CONVERSION_SINCE).
+    transformers decides code paths; peft decides LoRA targets on fused experts (select.PEFT_MOE_CONVERSION_SINCE);
+    memplan, for a measured row, what its runner did (optimizer.TRAINER_EMBEDDING_OVERRIDE_SINCE).
     """
-    return libs.version("transformers"), libs.version("peft")
+    return libs.version("transformers"), libs.version("peft"), libs.version("memplan")
 
 
 def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:

@@ -5,6 +5,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 
+from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory import weights
 
@@ -15,15 +16,27 @@ BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 
 
-def trainable_tensors(ctx: Ctx) -> Iterator[tuple[tuple[int, ...], int]]:
-    """Every trainable tensor: base params and LoRA A/B matrices (fp32).
+#: memplan's runner gives nn.Embedding weights 32-bit bnb state as Trainer does from this release on; rows measured
+#: by older releases (data/measured/*.csv "memplan" column, 0.1.0) ran without the override (measure.gate estimates
+#: each row as for the release that measured it)
+TRAINER_EMBEDDING_OVERRIDE_SINCE = (0, 2)
+
+#: parameter roles of nn.Embedding weights (token, position and token-type tables)
+EMBEDDING_ROLES = ("embedding", "pos_embedding")
+
+
+def trainable_tensors(ctx: Ctx, embeddings: bool | None = None) -> Iterator[tuple[tuple[int, ...], int]]:
+    """Every trainable tensor: base params and LoRA A/B matrices (fp32). embeddings: only the nn.Embedding weights
+    (True), all but them (False), or all (None).
 
     Yields:
         (shape, bytes per element).
     """
     for p in ctx.spec.params:
-        if p.name in ctx.trainable:
+        if p.name in ctx.trainable and (embeddings is None or (p.role in EMBEDDING_ROLES) == embeddings):
             yield weights.shape(ctx, p), ctx.weight_bytes
+    if embeddings:
+        return
     r = ctx.setup.lora_r
     for m in weights.trained_lora(ctx):
         yield (r * m.rank_mult, m.in_features), 4
@@ -69,6 +82,42 @@ def _adafactor_state(shape: tuple[int, ...], pbytes: int) -> int:
     return _numel(shape) * 4
 
 
+def bnb8_lion_state_bytes(shape: tuple[int, ...], pbytes: int) -> int:
+    """bitsandbytes 8-bit Lion (Optimizer1State, optim_bits=8): one uint8 state plus an fp32 absmax per BNB_BLOCK,
+    fp32 below BNB_MIN_8BIT_SIZE (bitsandbytes/optim/optimizer.py Optimizer1State.init_state, v0.50)."""
+    n = _numel(shape)
+    return n * 4 if n < BNB_MIN_8BIT_SIZE else n + math.ceil(n / BNB_BLOCK) * 4
+
+
+def _bnb32_states(count: int):
+    """bitsandbytes 32-bit optimizers: `count` fp32 states whatever the parameter's dtype (init_state dtype
+    torch.float32 when optim_bits == 32): AdamW 2, Lion 1."""
+    return lambda shape, pbytes: count * _numel(shape) * 4
+
+
+#: torchao low-bit AdamW (torchao/optim/adam.py _new_buffer): a tensor of at least TORCHAO_MIN_SIZE elements whose
+#: size divides by its block (transformers passes block_size=256 to both, training_args optim adamw_torch_{4,8}bit)
+#: gets two quantized states, each with an fp32 scale per block and its code table (8-bit: 256 fp32 = 1 KiB;
+#: 4-bit: 16 fp32 = 64 B, subclass_8bit.py / subclass_4bit.py); any other keeps plain states in the param dtype.
+TORCHAO_MIN_SIZE, TORCHAO_BLOCK = 4096, 256
+
+
+def _torchao_state(bits: int):
+    def state(shape: tuple[int, ...], pbytes: int) -> int:
+        n = _numel(shape)
+        if n < TORCHAO_MIN_SIZE or n % TORCHAO_BLOCK:
+            return 2 * n * pbytes
+        codes = 256 * 4 if bits == 8 else 16 * 4
+        return 2 * (n * bits // 8 + n // TORCHAO_BLOCK * 4 + codes)
+    return state
+
+
+def _schedule_free_state(shape: tuple[int, ...], pbytes: int) -> int:
+    """schedulefree.AdamWScheduleFree: z and exp_avg_sq, zeros_like(param) (adamw_schedulefree.py step); the
+    averaged point x lives in the parameter itself (train()/eval() swap it in place)."""
+    return 2 * _numel(shape) * pbytes
+
+
 #: optimizer -> state bytes for one tensor (shape, bytes per param element). Source per function docstring.
 STATE_FN = {
     "adamw": _adam_state,
@@ -77,13 +126,31 @@ STATE_FN = {
     "paged-adamw-8bit": bnb8_state_bytes,  # same bytes, but in CUDA unified (paged) memory: see is_paged()
     "adafactor": _adafactor_state,
     "sgd": lambda shape, pbytes: 0,  # torch.optim.SGD with momentum=0 (Trainer optim="sgd") keeps no state
+    "paged-adamw-32bit": _bnb32_states(2),
+    "lion-8bit": bnb8_lion_state_bytes,
+    "lion-32bit": _bnb32_states(1),
+    "paged-lion-8bit": bnb8_lion_state_bytes,
+    "paged-lion-32bit": _bnb32_states(1),
+    "adamw-torch-8bit": _torchao_state(8),
+    "adamw-torch-4bit": _torchao_state(4),
+    "schedule-free-adamw": _schedule_free_state,
 }
+
+#: bitsandbytes 8-bit optimizers: Trainer gives their nn.Embedding weights 32-bit state (optimizer_state_bytes)
+BNB_8BIT = {"adamw-8bit": 2, "paged-adamw-8bit": 2, "lion-8bit": 1, "paged-lion-8bit": 1}
 
 
 @per_model("optimizer", "lora_r", "added_tokens")
 def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
     fn = STATE_FN[ctx.setup.optimizer]
+    states = BNB_8BIT.get(ctx.setup.optimizer)
+    if states and not libs.older_than("memplan", TRAINER_EMBEDDING_OVERRIDE_SINCE):
+        # Trainer registers every nn.Embedding weight for 32-bit state with bitsandbytes' GlobalOptimManager
+        # (transformers trainer.py create_optimizer: register_module_override(module, "weight", {"optim_bits": 32}))
+        fp32 = sum(states * _numel(shape) * 4 for shape, _ in trainable_tensors(ctx, embeddings=True))
+        counts = Counter(trainable_tensors(ctx, embeddings=False))
+        return fp32 + sum(n * fn(shape, pbytes) for (shape, pbytes), n in counts.items())
     counts = Counter(trainable_tensors(ctx))  # identical blocks repeat the same shapes: one call per distinct shape
     return sum(n * fn(shape, pbytes) for (shape, pbytes), n in counts.items())
 
@@ -111,10 +178,18 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
       tensors the size of the largest trainable tensor are alive at once; 16-bit params add their fp32 grad copy and
       fp32 param copy (`grad.float()`, `p.float()`): four.
     - sgd (foreach, no momentum): in-place _foreach_add_: nothing.
+    - bnb Lion 8/32-bit, paged AdamW 32-bit: one fused kernel per tensor, in place: nothing param-sized.
+    - schedule-free AdamW (foreach): the `denom` buffer over the whole group, like adamw.
     """
     opt = ctx.setup.optimizer
-    if opt == "adamw":
+    if opt in ("adamw", "schedule-free-adamw"):  # foreach: one buffer the size of every trainable tensor
         return weights.trainable_bytes(ctx)
+    if opt in ("adamw-torch-8bit", "adamw-torch-4bit"):
+        # torchao steps each tensor in a compiled function over fp32 math: dequantized exp_avg and exp_avg_sq, the
+        # fp32 grad and the fp32 update of the largest tensor (an upper reading of torchao/optim/adam.py
+        # single_param_adam; unmeasured on a GPU: how torch.compile fuses it decides the true figure)
+        largest = max((_numel(s) for s, _ in trainable_tensors(ctx)), default=0)
+        return 4 * largest * 4
     if opt == "adafactor":
         largest, pbytes = max(((_numel(s), b) for s, b in trainable_tensors(ctx)), default=(0, 4))
         return (2 if pbytes == 4 else 4) * largest * 4

@@ -25,6 +25,11 @@ EMULATIONS = {
                     "always (emulate.masks.mask_checks)",
     "bitsandbytes": "bnb Linear4bit/Linear8bitLt do not run on fake tensors: stand-in layers hold exactly the "
                     "storages bnb allocates and dequantize to the compute dtype in forward and backward",
+    "low-bit and schedule-free optimizers": "stand-ins allocate the states of bitsandbytes' Lion 8/32-bit and "
+                                            "paged AdamW 32-bit (fp32, or uint8 + an fp32 absmax per 256), torchao's "
+                                            "AdamW 8/4-bit (quantized states, per-block scales, code tables) and "
+                                            "schedulefree's AdamW (z and exp_avg_sq), none of which run on fake "
+                                            "tensors; memplan.runtime.standins",
     "bnb-8bit-optimizers": "a stand-in optimizer allocates bnb's blockwise 8-bit state (uint8 state1/state2 + one "
                            "fp32 absmax per 256 elements; fp32 below 4096 elements); paged state lives outside the "
                            "allocator (cudaMallocManaged) and is excluded from the allocated peak",
