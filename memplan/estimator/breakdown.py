@@ -127,7 +127,7 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
     merged = {**at_peak, **device_only}
     components = {k: int(merged.get(k, 0)) for k in COMPONENTS}
     return Estimate(
-        model=ctx.spec.model_id, setup=ctx.setup, params_total=ctx.spec.numel_total,
+        model=ctx.spec.model_id, setup=ctx.setup, params_total=weights.total_numel(ctx),
         params_trainable=weights.trainable_numel(ctx) if ctx.training else 0,
         components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
         peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),

@@ -733,3 +733,13 @@ def test_optimizer_state_per_element(optimizer, per_element):
     shape = (8192, 2048)
     got = STATE_FN[optimizer](shape, 2) / (shape[0] * shape[1])
     assert got == pytest.approx(per_element, rel=1e-3)
+
+
+def test_added_tokens_count_in_the_total():
+    """issue 42 item 8: --added-tokens 3 on gpt2 showed more trainable (124,442,112) than total (124,439,808)
+    parameters; the total is the resized model's (the tied wte grows by 3 x 768)."""
+    from memplan.estimator.breakdown import estimate
+    from memplan.setup import Setup
+
+    e = estimate("gpt2", Setup(technique="full", added_tokens=3))
+    assert e.params_total == e.params_trainable == 124_439_808 + 3 * 768

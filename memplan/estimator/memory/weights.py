@@ -32,6 +32,12 @@ def numel(ctx: Ctx, p) -> int:
     return p.numel
 
 
+def total_numel(ctx: Ctx) -> int:
+    """Parameters of the model as built: the inventory's, plus the added-token rows (numel) of the embedding and an
+    untied lm_head (issue 42: --added-tokens 3 on gpt2 showed more trainable than total parameters)."""
+    return ctx.spec.numel_total + sum(numel(ctx, p) - p.numel for p in ctx.spec.params)
+
+
 def shape(ctx: Ctx, p) -> tuple[int, ...]:
     """A parameter's shape as trained (numel: added-token rows)."""
     n = numel(ctx, p)
