@@ -19,6 +19,7 @@ Mode = Literal["train", "infer"]
 Technique = Literal["full", "lora", "qlora", "freeze"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 Quant = Literal["int8", "nf4", "fp4"]
+NewTokens = Literal["modules-to-save", "token-indices"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
                     "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion-32bit", "adamw-torch-8bit",
                     "adamw-torch-4bit", "schedule-free-adamw"]
@@ -34,6 +35,7 @@ OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 ATTN_IMPLS: tuple[str, ...] = get_args(AttnImpl)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
+NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
 #: DeepSpeed ZeRO stages (arXiv:1910.02054 sec. 5: P_os, P_os+g, P_os+g+p) and PyTorch FSDP sharding strategies
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
 FSDP_SHARDINGS: tuple[str, ...] = ("fsdp-shard-grad-op", "fsdp-full-shard")
@@ -98,6 +100,9 @@ class Setup:
     attn_impl: AttnImpl | None = None  # eager keeps [b,h,s,s] probabilities; None = the model's default
     padded: bool = False  # batches hold padding (attention mask with zeros): sdpa keeps a [b,1,q,k] bias per layer
     added_tokens: int = 0  # new special tokens: embedding, lm_head and logits grow
+    #: how LoRA trains the added rows (peft): a full trainable copy of the embedding and lm_head
+    #: (modules_to_save) or the new rows only (trainable_token_indices); None: they stay as initialised
+    train_new_tokens: NewTokens | None = None
     prompt_len: int | None = None  # infer: prompt tokens (None = seq_len)
     new_tokens: int | None = None  # infer: generated tokens (None = 128 for generative models, 0 for encoders)
     num_gpus: int = 1  # GPUs per node (data-parallel ranks); every memory figure is per GPU
@@ -150,7 +155,7 @@ class Setup:
 #: (field, allowed values, None allowed)
 _CHOICES = (("mode", MODES, False), ("technique", TECHNIQUES, False), ("precision", PRECISIONS, False),
             ("quant", QUANTS, True), ("optimizer", OPTIMIZERS, False), ("attn_impl", ATTN_IMPLS, True),
-            ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False))
+            ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False), ("train_new_tokens", NEW_TOKENS, True))
 #: (field, smallest value, largest value, None allowed). The largest values are far past any run (a 16M-token
 #: sequence, a million samples per micro-batch, 65,536 GPUs per node) and keep every byte count within a float's
 #: exact integers: a number of hundreds of digits is refused, not overflowed.
@@ -189,6 +194,9 @@ def validate(s: Setup) -> list[str]:
         if given:
             p.append(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode infer only: drop "
                      f"{'it' if len(given) == 1 else 'them'}, or add --mode infer")
+    if s.train_new_tokens and not (s.added_tokens and s.mode == "train" and s.technique in ("lora", "qlora")):
+        p.append("train_new_tokens chooses how LoRA trains added tokens: it needs --added-tokens N and --technique "
+                 "lora or qlora in train mode (full fine-tuning trains every row anyway)")
     if s.use_liger_kernel and s.mode != "train":
         p.append("use_liger_kernel patches the training step (transformers applies it in Trainer.train()): drop "
                  "--use-liger-kernel for --mode infer")

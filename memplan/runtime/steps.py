@@ -178,12 +178,27 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
             targets = list(spec.arch.lora_default_targets)
         cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                               target_modules=list(targets) if isinstance(targets, tuple) else targets,
-                              use_dora=setup.use_dora)
+                              use_dora=setup.use_dora, **new_token_kwargs(model, spec, setup))
         model = peft.get_peft_model(model, cfg)
     model.train()
     if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base
         apply_liger_standins(model)
     return model
+
+
+def new_token_kwargs(model, spec, setup: Setup) -> dict:
+    """LoraConfig kwargs that train the added tokens as Setup.train_new_tokens asks: modules_to_save with the input
+    embedding and the output head (a full trainable copy of each), or trainable_token_indices with the new rows of
+    the embedding (peft ties a tied head's rows to it) and of an untied head."""
+    if not setup.train_new_tokens:
+        return {}
+    names = {m: n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    embed, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
+    if setup.train_new_tokens == "modules-to-save":
+        return {"modules_to_save": [embed, head]}
+    rows = list(range(spec.arch.vocab_size, spec.arch.vocab_size + setup.added_tokens))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return {"trainable_token_indices": rows if tied else {embed: rows, head: rows}}
 
 
 def untie_like_checkpoint(model, spec) -> None:
@@ -293,7 +308,7 @@ def training_loop(model, opt, spec, setup: Setup, steps: int, device: str, enter
     """`steps` optimizer steps of min(grad_accum, 2) micro-batches each (any accumulation > 1 keeps the gradients
     alive across micro-steps the same way; more micro-steps change no memory). enter_phase(name) is called as
     each of TRAIN_PHASES starts and with "between" after zero_grad."""
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = spec.arch.vocab_size  # token ids the batch draws from (peft's TrainableTokensWrapper has no num_embeddings)
     accum = min(setup.grad_accum, 2)
     autocast = autocast_for(setup, device)
     for _ in range(steps):
@@ -328,7 +343,7 @@ def inference_loop(model, spec, setup: Setup, device: str, enter_phase: Callable
     import torch
     b = setup.batch_size
     prompt = setup.prompt_len or setup.seq_len
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = spec.arch.vocab_size  # token ids the batch draws from (peft's TrainableTokensWrapper has no num_embeddings)
     ids = torch.randint(0, vocab, (b, prompt), device=device)
     mask = torch.ones(b, prompt, dtype=torch.long, device=device)
     if setup.padded:

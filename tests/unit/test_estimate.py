@@ -743,3 +743,32 @@ def test_added_tokens_count_in_the_total():
 
     e = estimate("gpt2", Setup(technique="full", added_tokens=3))
     assert e.params_total == e.params_trainable == 124_439_808 + 3 * 768
+
+
+def test_training_added_tokens_modules_to_save_vs_token_indices():
+    """issue 39: Llama-3.1-8B (vocabulary 128,256, hidden 4,096, untied head) with 8 added tokens under LoRA bf16.
+    modules_to_save: two more bf16 tables resident and trained (grads + AdamW state in bf16); token indices: the new
+    rows only, [8, 4096] fp32 per table. Matrix rows (trace_vs_estimate.yaml) keep both within 2% of the trace."""
+    from memplan.estimator.breakdown import estimate
+    from memplan.setup import Setup
+
+    base = dict(technique="lora", precision="bf16", added_tokens=8, batch_size=1, seq_len=512)
+    plain = estimate("meta-llama/Llama-3.1-8B", Setup(**base))
+    copies = estimate("meta-llama/Llama-3.1-8B", Setup(**base, train_new_tokens="modules-to-save"))
+    rows = estimate("meta-llama/Llama-3.1-8B", Setup(**base, train_new_tokens="token-indices"))
+    table = (128_256 + 8) * 4096
+    assert copies.params_trainable - plain.params_trainable == 2 * table
+    assert rows.params_trainable - plain.params_trainable == 2 * 8 * 4096
+    assert copies.components["weights"] - plain.components["weights"] == 2 * table * 2
+    assert copies.components["optimizer_state"] - plain.components["optimizer_state"] == 2 * table * 2 * 2
+    assert copies.peak_allocated_bytes - rows.peak_allocated_bytes > 4 * 2**30  # gigabytes on a 128k vocabulary
+
+
+def test_train_new_tokens_needs_added_tokens_and_lora():
+    from memplan.errors import SetupError
+    from memplan.setup import Setup
+
+    with pytest.raises(SetupError, match="train_new_tokens chooses how LoRA trains added tokens"):
+        Setup(technique="lora", train_new_tokens="token-indices")
+    with pytest.raises(SetupError, match="train_new_tokens"):
+        Setup(technique="full", added_tokens=2, train_new_tokens="modules-to-save")

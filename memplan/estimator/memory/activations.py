@@ -21,6 +21,7 @@ from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.qkv import fused_qkv_pin_bytes
 from memplan.model.layout import BlockLayout, blocks
 from memplan.estimator.memory.moe import expert_lora_copy_bytes, expert_params
+from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.quant import liger_head
 from memplan.estimator.memory.recording import block_training, gradless_linears, input_grads
 from memplan.estimator.memory.saves import (act_saved_bytes, dora_dropout_weight_bytes, input_saves, lora_saves,
@@ -304,7 +305,7 @@ def _outside_saves(ctx: Ctx) -> tuple[float, float]:
             n += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
         if m.is_output:  # Liger's fused loss computes the head's weight gradient in forward: saves no input
             saves_input = trains and a.has_lm_head and not liger_head(ctx)
-            n += (m.in_features * c if saves_input else 0) * tokens
+            n += (m.in_features * c if saves_input else 0) * tokens + new_tokens.head_saved_bytes(ctx, tokens)
         else:
             act = 0 if into_blocks else m.out_features * act_saved_bytes(ctx, trains)
             n += ((m.in_features * c if trains else 0) + act) * tokens

@@ -121,7 +121,7 @@ def _resized_spec(spec: ModelSpec, setup: Setup) -> ModelSpec:
 
 #: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes.
 SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision", "use_dora",
-                    "use_liger_kernel")
+                    "use_liger_kernel", "train_new_tokens", "added_tokens")
 _MEMO: dict[tuple, tuple[ModelSpec, object]] = {}  # key -> (spec, value): the spec kept alive so its id stays its own
 _MEMO_LIMIT = 20_000
 T = TypeVar("T")

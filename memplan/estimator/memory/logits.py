@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
+from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.weights import numel
 
 
@@ -225,7 +226,7 @@ def head_grad_bytes(ctx: Ctx) -> int:
         weight = m.name + ".weight"
         if m.is_output and (weight in ctx.trainable or tied.get(weight) in ctx.trainable):
             return m.in_features * ctx.vocab * ctx.weight_bytes  # the head as resized (added tokens)
-    return 0
+    return new_tokens.head_grad_bytes(ctx)
 
 
 def tied_accumulation_bytes(ctx: Ctx) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
-from memplan.estimator.memory import weights
+from memplan.estimator.memory import new_tokens, weights
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8
 # state1/state2, one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements
@@ -35,6 +35,9 @@ def trainable_tensors(ctx: Ctx, embeddings: bool | None = None) -> Iterator[tupl
     for p in ctx.spec.params:
         if p.name in ctx.trainable and (embeddings is None or (p.role in EMBEDDING_ROLES) == embeddings):
             yield weights.shape(ctx, p), ctx.weight_bytes
+    for shape_, pbytes, is_embedding in new_tokens.extra_trainable(ctx):
+        if embeddings is None or is_embedding == embeddings:
+            yield shape_, pbytes
     if embeddings:
         return
     r = ctx.setup.lora_r

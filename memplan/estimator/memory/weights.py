@@ -7,6 +7,7 @@ import math
 
 from memplan import libs
 from memplan.model import trainable as select
+from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.context import Ctx, per_model
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
@@ -69,7 +70,7 @@ def weights_bytes(ctx: Ctx) -> int:
 def _resident_bytes(ctx: Ctx) -> int:
     """Stored parameters (media parts included) plus the inventory's buffers, once per model and selection."""
     total = sum(stored_bytes(ctx, p, ctx.weight_bytes) for p in ctx.spec.params + ctx.spec.media)
-    return int(total) + buffer_bytes(ctx)
+    return int(total) + buffer_bytes(ctx) + new_tokens.extra_weight_bytes(ctx)
 
 
 #: causal-mask tables that older transformers releases registered on every attention layer,
@@ -200,14 +201,16 @@ def media_lora_numel(ctx: Ctx) -> int:
 @per_model("added_tokens", "lora_r")
 def trainable_numel(ctx: Ctx) -> int:
     """Parameters that get gradients: selected base params (with their added-token rows) and LoRA adapters."""
-    return sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable) + trained_lora_numel(ctx)
+    return (sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable) + trained_lora_numel(ctx)
+            + sum(shape[0] * shape[1] for shape, _, _ in new_tokens.extra_trainable(ctx)))
 
 
 @per_model("added_tokens", "lora_r")
 def trainable_bytes(ctx: Ctx) -> int:
     """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
     base = sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable)
-    return base * ctx.weight_bytes + trained_lora_numel(ctx) * 4
+    extra = sum(shape[0] * shape[1] * b for shape, b, _ in new_tokens.extra_trainable(ctx))
+    return base * ctx.weight_bytes + trained_lora_numel(ctx) * 4 + extra
 
 
 @per_model("added_tokens", "lora_r")
