@@ -3,6 +3,8 @@
 #   .whl        bitsandbytes 0.50.2 (the device image has no bitsandbytes; peft, accelerate, transformers 5.17 are there)
 #   .whl-t523   transformers 5.23.0 (T5's per-layer sdpa position-bias masks: benchmarks/sweeps/t5-transformers523.yaml)
 #   .whl-t448   transformers 4.48.1, peft 0.13.2 and their pins (older code paths: benchmarks/sweeps/t448-*.yaml)
+#   .whl-2026   liger-kernel, torchao and schedulefree (issue 39's techniques: benchmarks/sweeps/gpu-2026-techniques.yaml;
+#               liger-kernel needs triton, which the device image's torch brings)
 # A checkout does not keep ignored folders between sessions; run this first in a session with a GPU (about a
 # minute), then: carry [".whl", ".whl-t523"] (about 50 MiB of the 64 MiB a call may carry) and so on.
 set -euo pipefail
@@ -17,4 +19,5 @@ get() {  # DIR SPEC...: Python 3.12 manylinux wheels for the device image, none 
 get .whl bitsandbytes==0.50.2
 get .whl-t523 transformers==5.23.0
 get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_hub==0.36.2
-du -sh .whl .whl-t523 .whl-t448
+get .whl-2026 liger-kernel==0.8.2 torchao schedulefree
+du -sh .whl .whl-t523 .whl-t448 .whl-2026
