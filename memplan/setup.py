@@ -283,8 +283,9 @@ def distributed_problems(mode: str, world_size: int, sharding: str, offload: str
         p.append(f"CPU offload steps AdamW on the CPU (DeepSpeedCPUAdam; torch AdamW on FSDP's CPU shards), not "
                  f"{optimizer}: use --optimizer adamw-fused, or drop --offload")
     if engine_of(sharding) in ("deepspeed", "fsdp") and optimizer not in ("adamw", "adamw-fused", "adafactor", "sgd"):
-        p.append(f"{optimizer} is not supported over ZeRO/FSDP-sharded parameters here: use --optimizer adamw-fused or "
-                 "adafactor, or --sharding ddp")
+        bnb = optimizer.endswith(("8bit", "32bit")) and not optimizer.startswith("adamw-torch")
+        p.append(f"{optimizer}{' (bitsandbytes)' if bnb else ''} is not supported over ZeRO/FSDP-sharded parameters "
+                 "here: use --optimizer adamw-fused or adafactor, or --sharding ddp")
     if offload == "optimizer" and engine_of(sharding) == "fsdp":
         p.append("FSDP offloads parameters, gradients and optimizer state together (CPUOffload(offload_params=True)): "
                  "use --offload params+optimizer, or a ZeRO stage for optimizer-only offload")
