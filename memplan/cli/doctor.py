@@ -16,7 +16,6 @@ from memplan.units import GiB, fmt_gib
 from memplan.cli.report import table
 from memplan.gpus import find_gpu, refuse_empty_card, resolve_gpu
 from memplan.planner.explain import describe
-from memplan.planner.export import read_plan_document
 
 
 def print_diagnosis(diag: Diagnosis, console=None) -> None:
@@ -83,6 +82,8 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
         except OSError as e:
             raise BadInput(f"cannot read {oom_file!r}: {e.strerror}") from None
     oom = parse_oom_message(oom_message) if oom_message is not None else None
+    from memplan.planner.export import read_plan_document  # lazily: pydantic and yaml, for --from only
+
     doc = read_plan_document(from_plan) if from_plan else None
     setup = setup_from_plan(doc, given or {}) if doc else Setup(**(given or {}))
     model = model or (doc and (doc.get("model") or {}).get("id"))

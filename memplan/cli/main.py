@@ -22,9 +22,6 @@ from memplan.estimator import breakdown
 from memplan.model import catalog
 from memplan.model.catalog import find_models
 from memplan.planner import fit_table, search
-from memplan.planner.export import write_plan
-from memplan.tracer.sharded import trace_deepspeed, trace_sharded
-from memplan.tracer.training import compare as compare_fn, trace
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -115,6 +112,8 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
                          headroom=headroom, host_memory=host_memory, replay=replay, **pins)
     written = None
     if output and result.fits:
+        from memplan.planner.export import write_plan  # lazily: pydantic and yaml, for plan files only
+
         written = str(write_plan(result, spec, output, fmt, force=force))
     if as_json:
         emit_json(dict(result.to_dict(), written=written))
@@ -140,6 +139,9 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
     estimate. With --mode infer: the prefill and generate() that `memplan validate` runs, traced whole. With
     --sharding fsdp-full-shard|fsdp-shard-grad-op|zero1|zero2|zero3 --num-gpus N: rank 0 of real FSDP2 / DeepSpeed
     ZeRO over a fake process group (ZeRO on real small CPU tensors: cut the model with --layers)."""
+    # lazily: torch, transformers and peft load only for the command that runs them (`memplan fit` stays fast)
+    from memplan.tracer.sharded import trace_deepspeed, trace_sharded
+    from memplan.tracer.training import compare as compare_fn, trace
 
     setup = setup_from_options(options)
     spec = load_model(model, trust_remote_code=trust_remote_code)

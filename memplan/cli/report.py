@@ -7,11 +7,8 @@ from rich.table import Table
 
 from memplan.planner.budget import need_bytes
 from memplan.units import GiB, fmt_count
-from memplan.measure.gate import error_text, summary
 from memplan.planner.explain import describe
-from memplan.planner.export import launcher_paths
 from memplan.setup import sharding_label
-from memplan.tracer.training import comparable_estimate_bytes
 
 
 def _gib(n: float) -> str:
@@ -197,6 +194,8 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
     if written:
         console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")
         if plan.setup.sharding != "none":
+            from memplan.planner.export import launcher_paths  # lazily: pydantic and yaml, for plans only
+
             acc, ds = launcher_paths(written)
             extra = f" and {ds}" if plan.setup.engine == "deepspeed" else ""
             console.print(f"wrote {acc}{extra}: accelerate launch --config_file {acc} "
@@ -246,6 +245,8 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
 
 def validation_rows(m, est) -> list[dict]:
     """Predicted vs measured for each quantity the measurement has (CPU: allocated less the cuBLAS workspace)."""
+    from memplan.tracer.training import comparable_estimate_bytes  # lazily: the validator's output only
+
     cpu = m.device == "cpu"  # the tracer's accounting: live tensors, no allocator blocks
     pairs = [("peak allocated", "peak_tensor_bytes" if cpu else "peak_allocated_bytes",
               comparable_estimate_bytes(est) if cpu else est.peak_allocated_bytes, m.allocated_bytes),
@@ -273,6 +274,8 @@ def print_validation(model: str, setup, m, rows, console: Console | None = None)
 
 
 def print_check(result, report_path: str, console: Console | None = None) -> None:
+    from memplan.measure.gate import error_text, summary  # lazily: the check command's output only
+
     console = console or Console()
     # a CI log is 80 columns wide (rich's width without a terminal): no vertical rules, figures and verdicts never
     # wrap or get cut, the words fold, and the notes follow the table keyed by row number
