@@ -3,7 +3,9 @@ and the relative speed score (memplan.planner.search runs the search over them; 
 
 Quality ranks full > LoRA > QLoRA > freeze (freeze trains only the top blocks: the weakest adaptation), mixed
 precision = fp32 master weights > fp32 compute > pure 16-bit weights, all-linear > peft's default (attention)
-targets, AdamW > 8-bit AdamW > paged 8-bit AdamW > Adafactor, larger rank (quality_key cites the evidence).
+targets, AdamW > 8-bit AdamW > paged 8-bit AdamW > Adafactor, then rank: with all-linear targets any rank from 16
+up is as good (QLoRA), the smallest first so the memory left buys a larger micro-batch; on fewer targets, larger
+(quality_key cites the evidence).
 
 Speed is a relative score used only to order candidates (never reported as a prediction):
   efficiency(micro-batch tokens) / step cost, efficiency = min(tokens, 4096) / 4096 (a micro-batch of >= 4096
@@ -22,6 +24,9 @@ from memplan.setup import Setup, distributed_problems
 
 TECHNIQUE_ORDER = ("full", "lora", "qlora", "freeze")
 RANKS = (256, 128, 64, 32, 16, 8, 4)
+#: the smallest rank QLoRA's comparison found as good as any with all layers adapted (arXiv:2305.14314 sec. 4 and
+#: fig. 4: r in 8-256 within noise on LLaMA-7B; 16 leaves a margin below which docs/PLANNER.md keeps larger first)
+ALL_LINEAR_RANK_FLOOR = 16
 TARGET_ORDER = ("all-linear", None)  # None = peft's default targets for the model type (attention projections)
 OPTIMIZER_ORDER = ("adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor")
 SATURATING_TOKENS = 4096
@@ -159,6 +164,8 @@ def quality_key(f: Setup | Mapping) -> tuple:
 
     Targets before rank: "the most critical LoRA hyperparameter is how many LoRA adapters are used in total ...
     LoRA r is unrelated to final performance if LoRA is used on all layers" (QLoRA, arXiv:2305.14314 sec. 4).
+    So with all-linear targets every rank from ALL_LINEAR_RANK_FLOOR up ranks alike, the smallest first (the rest of
+    the memory goes to the micro-batch: throughput), below it lower; on fewer targets a larger rank ranks higher.
     8-bit AdamW matches 32-bit AdamW's results (arXiv:2110.02861) but ranks after it, paged after unpaged (same
     math, slower when paging), Adafactor (factored second moment, arXiv:1804.04235) last."""
     precision, technique, optimizer = _field(f, "precision"), _field(f, "technique"), _field(f, "optimizer")
@@ -166,8 +173,16 @@ def quality_key(f: Setup | Mapping) -> tuple:
     lora = technique in ("lora", "qlora")
     targets = (0 if _field(f, "lora_targets") == "all-linear" else 1) if lora else 0
     optim = OPTIMIZER_ORDER.index(optimizer) if optimizer in OPTIMIZER_ORDER else len(OPTIMIZER_ORDER)
-    return (TECHNIQUE_ORDER.index(technique), prec, targets, optim, -(_field(f, "lora_r") if lora else 0),
-            _field(f, "quant") is not None)
+    return (TECHNIQUE_ORDER.index(technique), prec, targets, optim, rank_key(_field(f, "lora_r"), targets) if lora
+            else (0, 0), _field(f, "quant") is not None)
+
+
+def rank_key(r: int, targets: int) -> tuple[int, int]:
+    """The rank's place in quality_key: all-linear (targets 0) ranks r >= ALL_LINEAR_RANK_FLOOR as one tier,
+    smallest first; peft's default targets, larger first."""
+    if targets == 0:
+        return (0, r) if r >= ALL_LINEAR_RANK_FLOOR else (1, -r)
+    return (0, -r)
 
 
 def speed_score(f: Setup | Mapping, trainable_fraction: float, tokens_per_sample: int,
