@@ -115,14 +115,13 @@ def _id_column(t: Table, name: str, ids, **kw) -> None:
 
 def print_models(index: dict, console: Console | None = None) -> None:
     t = Table(title=f"built-in model catalog: {len(index)} models (a variant answers from its base's config.json)")
-    rows = [(mid, row["model_type"], row["kind"], fmt_count(row["params_total"]),
-             ", ".join(([f"variant of {row['variant_of']}"] if row.get("variant_of") else []) + row["aliases"]))
+    rows = [(mid, row["model_type"], fmt_count(row["params_total"]),
+             ", ".join(([row["variant_of"]] if row.get("variant_of") else []) + row["aliases"]))
             for mid, row in sorted(index.items(), key=lambda kv: kv[0].lower())]
     _id_column(t, "model", [r[0] for r in rows])
     _id_column(t, "type", [r[1] for r in rows])
-    _id_column(t, "kind", [r[2] for r in rows])
-    _id_column(t, "params", [r[3] for r in rows], justify="right")  # exact counts: models --json
-    t.add_column("variant of / aliases", overflow="fold")
+    _id_column(t, "params", [r[2] for r in rows], justify="right")  # exact counts and kinds: models --json
+    t.add_column("answers from / aliases", overflow="fold")
     for r in rows:
         t.add_row(*r)
     (console or Console()).print(t)
