@@ -25,8 +25,11 @@ def table(title: str, *columns) -> Table:
 
 
 def _error_row(t: Table, option: str, error: str, width: int) -> None:
-    """An option that does not apply to the model: n/a and the first line of why, in the last column."""
-    t.add_row(option, "n/a", *["-"] * (width - 3), error.splitlines()[0][:60])
+    """An option that does not apply to the model: n/a and the first line of why, in the last column (the first
+    problem where the message lists them under a heading such as "setup does not suit gpt2:")."""
+    lines = [line.strip(" -") for line in error.splitlines() if line.strip(" -")]
+    why = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0] if lines else error
+    t.add_row(option, "n/a", *["-"] * (width - 3), why[:80])
 
 
 def estimate_table(e) -> Table:

@@ -28,6 +28,12 @@ FIT_OPTIONS: tuple[tuple[str, dict], ...] = (
     ("full + 8-bit AdamW + checkpointing", {"technique": "full", "precision": "{bf}-mixed",
                                             "optimizer": "adamw-8bit", "grad_ckpt": True}),
     ("LoRA r=8 on a {bf} base", {"technique": "lora", "precision": "{bf}", "optimizer": "adamw-fused"}),
+    # issue 39's knobs: DoRA costs memory (two saved [tokens, out] tensors per layer, the norm rebuild); Liger's
+    # fused cross-entropy saves the logits (Llama, Mistral, Qwen2/3, Gemma 1-3: n/a elsewhere, saying why)
+    ("LoRA r=8 + DoRA on a {bf} base", {"technique": "lora", "precision": "{bf}", "optimizer": "adamw-fused",
+                                        "use_dora": True}),
+    ("LoRA r=8 + Liger Kernel on a {bf} base", {"technique": "lora", "precision": "{bf}", "optimizer": "adamw-fused",
+                                                "use_liger_kernel": True}),
     ("QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)",
      {"technique": "qlora", "quant": "nf4", "double_quant": True, "precision": "{bf}",
       "optimizer": "paged-adamw-8bit", "grad_ckpt": True}),
