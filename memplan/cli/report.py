@@ -32,11 +32,20 @@ def _error_row(t: Table, option: str, error: str, width: int) -> None:
     t.add_row(option, "n/a", *["-"] * (width - 3), why[:80])
 
 
+def tokens_label(s) -> str:
+    """The tokens per sample as the setup gives them: a training sequence, or an inference prompt and the new tokens
+    (issue 42 item 8: the header said "seq 512" when --prompt-len 2048 was given)."""
+    if s.mode != "infer":
+        return f"seq {s.seq_len}"
+    new = f" + {s.new_tokens} new" if s.new_tokens is not None else ""
+    return f"prompt {s.prompt_len or s.seq_len}{new}"
+
+
 def estimate_table(e) -> Table:
     """Components at the peak (GiB and % of the device total), then the three peaks and what the fit test needs."""
     s = e.setup
     what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
-            + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""))
+            + f" · batch {s.batch_size} x {tokens_label(s)}" + (" · grad ckpt" if s.grad_ckpt else ""))
     if s.sharding != "none":
         what += f" · per GPU: {sharding_label(s)}"
     t = Table(title=f"{e.model}\n{what}", title_justify="left")
@@ -210,7 +219,7 @@ def print_trace(result, comparison=None, console: Console | None = None) -> None
     s = result.setup
     t = Table(title=f"trace: {result.model} · {'infer' if s.mode == 'infer' else s.technique} · {s.precision}"
               + (f" · {s.quant}" if s.quant else "")
-              + f" · batch {s.batch_size} x seq {s.seq_len}" + (" · grad ckpt" if s.grad_ckpt else ""),
+              + f" · batch {s.batch_size} x {tokens_label(s)}" + (" · grad ckpt" if s.grad_ckpt else ""),
               title_justify="left")
     t.add_column("at the peak")
     t.add_column("traced GiB", justify="right")

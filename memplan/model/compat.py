@@ -55,8 +55,14 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     p: list[str] = []
     total_len = (setup.prompt_len or setup.seq_len) + (setup.new_tokens or 0) if setup.mode == "infer" else setup.seq_len
     if a.max_positions and total_len > a.max_positions:
-        p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
-                 f"use --seq-len <= {a.max_positions}")
+        if setup.mode == "infer":
+            given = "--prompt-len" if setup.prompt_len else "--seq-len"
+            p.append(f"prompt {setup.prompt_len or setup.seq_len} + {setup.new_tokens or 0} new tokens = {total_len} "
+                     f"exceed the model's max_position_embeddings ({a.max_positions}); use {given} + --new-tokens "
+                     f"<= {a.max_positions}")
+        else:
+            p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
+                     f"use --seq-len <= {a.max_positions}")
     if setup.use_liger_kernel and a.model_type not in LIGER_ESTIMATED:
         why = ("Liger Kernel does not patch it (transformers would train without it, silently)"
                if a.model_type not in LIGER_MODEL_TYPES else "memplan does not model Liger's patches for it yet")

@@ -229,3 +229,14 @@ def test_a_local_folder_shadowing_a_catalog_id_is_named(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["estimate", "gpt2"])
     assert r.exit_code == 0 and "using the local gpt2" in r.stderr and "not the catalog's openai-community/gpt2" \
         in r.stderr, r.output
+
+
+def test_inference_header_and_length_error_name_the_prompt(run):
+    """issue 42 item 8: the inference header said "seq 512" when --prompt-len was given, and a prompt too long
+    for the model was told to shorten --seq-len."""
+    r = run("estimate", "gpt2", "--mode", "infer", "--prompt-len", "900", "--new-tokens", "64")
+    assert r.exit_code == 0 and "batch 8 x prompt 900 + 64 new" in r.output, r.output
+    r = run("estimate", "gpt2", "--mode", "infer", "--prompt-len", "1024", "--new-tokens", "64")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "prompt 1024 + 64 new tokens = 1088 exceed" in text and "--prompt-len + --new-tokens" \
+        in text, r.output
