@@ -257,13 +257,15 @@ def hf_config(model, **overrides):
     return config_from_dict(config_dict(model), **overrides)
 
 
-def _build_one(cfg_name: str) -> tuple[str, dict]:
-    """Build one catalog config's inventory (a worker of refresh_catalog): (file name, inventory dict)."""
+def _build_one(cfg_name: str) -> tuple[str, dict, str]:
+    """Build one catalog config's inventory (a worker of refresh_catalog): (file name, inventory dict, the format
+    its checkpoint is stored in: stored_format)."""
     from memplan.inventory.build import build_spec
 
     cfg = CONFIGS / cfg_name
-    spec = build_spec(read_config(cfg), model_id=cfg.stem.replace("__", "/", 1), config_file=f"configs/{cfg_name}")
-    return cfg_name, spec.to_dict()
+    config = read_config(cfg)
+    spec = build_spec(config, model_id=cfg.stem.replace("__", "/", 1), config_file=f"configs/{cfg_name}")
+    return cfg_name, spec.to_dict(), stored_format(config)
 
 
 def refresh_catalog(echo=print, workers: int | None = None) -> int:
@@ -276,12 +278,13 @@ def refresh_catalog(echo=print, workers: int | None = None) -> int:
     names = sorted(p.name for p in CONFIGS.glob("*.json"))
     workers = max(1, min(workers or os.cpu_count() or 1, len(names) or 1))
     built: dict[str, ModelSpec] = {}
+    stored: dict[str, str] = {}
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no inherited torch threads
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        for cfg_name, inv in pool.map(_build_one, names):
+        for cfg_name, inv, stored_as in pool.map(_build_one, names):
             write_json_atomic(INVENTORY / cfg_name, inv)
             spec = ModelSpec.from_dict(inv)
-            built[spec.model_id] = spec
+            built[spec.model_id], stored[spec.model_id] = spec, stored_as
             echo(f"{spec.model_id}: {spec.numel_total:,} parameters")
     index = {}
     for model_id, spec in built.items():
@@ -290,9 +293,8 @@ def refresh_catalog(echo=print, workers: int | None = None) -> int:
                            "aliases": sorted(k for k, v in LEGACY.items() if v == model_id),
                            "source": sources.get(model_id, {}).get("source", ""),
                            "published": sources.get(model_id, {}).get("published", "")}
-        stored = stored_format(read_config(CONFIGS / index[model_id]["file"]))
-        if stored:
-            index[model_id]["stored_as"] = stored
+        if stored[model_id]:
+            index[model_id]["stored_as"] = stored[model_id]
     for variant, base, evidence in read_variants():
         if base not in built:
             raise BadInput(f"{VARIANTS}: {variant} names base {base!r}, which has no config in {CONFIGS}")

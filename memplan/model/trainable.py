@@ -130,11 +130,28 @@ def router_linear(spec: ModelSpec, p: Param) -> Linear | None:
     return None
 
 
-def lora_params(spec: ModelSpec, targets, r: int, use_dora: bool = False) -> int:
+def lora_params(spec: ModelSpec, targets, r: int) -> int:
     """Adapter parameters: r x (in + out) per targeted Linear (lora_A [r, in], lora_B [out, r]); fused experts
-    use rank r x rank_mult; DoRA adds a magnitude per output feature."""
-    return sum(r * m.rank_mult * (m.in_features + m.out_features) + (m.out_features if use_dora else 0)
+    use rank r x rank_mult."""
+    return sum(r * m.rank_mult * (m.in_features + m.out_features)
                for m in lora_linears(spec, targets) + media_lora_linears(spec, targets))
+
+
+def new_token_kwargs(spec: ModelSpec, setup) -> dict:
+    """LoraConfig kwargs that train the added tokens as Setup.train_new_tokens asks: modules_to_save with the input
+    embedding and the output head (a full trainable copy of each), or trainable_token_indices with the new rows of
+    the embedding (peft ties a tied head's rows to it) and of an untied head. The runtime builds its LoraConfig
+    and the plan file writes its peft section from these."""
+    if not setup.train_new_tokens:
+        return {}
+    embed = next((p.name.rsplit(".", 2)[-2] for p in spec.params if p.role == "embedding"), None)
+    head = next((m.short_name for m in spec.linears if m.is_output), None)
+    if setup.train_new_tokens == "modules-to-save":
+        return {"modules_to_save": [embed, head]} if embed and head else {}
+    if not embed:
+        return {}
+    rows = list(range(spec.arch.vocab_size, spec.arch.vocab_size + setup.added_tokens))
+    return {"trainable_token_indices": rows if spec.tied or not head else {embed: rows, head: list(rows)}}
 
 
 def _last_blocks(spec: ModelSpec, n: int) -> tuple[Param, ...]:

@@ -31,7 +31,7 @@ from memplan.model.compat import default_attn_impl
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
 from memplan.estimator.launch import accelerate_config, deepspeed_config
-from memplan.model.trainable import trainable_params
+from memplan.model.trainable import new_token_kwargs, trainable_params
 from memplan.planner.explain import describe
 from memplan import __version__
 
@@ -81,16 +81,8 @@ def peft_section(spec, s: Setup) -> dict | None:
     elif isinstance(targets, tuple):
         targets = list(targets)
     task = {"causal": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM"}.get(spec.arch.kind)
-    out = {"r": s.lora_r, "lora_alpha": s.lora_alpha, "lora_dropout": s.lora_dropout, "target_modules": targets,
-           "bias": "none", "task_type": task, "use_dora": s.use_dora}
-    embed = next((p.name.rsplit(".", 2)[-2] for p in spec.params if p.role == "embedding"), None)
-    head = next((m.short_name for m in spec.linears if m.is_output), None)
-    if s.train_new_tokens == "modules-to-save" and embed and head:
-        out["modules_to_save"] = [embed, head]
-    elif s.train_new_tokens == "token-indices" and embed:
-        rows = list(range(spec.arch.vocab_size, spec.arch.vocab_size + s.added_tokens))
-        out["trainable_token_indices"] = rows if spec.tied or not head else {embed: rows, head: list(rows)}
-    return out
+    return {"r": s.lora_r, "lora_alpha": s.lora_alpha, "lora_dropout": s.lora_dropout, "target_modules": targets,
+            "bias": "none", "task_type": task, "use_dora": s.use_dora, **new_token_kwargs(spec, s)}
 
 
 def training_arguments_section(s: Setup) -> dict:

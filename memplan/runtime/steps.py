@@ -62,7 +62,6 @@ def make_optimizer(setup: Setup, params, standin_tracker=None, model=None):
     import torch
     params = [p for p in params if p.requires_grad]
     opt = setup.optimizer
-    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)] if model is not None else []
     if opt == "adamw":  # CUDA's default for torch.optim.AdamW (foreach); the tracer forces it on the CPU too
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
     if opt == "adamw-fused":
@@ -70,6 +69,7 @@ def make_optimizer(setup: Setup, params, standin_tracker=None, model=None):
     if opt in BNB_OPTIMIZERS:
         cls_name, states, bits = BNB_OPTIMIZERS[opt]
         paged = opt.startswith("paged")
+        embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)] if model is not None else []
         if standin_tracker is not None:
             return StandInBnbOptimizer(params, standin_tracker, paged=paged, fp32={id(m.weight) for m in embeddings},
                                        states=states, bits=bits)
@@ -178,27 +178,12 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
             targets = list(spec.arch.lora_default_targets)
         cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                               target_modules=list(targets) if isinstance(targets, tuple) else targets,
-                              use_dora=setup.use_dora, **new_token_kwargs(model, spec, setup))
+                              use_dora=setup.use_dora, **select.new_token_kwargs(spec, setup))
         model = peft.get_peft_model(model, cfg)
     model.train()
     if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base
         apply_liger_standins(model)
     return model
-
-
-def new_token_kwargs(model, spec, setup: Setup) -> dict:
-    """LoraConfig kwargs that train the added tokens as Setup.train_new_tokens asks: modules_to_save with the input
-    embedding and the output head (a full trainable copy of each), or trainable_token_indices with the new rows of
-    the embedding (peft ties a tied head's rows to it) and of an untied head."""
-    if not setup.train_new_tokens:
-        return {}
-    names = {m: n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
-    embed, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
-    if setup.train_new_tokens == "modules-to-save":
-        return {"modules_to_save": [embed, head]}
-    rows = list(range(spec.arch.vocab_size, spec.arch.vocab_size + setup.added_tokens))
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return {"trainable_token_indices": rows if tied else {embed: rows, head: rows}}
 
 
 def untie_like_checkpoint(model, spec) -> None:

@@ -147,7 +147,7 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
         raise BadInput("trace needs at least 2 steps (the optimizer state exists from the second on)")
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
     d = config_dict(spec)
-    asked, layers = layers, layers and max(min_layers(setup, layers), 1 + leading_irregular_blocks(spec))
+    asked, layers = layers, layers and min_layers(setup, layers, spec)
     skipping = any(p[-1:].isdigit() for p in spec.arch.media_parts)  # layers a text-only step skips (Mllama)
     if not layers or layers >= total_layers - 1 or skipping:
         t = run_traced(spec, setup, d, None, steps, fake, tracker=StorageTracker(events=True))
@@ -205,12 +205,14 @@ def _add_replay(result: TraceResult, events, mode: str = "train") -> None:
     result.peak_reserved_bytes, result.peak_allocated_bytes = free.peak_reserved, free.peak_allocated
 
 
-def min_layers(setup: Setup, layers: int) -> int:
+def min_layers(setup: Setup, layers: int, spec=None) -> int:
     """The fewest blocks to extrapolate from: 2, so that a block other than the first exists (the first may differ:
-    T5's computes the position bias the others reuse); with freeze of N blocks, N + 1, so that the traced model
-    has a frozen block (with fewer, every block it has trains)."""
+    T5's computes the position bias the others reuse); with `spec`, one past the blocks that differ from the rest
+    (leading_irregular_blocks: DeepSeek-V3's dense first blocks); with freeze of N blocks, N + 1, so that the traced
+    model has a frozen block (with fewer, every block it has trains)."""
     frozen = setup.trainable + 1 if setup.technique == "freeze" and isinstance(setup.trainable, int) else 0
-    return max(layers, 2, frozen)
+    irregular = 1 + leading_irregular_blocks(spec) if spec is not None else 0
+    return max(layers, 2, frozen, irregular)
 
 
 def result_from(spec, setup, t: StorageTracker, traced, total) -> TraceResult:

@@ -22,10 +22,9 @@ from memplan.estimator.memory.qkv import fused_qkv_pin_bytes
 from memplan.model.layout import BlockLayout, blocks
 from memplan.estimator.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.estimator.memory import new_tokens
-from memplan.estimator.memory.quant import liger_head
 from memplan.estimator.memory.recording import block_training, gradless_linears, input_grads
-from memplan.estimator.memory.saves import (act_saved_bytes, dora_dropout_weight_bytes, input_saves, lora_saves,
-                                            norm_bytes, shared_input_saves, weight_trains)
+from memplan.estimator.memory.saves import (act_saved_bytes, dora_dropout_weight_bytes, input_saves, liger_head,
+                                            lora_saves, norm_bytes, shared_input_saves, weight_trains)
 from memplan.estimator.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes, embedding_leaf_bytes
 
 

@@ -25,17 +25,14 @@ def dora_temp_bytes(ctx: Ctx) -> int:
 def layer_temp_bytes(ctx: Ctx, n_in: int, n_out: int, quantized: bool) -> int:
     """One DoRA layer's temporaries at get_weight_norm, its largest moment.
 
-    ab: the adapter's dtype (fp32: peft's autocast_adapter_dtype); under autocast lora_A/lora_B compute in the
-    compute dtype and save a compute-dtype copy of the identity. xb: the dtype x reaches the layer in (peft casts it
-    to the adapter's dtype outside autocast; under autocast the compute dtype). Alive at once: the identity lora_A
-    saved [in, in], lora_A's output [in, r], lora_weight [out, in] (and its cast to xb where it differs), the base
-    weight cast or dequantized to xb (none when it already is xb), s * lora_weight and W + s * lora_weight.
+    xb: the dtype x reaches the layer in, which lora_A and lora_B compute in: the adapter's (fp32: peft's
+    autocast_adapter_dtype) outside autocast, the compute dtype under it (where lora_A saves a compute-dtype copy
+    of the identity). Alive at once: the identity lora_A saved [in, in], lora_A's output [in, r], lora_weight
+    [out, in], the base weight cast or dequantized to xb (none when it already is xb), s * lora_weight and
+    W + s * lora_weight.
     """
-    ab = adapter_compute_bytes(ctx)
-    mm = ctx.compute_bytes if ctx.mixed else ab  # the dtype lora_A and lora_B compute in
-    xb = ctx.compute_bytes if ctx.mixed else ab
+    xb = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
     w = n_out * n_in
-    eye = n_in * n_in * mm + n_in * ctx.setup.lora_r * mm
-    lora = w * mm + (w * xb if xb != mm else 0)
+    eye = (n_in * n_in + n_in * ctx.setup.lora_r) * xb
     base = w * xb if (quantized or ctx.weight_bytes != xb) else 0
-    return int(eye + lora + base + 2 * w * xb)
+    return int(eye + w * xb + base + 2 * w * xb)

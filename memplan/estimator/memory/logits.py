@@ -4,6 +4,7 @@ from __future__ import annotations
 from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory import new_tokens
+from memplan.estimator.memory.saves import liger_head
 from memplan.estimator.memory.weights import numel
 
 
@@ -47,13 +48,6 @@ def _plain_cross_entropy(ctx: Ctx) -> bool:
     """
     a = ctx.spec.arch
     return a.plain_cross_entropy or (a.model_type in OWN_SHIFT_BEFORE_4_49 and _shifts_logits(ctx))
-
-
-def liger(ctx: Ctx) -> bool:
-    """Liger's fused linear cross-entropy replaces the head and the loss (use_liger_kernel, training a causal LM
-    with labels: liger_kernel/transformers/model/*.py lce_forward skips the logits)."""
-    a = ctx.spec.arch
-    return ctx.setup.use_liger_kernel and ctx.training and a.kind == "causal" and a.has_lm_head
 
 
 def _flce_chunk(ctx: Ctx) -> int:
@@ -140,7 +134,7 @@ def logits_forward_bytes(ctx: Ctx) -> int:
     the logits dtype and cast only under autocast (log_softmax is on its fp32 list): there the fp32 input copy is
     alive while log_softmax writes its output.
     """
-    if liger(ctx):
+    if liger_head(ctx):
         return _flce_forward(ctx)
     t, v, lb, loss = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx), _loss_bytes(ctx)
     if _fp32_logits(ctx):  # the 16-bit head output is gone once the biased fp32 sum exists
@@ -160,7 +154,7 @@ def softcap_bytes(ctx: Ctx) -> int:
     tanh saves its [tokens, vocab] output in the logits dtype until the loss's backward reaches it, beside the loss
     buffers. Source: modeling_gemma2.py Gemma2ForCausalLM.forward.
     """
-    if not ctx.spec.arch.final_logit_softcap or liger(ctx):  # Liger caps inside its kernel, per chunk
+    if not ctx.spec.arch.final_logit_softcap or liger_head(ctx):  # Liger caps inside its kernel, per chunk
         return 0
     return _logit_tokens(ctx) * ctx.vocab * _logit_bytes(ctx)
 
@@ -170,7 +164,7 @@ def largest_block_bytes(ctx: Ctx) -> int:
 
     One [tokens, vocab] buffer in the loss dtype: the upcast logits, log_softmax output or its gradient.
     """
-    if liger(ctx):
+    if liger_head(ctx):
         v, h = ctx.vocab, ctx.spec.arch.hidden_size
         temp = v * h * 4 if head_grad_bytes(ctx) and ctx.weight_bytes < 4 else 0
         return max(_flce_chunk(ctx) * v * _logit_bytes(ctx), temp, head_grad_bytes(ctx),
@@ -183,7 +177,7 @@ def logits_saved_bytes(ctx: Ctx) -> int:
 
     Under _cuda_split_loss also nll_loss's fp32 cast of it.
     """
-    if liger(ctx):
+    if liger_head(ctx):
         return _flce_saved(ctx)
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4)
@@ -199,7 +193,7 @@ def logits_backward_bytes(ctx: Ctx) -> int:
     beside its fp32 gradient (the engine frees the cast once nll_loss's backward has run, before the gradient's
     cast back and log_softmax's backward).
     """
-    if liger(ctx):  # its backward scales the saved gradients in place
+    if liger_head(ctx):  # its backward scales the saved gradients in place
         return _flce_saved(ctx)
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4 + 4) + softcap_bytes(ctx)
@@ -212,7 +206,7 @@ def head_backward_bytes(ctx: Ctx) -> int:
     The logits gradient in the lm_head output dtype and the head's input gradient [tokens, hidden].
     """
     t = _logit_tokens(ctx)
-    if liger(ctx):  # grad_input is the hidden states' gradient; grad_weight is already the head's .grad
+    if liger_head(ctx):  # grad_input is the hidden states' gradient; grad_weight is already the head's .grad
         return t * ctx.spec.arch.hidden_size * ctx.residual_bytes
     return t * ctx.vocab * _logit_bytes(ctx) + t * ctx.spec.arch.hidden_size * ctx.compute_bytes
 

@@ -19,7 +19,7 @@ from memplan.estimator.memory.context import Ctx
 
 def _table(ctx: Ctx) -> tuple[int, int]:
     """(vocab as resized, hidden) of the embedding table."""
-    return ctx.spec.arch.vocab_size + ctx.setup.added_tokens, ctx.spec.arch.hidden_size
+    return ctx.vocab, ctx.spec.arch.hidden_size
 
 
 def _trains_new_tokens(ctx: Ctx) -> str | None:

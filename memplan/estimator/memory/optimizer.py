@@ -148,14 +148,13 @@ def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
     fn = STATE_FN[ctx.setup.optimizer]
     states = BNB_8BIT.get(ctx.setup.optimizer)
-    if states and not libs.older_than("memplan", TRAINER_EMBEDDING_OVERRIDE_SINCE):
-        # Trainer registers every nn.Embedding weight for 32-bit state with bitsandbytes' GlobalOptimManager
-        # (transformers trainer.py create_optimizer: register_module_override(module, "weight", {"optim_bits": 32}))
-        fp32 = sum(states * _numel(shape) * 4 for shape, _ in trainable_tensors(ctx, embeddings=True))
-        counts = Counter(trainable_tensors(ctx, embeddings=False))
-        return fp32 + sum(n * fn(shape, pbytes) for (shape, pbytes), n in counts.items())
-    counts = Counter(trainable_tensors(ctx))  # identical blocks repeat the same shapes: one call per distinct shape
-    return sum(n * fn(shape, pbytes) for (shape, pbytes), n in counts.items())
+    # Trainer registers every nn.Embedding weight for 32-bit state with bitsandbytes' GlobalOptimManager
+    # (transformers trainer.py create_optimizer: register_module_override(module, "weight", {"optim_bits": 32}))
+    override = bool(states) and not libs.older_than("memplan", TRAINER_EMBEDDING_OVERRIDE_SINCE)
+    fp32 = sum(states * _numel(shape) * 4 for shape, _ in trainable_tensors(ctx, embeddings=True)) if override else 0
+    # identical blocks repeat the same shapes: one call per distinct shape
+    counts = Counter(trainable_tensors(ctx, embeddings=False if override else None))
+    return fp32 + sum(n * fn(shape, pbytes) for (shape, pbytes), n in counts.items())
 
 
 def is_paged(ctx: Ctx) -> bool:

@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.recording import graph_blocks, gradless_linears
+from memplan.estimator.memory.saves import liger_head
 
 
 @per_model()
@@ -49,15 +50,10 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
         in_blocks = max((n for n, _ in inside.values()), default=0)
     else:
         in_blocks = sum(trains for _, trains in inside.values())
-    outside = 0 if liger_head(ctx) else _outside(per)  # the fused loss's own (logits._flce_forward)
+    # Liger's fused loss saves no cast of the head's weight for a backward: the casts it makes are counted with it
+    # (logits._flce_forward)
+    outside = 0 if liger_head(ctx) else _outside(per)
     return (outside + in_blocks) * ctx.compute_bytes
-
-
-def liger_head(ctx: Ctx) -> bool:
-    """Liger's fused loss runs the head (logits.liger): it saves no cast of the head's weight for a backward (the
-    casts it makes are counted with it, logits._flce_forward)."""
-    a = ctx.spec.arch
-    return ctx.setup.use_liger_kernel and ctx.training and a.kind == "causal" and a.has_lm_head
 
 
 def largest_block_cast_bytes(ctx: Ctx, keys) -> int:

@@ -153,6 +153,13 @@ def liger_patched(ctx: Ctx) -> bool:
     return ctx.setup.use_liger_kernel and ctx.training
 
 
+def liger_head(ctx: Ctx) -> bool:
+    """Liger's fused linear cross-entropy replaces the head and the loss (use_liger_kernel, training a causal LM
+    with labels: liger_kernel/transformers/model/*.py lce_forward skips the logits)."""
+    a = ctx.spec.arch
+    return liger_patched(ctx) and a.kind == "causal" and a.has_lm_head
+
+
 def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | None = None) -> float:
     """Bytes per token a normalisation layer of width h saves for backward.
 
