@@ -3,7 +3,8 @@
 # deadline. Rows are appended (resumably) to data/measured/gpu-h100.csv and copied to $OUT.
 #   bash benchmarks/gpu_session.sh SECONDS [smoke] [tests] [planner] [pool:--planner|pool:] SWEEP.yaml...
 # pool: every gpu-*.yaml sweep side by side (benchmarks/gpu_pool.py), until SECONDS; pool:--planner adds the
-# planner check pairs. diagnose:CASES.yaml: benchmarks/gpu_diagnose.py on those cases, tables into $OUT.
+# planner check pairs; 'pool:--workers 8 A.yaml B.yaml' pools only those sweeps (run first what matters most).
+# diagnose:CASES.yaml: benchmarks/gpu_diagnose.py on those cases, tables into $OUT.
 # wheels:DIR:SWEEP.yaml runs SWEEP through the pool with DIR's wheels (another transformers,
 # say) in front of the rest, into its own data/measured/gpu-h100-DIR.csv (row keys do not hold package versions);
 # quote a glob of sweeps: 'wheels:.whl-t448:benchmarks/sweeps/t448-*.yaml'. The wheel folders are not kept in a
@@ -25,8 +26,13 @@ OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 csv=data/measured/gpu-h100.csv
 save() { cp -f data/measured/*.csv "$OUTDIR"/ 2>/dev/null; }
 trap save EXIT
+( while sleep 30; do save; done ) &  # rows come back even when the call is stopped at its limit
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-python3 -c "import torch, transformers, peft, bitsandbytes, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'accelerate', accelerate.__version__)"
+python3 -c "import torch, transformers, peft, bitsandbytes, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'accelerate', accelerate.__version__)
+from importlib.metadata import version, PackageNotFoundError
+for name in ('liger-kernel', 'torchao', 'schedulefree', 'triton'):
+    try: print(name, version(name))
+    except PackageNotFoundError: print(name, 'not installed')"
 for step in "$@"; do
   left=$(( end - $(date +%s) ))
   [ "$left" -le 20 ] && { echo "deadline reached before $step"; break; }
@@ -40,8 +46,9 @@ for step in "$@"; do
              "${spec%%:*}" $(echo "${spec#*:}" | tr , ' ') 2>&1 | tail -3 ;;
     diagnose:*) timeout "$left" python3 benchmarks/gpu_diagnose.py "$OUTDIR/diagnose-$(basename ${step#diagnose:} .yaml)" \
              "${step#diagnose:}" --parallel 3 2>&1 | tail -5 ;;
-    pool:*) timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" ${step#pool:} \
-             benchmarks/sweeps/gpu-*.yaml 2>&1 | grep -v Warning ;;
+    pool:*) args=${step#pool:}; files=benchmarks/sweeps/gpu-*.yaml; case $args in *.yaml*) files=;; esac
+             timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) "$csv" $args $files 2>&1 \
+               | grep -v Warning ;;
     wheels:*) spec=${step#wheels:}; dir=${spec%%:*}; name=$(basename "$dir" | tr -d .); site=/tmp/site-$name
              install "$dir" "$site" || continue
              PYTHONPATH=$site:$PYTHONPATH timeout $(( left + 200 )) python3 benchmarks/gpu_pool.py $(( left - 30 )) \
