@@ -38,7 +38,7 @@ def record(outdir: str, model: str, pairs: list[str]) -> Path:
     from memplan.measure.runner import quantize_bnb
     spec, setup = load_spec(model), _setup(pairs)
     meter = CudaMeter()
-    model_ = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"))
+    model_ = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"), real_kernels=True)
     materialize(model_, fake=False, device="cuda")
     opt = make_optimizer(setup, model_.parameters())
     meter.start()

@@ -129,7 +129,7 @@ def run_case(case: dict, fraction: float | None, stacks: bool = True) -> dict:
         phase[0] = name
 
     status = "ok"
-    model = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"))
+    model = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"), real_kernels=True)
     materialize(model, fake=False, device="cuda")
     try:
         if setup.mode == "train":

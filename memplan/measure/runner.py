@@ -99,7 +99,7 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
 
     meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
     try:
-        model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"))
+        model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"), real_kernels=True)
         materialize(model, fake=False, device="cuda")
         opt = make_optimizer(setup, model.parameters(), model=model) if setup.mode == "train" else None
         meter.start()

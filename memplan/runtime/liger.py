@@ -141,3 +141,14 @@ def _mlp_forward(module, fn):
     def forward(x):
         return module.down_proj(fn.apply(module.gate_proj(x), module.up_proj(x)))
     return forward
+
+
+def apply_liger_kernels(model) -> None:
+    """Patch `model` with Liger's own kernels, as Trainer.train() does (transformers integrations/liger.py: the peft
+    model's base, default kernel config). For CUDA runs; the tracer uses apply_liger_standins."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        from memplan.errors import BadInput
+        raise BadInput("use_liger_kernel on a GPU runs Liger's Triton kernels: pip install liger-kernel") from None
+    _apply_liger_kernel_to_instance(model=model.get_base_model() if hasattr(model, "get_base_model") else model)

@@ -21,7 +21,7 @@ from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import config_from_dict
-from memplan.runtime.liger import apply_liger_standins
+from memplan.runtime.liger import apply_liger_kernels, apply_liger_standins
 from memplan.runtime.standins import (StandInBnbOptimizer, StandInScheduleFree, StandInTorchaoAdamW,
                                       quantize_standins)
 from memplan import libs
@@ -127,12 +127,14 @@ def cut_config(d: dict, layers: int) -> dict:
     return d
 
 
-def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Callable | None = None):
+def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Callable | None = None,
+                real_kernels: bool = False):
     """The real transformers model for the setup on the meta device: dtype, quantized linears, k-bit preparation,
     freezing, LoRA, checkpointing. materialize() then gives it storage. Built on meta because module.to()/peft's
     adapter moves swap fake parameters, which torch refuses while the fake mode holds weakrefs.
 
     quantizer(model, names, setup, compute_dtype): replaces the named Linear modules (default: the bnb stand-ins).
+    real_kernels: Liger's own Triton kernels (CUDA runs) instead of the stand-ins that hold what they allocate.
     """
     import accelerate
     import peft
@@ -182,7 +184,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         model = peft.get_peft_model(model, cfg)
     model.train()
     if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base
-        apply_liger_standins(model)
+        (apply_liger_kernels if real_kernels else apply_liger_standins)(model)
     return model
 
 
