@@ -25,8 +25,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 csv=data/measured/gpu-h100.csv
 save() { cp -f data/measured/*.csv "$OUTDIR"/ 2>/dev/null; }
-trap save EXIT
-( while sleep 30; do save; done ) &  # rows come back even when the call is stopped at its limit
+( while sleep 30; do save; done ) >/dev/null 2>&1 &  # rows come back even when the call is stopped at its limit
+saver=$!
+trap 'kill $saver 2>/dev/null; save' EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch, transformers, peft, bitsandbytes, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, 'accelerate', accelerate.__version__)
 from importlib.metadata import version, PackageNotFoundError

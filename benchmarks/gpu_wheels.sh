@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetch (here, where PyPI answers) the wheels issue 6's device calls carry, into git-ignored folders:
-#   .whl        bitsandbytes 0.50.2 (the device image has no bitsandbytes; peft, accelerate, transformers 5.17 are there)
+#   .whl        bitsandbytes 0.50.2 and pydantic with its own needs (the device image has neither; peft, accelerate,
+#               transformers 5.17 are there), plus the .whl-2026 wheels, so that one folder travels
 #   .whl-t523   transformers 5.23.0 (T5's per-layer sdpa position-bias masks: benchmarks/sweeps/t5-transformers523.yaml)
 #   .whl-t448   transformers 4.48.1, peft 0.13.2 and their pins (older code paths: benchmarks/sweeps/t448-*.yaml)
 #   .whl-2026   liger-kernel, torchao and schedulefree (issue 39's techniques: benchmarks/sweeps/gpu-2026-techniques.yaml;
@@ -16,8 +17,10 @@ get() {  # DIR SPEC...: Python 3.12 manylinux wheels for the device image, none 
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$dir" "$@"
 }
-get .whl bitsandbytes==0.50.2
+get .whl bitsandbytes==0.50.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==4.16.0
 get .whl-t523 transformers==5.23.0
 get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_hub==0.36.2
-get .whl-2026 liger-kernel==0.8.2 torchao schedulefree
+get .whl-2026 liger-kernel==0.8.2 torchao==0.18.0 schedulefree==1.4.1
+cp .whl-2026/*.whl .whl/  # about 48 MiB in .whl with the tree's 15: carry [".whl"] alone
 du -sh .whl .whl-t523 .whl-t448 .whl-2026

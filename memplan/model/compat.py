@@ -106,3 +106,25 @@ def check_setup(spec: ModelSpec, setup: Setup) -> None:
         select.trainable_params(spec, setup)
     if setup.uses_lora:
         select.lora_linears(spec, setup.lora_targets)
+
+
+# ---------------------------------------------------------------------------------------------------- torchao AdamW
+
+#: torchao's low-bit AdamW (Trainer's optim adamw_torch_4bit / adamw_torch_8bit, transformers trainer_optimizer.py:
+#: block_size=256): a tensor of at least TORCHAO_MIN_SIZE elements whose size divides by the block gets quantized
+#: states (torchao/optim/adam.py _new_buffer); any other keeps plain states in the param dtype.
+TORCHAO_MIN_SIZE, TORCHAO_BLOCK = 4096, 256
+
+#: Bytes per element that torchao's compiled per-tensor step (adam.py single_param_adam under torch.compile) holds
+#: for a tensor with quantized states. 8-bit: the fp32 exp_avg and exp_avg_sq, kept for the parameter update after
+#: the block scales' reductions (inductor's buffers, read from its output code on torch 2.13). 4-bit: also each
+#: state's int64 codes (quant_utils.quantize_4bit_with_qmap's torch.where over integer literals), which the strided
+#: nibble packing `(codes[::2] << 4) | codes[1::2]` reads back: 8 + 16. Measured on an H100 (torch 2.11, torchao
+#: 0.18): 7.9 B on SmolLM2-135M's embedding (8-bit) and 24.0 B on Qwen2.5-0.5B's (4-bit), data/measured/gpu-h100.csv.
+#: A tensor with plain states fuses into one kernel: nothing tensor-sized.
+TORCHAO_STEP_BYTES = {8: 8, 4: 24}
+
+
+def torchao_quantized(numel: int) -> bool:
+    """Whether torchao's low-bit AdamW quantizes the states of a tensor of `numel` elements."""
+    return numel >= TORCHAO_MIN_SIZE and numel % TORCHAO_BLOCK == 0

@@ -86,7 +86,7 @@ def _functions():
                         grad_weight += torch.mm(logits.t(), xc.to(logits.dtype)).float()
                 del logits
             loss = loss_1d.sum()
-            ctx.save_for_backward(grad_input, grad_weight)
+            ctx.save_for_backward(grad_input.detach(), grad_weight.detach() if grad_weight is not None else None)
             return loss
 
         @staticmethod

@@ -184,19 +184,21 @@ class StandInBnbOptimizer:
 
 
 class StandInTorchaoAdamW(StandInBnbOptimizer):
-    """torchao AdamW8bit / AdamW4bit as transformers builds them (block_size=256): tensors of at least 4096 elements
-    whose size divides by 256 get two quantized states (1 or 0.5 B per element) with an fp32 scale per block and a
-    code table (256 or 16 fp32); others keep plain states in the param dtype. Each step runs the compiled fp32 math
-    per tensor: the tracer allocates four fp32 tensors of its size (the estimate's reading, unmeasured on a GPU)."""
+    """torchao AdamW8bit / AdamW4bit as transformers builds them (block_size=256): tensors compat.torchao_quantized
+    accepts get two quantized states (1 or 0.5 B per element) with an fp32 scale per block and a code table (256 or
+    16 fp32); others keep plain states in the param dtype. Each step runs the compiled fp32 math per tensor: the
+    buffers compat.TORCHAO_STEP_BYTES gives for a quantized one (fp32 states; 4-bit: their int64 codes too)."""
 
     def step(self):
         import torch
+        from memplan.model.compat import TORCHAO_STEP_BYTES, torchao_quantized
         for p in self.params:
             if p.grad is None:
                 continue
             n = p.numel()
+            quantized = torchao_quantized(n)
             if p not in self.state:
-                if n < 4096 or n % 256:
+                if not quantized:
                     st = [torch.zeros_like(p) for _ in range(2)]
                 else:
                     codes = 256 if self.bits == 8 else 16
@@ -206,7 +208,8 @@ class StandInTorchaoAdamW(StandInBnbOptimizer):
                 for t in st:
                     self.tracker.tag(t, "optimizer_state")
                 self.state[p] = st
-            _work = [torch.empty(n, dtype=torch.float32, device=p.device) for _ in range(4)]
+            if quantized:
+                _work = torch.empty(n * TORCHAO_STEP_BYTES[self.bits], dtype=torch.uint8, device=p.device)
 
 
 class StandInScheduleFree(StandInBnbOptimizer):

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory import new_tokens, weights
+from memplan.model.compat import TORCHAO_BLOCK, TORCHAO_STEP_BYTES, torchao_quantized
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8
 # state1/state2, one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements
@@ -98,17 +99,13 @@ def _bnb32_states(count: int):
     return lambda shape, pbytes: count * _numel(shape) * 4
 
 
-#: torchao low-bit AdamW (torchao/optim/adam.py _new_buffer): a tensor of at least TORCHAO_MIN_SIZE elements whose
-#: size divides by its block (transformers passes block_size=256 to both, training_args optim adamw_torch_{4,8}bit)
-#: gets two quantized states, each with an fp32 scale per block and its code table (8-bit: 256 fp32 = 1 KiB;
-#: 4-bit: 16 fp32 = 64 B, subclass_8bit.py / subclass_4bit.py); any other keeps plain states in the param dtype.
-TORCHAO_MIN_SIZE, TORCHAO_BLOCK = 4096, 256
-
-
 def _torchao_state(bits: int):
+    """torchao low-bit AdamW (compat.torchao_quantized): two quantized states, each with an fp32 scale per block and
+    its code table (8-bit: 256 fp32 = 1 KiB; 4-bit: 16 fp32 = 64 B, subclass_8bit.py / subclass_4bit.py); plain
+    states in the param dtype for the tensors it leaves unquantized."""
     def state(shape: tuple[int, ...], pbytes: int) -> int:
         n = _numel(shape)
-        if n < TORCHAO_MIN_SIZE or n % TORCHAO_BLOCK:
+        if not torchao_quantized(n):
             return 2 * n * pbytes
         codes = 256 * 4 if bits == 8 else 16 * 4
         return 2 * (n * bits // 8 + n // TORCHAO_BLOCK * 4 + codes)
@@ -182,16 +179,17 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
     - sgd (foreach, no momentum): in-place _foreach_add_: nothing.
     - bnb Lion 8/32-bit, paged AdamW 32-bit: one fused kernel per tensor, in place: nothing param-sized.
     - schedule-free AdamW (foreach): the `denom` buffer over the whole group, like adamw.
+    - torchao 8-bit / 4-bit AdamW: the compiled step's buffers for the largest quantized tensor
+      (compat.TORCHAO_STEP_BYTES).
     """
     opt = ctx.setup.optimizer
     if opt in ("adamw", "schedule-free-adamw"):  # foreach: one buffer the size of every trainable tensor
         return weights.trainable_bytes(ctx)
     if opt in ("adamw-torch-8bit", "adamw-torch-4bit"):
-        # torchao steps each tensor in a compiled function over fp32 math: dequantized exp_avg and exp_avg_sq, the
-        # fp32 grad and the fp32 update of the largest tensor (an upper reading of torchao/optim/adam.py
-        # single_param_adam; unmeasured on a GPU: how torch.compile fuses it decides the true figure)
-        largest = max((_numel(s) for s, _ in trainable_tensors(ctx)), default=0)
-        return 4 * largest * 4
+        # torchao steps one tensor at a time in a compiled function: its buffers for the largest quantized tensor
+        bits = 8 if opt.endswith("8bit") else 4
+        largest = max((n for n in (_numel(s) for s, _ in trainable_tensors(ctx)) if torchao_quantized(n)), default=0)
+        return largest * TORCHAO_STEP_BYTES[bits]
     if opt == "adafactor":
         largest, pbytes = max(((_numel(s), b) for s, b in trainable_tensors(ctx)), default=(0, 4))
         return (2 if pbytes == 4 else 4) * largest * 4
