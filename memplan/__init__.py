@@ -1,6 +1,6 @@
 """memplan: GPU memory planning for fine-tuning and serving Hugging Face transformers.
 
-Public API (lazy imports keep `import memplan` torch-free and fast): estimate, Estimate, Setup, fit, load_spec,
+Public API (lazy imports keep `import memplan` torch-free and fast): estimate, Estimate, frame, Setup, fit, load_spec,
 ModelSpec, find_gpu, resolve_gpu, plan, Plan, load_plan, write_plan, validate, check, diagnose, trace,
 MemoryCallback. The parts live in subpackages named as nouns (model, inventory, estimator, runtime, tracer, replay,
 planner, measure, cli), so that no submodule shadows these functions; CONTRIBUTING.md maps them.
@@ -12,7 +12,8 @@ from importlib import import_module
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "estimate": "memplan.estimator.breakdown", "Estimate": "memplan.estimator.breakdown", "Setup": "memplan.setup",
+    "estimate": "memplan.estimator.breakdown", "Estimate": "memplan.estimator.breakdown",
+    "frame": "memplan.estimator.breakdown", "Setup": "memplan.setup",
     "fit": "memplan.planner.fit_table", "load_spec": "memplan.model.catalog", "ModelSpec": "memplan.model.spec",
     "find_gpu": "memplan.gpus", "resolve_gpu": "memplan.gpus", "plan": "memplan.planner.search",
     "Plan": "memplan.planner.types", "load_plan": "memplan.planner.export", "write_plan": "memplan.planner.export",

@@ -12,11 +12,11 @@ import click
 
 from memplan.cli.doctor import doctor_command
 from memplan.cli.measure import check_cmd, validate_cmd
-from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, headroom_option, load_model,
+from memplan.cli.options import (emit_json, format_options, given_setup_fields, handle_errors, headroom_option, load_model,
                                  setup_from_options, setup_options)
 from memplan.cli.plot import plot_command
 from memplan.cli.plots import write_breakdown_png
-from memplan.cli.report import print_estimate, print_fit, print_plan, print_trace, print_models, print_gpus
+from memplan.cli.report import output_console, print_estimate, print_fit, print_plan, print_trace, print_models, print_gpus
 from memplan.gpus import resolve_gpu, load_gpus
 from memplan.estimator import breakdown
 from memplan.model import catalog
@@ -34,13 +34,13 @@ def main():
 @click.argument("model")
 @setup_options
 @click.option("--trust-remote-code", is_flag=True, help="allow configs whose code lives in the model repository")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@format_options
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="also draw the components per phase as stacked bars (PNG/SVG/PDF)")
 @click.option("--gpu", "gpu_name", help="--plot: draw this card's memory as a line")
 @click.option("--memory", help="--plot: draw this memory size as a line, e.g. 12GiB")
 @handle_errors
-def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **options):
+def estimate(model, trust_remote_code, fmt, plot_path, gpu_name, memory, **options):
     """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
 
     spec = load_model(model, trust_remote_code=trust_remote_code)
@@ -48,11 +48,11 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
     result = breakdown.estimate(spec, setup)
     if plot_path:
         gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
-        click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=as_json)
-    if as_json:
+        click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=fmt != "table")
+    if fmt == "json":
         emit_json(result.to_dict())
     else:
-        print_estimate(result)
+        print_estimate(result, output_console(fmt))
 
 
 @main.command()
@@ -65,9 +65,9 @@ def estimate(model, trust_remote_code, as_json, plot_path, gpu_name, memory, **o
               help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
 @headroom_option
 @click.option("--trust-remote-code", is_flag=True)
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@format_options
 @handle_errors
-def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code, as_json):
+def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code, fmt):
     """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits, then the
     multi-GPU training options (DeepSpeed ZeRO-3, FSDP, DDP) with the fewest GPUs each needs."""
 
@@ -75,10 +75,10 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code,
         raise click.BadParameter("must be >= 1", param_hint="--seq-len")
     spec = load_model(model, trust_remote_code=trust_remote_code)
     result = fit_table.fit(spec, resolve_gpu(gpu_name, memory), seq_len, num_gpus=num_gpus, headroom=headroom)
-    if as_json:
+    if fmt == "json":
         emit_json(result.to_dict())
     else:
-        print_fit(result)
+        print_fit(result, output_console(fmt))
     fits = any(r.fits for r in result.scale_out) if num_gpus else result.any_fits
     sys.exit(0 if fits else 1)
 
@@ -162,27 +162,27 @@ def trace_cmd(model, layers, steps, compare, trust_remote_code, as_json, **optio
 @main.command()
 @click.option("--search", "text", help="only ids containing TEXT (case-insensitive), e.g. --search qwen3")
 @click.option("--family", help="only this model_type (transformers' name, e.g. llama, qwen3_moe, gemma3)")
-@click.option("--json", "as_json", is_flag=True)
+@format_options
 @handle_errors
-def models(text, family, as_json):
+def models(text, family, fmt):
     """List the built-in model catalog: every id memplan answers offline, its family and parameter count."""
     index = find_models(text, family)
-    if as_json:
+    if fmt == "json":
         emit_json(index)
     else:
-        print_models(index)
+        print_models(index, output_console(fmt))
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@format_options
 @handle_errors
-def gpus(as_json):
+def gpus(fmt):
     """List the GPU catalog."""
     rows = load_gpus()
-    if as_json:
+    if fmt == "json":
         emit_json([dataclasses.asdict(g) for g in rows])
     else:
-        print_gpus(rows)
+        print_gpus(rows, output_console(fmt))
 
 
 @main.command("refresh-catalog")

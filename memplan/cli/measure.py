@@ -5,10 +5,10 @@ import sys
 
 import click
 
-from memplan.cli.options import (emit_json, given_setup_fields, handle_errors, load_model, parse_fraction,
+from memplan.cli.options import (emit_json, format_options, given_setup_fields, handle_errors, load_model, parse_fraction,
                                  setup_options)
 from memplan.errors import BadInput
-from memplan.cli.report import validation_rows, print_validation, print_check
+from memplan.cli.report import output_console, validation_rows, print_validation, print_check
 from memplan.estimator.breakdown import estimate
 from memplan.fileio import check_writable, write_text_atomic
 from memplan.measure.gate import check, markdown
@@ -110,9 +110,9 @@ def _run_sweep(sweep_file, out, device, steps, timeout):
               show_default=True, help="quantity compared where a row has it (else the row's first measured one)")
 @click.option("--report", "report_path", default="memplan-check.md", show_default=True,
               type=click.Path(dir_okay=False), help="markdown report written here")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@format_options
 @handle_errors
-def check_cmd(paths, tolerance, measure, report_path, as_json):
+def check_cmd(paths, tolerance, measure, report_path, fmt):
     """Re-estimate every stored measurement (default data/measured/) with the current estimator; exit 1 when a
     row is outside the tolerance or a measured OOM is predicted to fit."""
 
@@ -120,12 +120,12 @@ def check_cmd(paths, tolerance, measure, report_path, as_json):
     check_writable(report_path, "--report")
     result = check(paths or ("data/measured",), tolerance=tol, measure=measure)
     write_text_atomic(report_path, markdown(result))
-    if as_json:
+    if fmt == "json":
         emit_json({"ok": result.ok, "tolerance": tol, "report": report_path,
                    "rows": [dict(verdict=r.verdict, model=r.model, setup=r.label, quantity=r.quantity,
                                  measured_bytes=r.measured_bytes, predicted_bytes=r.predicted_bytes,
                                  rel_error=r.rel_error, tolerance=r.tolerance, reason=r.reason, file=r.file)
                             for r in result.worst_first()]})
     else:
-        print_check(result, report_path)
+        print_check(result, report_path, output_console(fmt))
     sys.exit(0 if result.ok else 1)

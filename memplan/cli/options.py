@@ -136,3 +136,15 @@ def load_model(model: str, trust_remote_code: bool = False):
         click.echo(f"note: using the local {model} ({spec.model_id}), not the catalog's {shadowed}; to use the "
                    f"catalog's, run from another folder or rename the local one", err=True)
     return spec
+
+
+def format_options(func):
+    """--format table|markdown|csv|json and --json (the same as --format json) as one `fmt` argument."""
+    from memplan.cli.report import FORMATS
+
+    @functools.wraps(func)
+    def wrapper(*args, fmt, as_json, **kwargs):
+        return func(*args, fmt="json" if as_json else fmt, **kwargs)
+    wrapper = click.option("--json", "as_json", is_flag=True, help="print one JSON object (--format json)")(wrapper)
+    return click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+                        help="tables for a terminal, markdown, CSV (notes on stderr) or JSON")(wrapper)

@@ -11,6 +11,83 @@ from memplan.planner.explain import describe
 from memplan.setup import sharding_label
 
 
+FORMATS = ("table", "markdown", "csv", "json")
+
+#: width when the output is not a terminal (a pipe, a file, a notebook's captured output): wide enough that no
+#: table of ours wraps, as rich's default of 80 columns did
+PIPE_WIDTH = 250
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A terminal's own width; full width (PIPE_WIDTH) when piped, unless COLUMNS says otherwise."""
+    import os
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=PIPE_WIDTH)
+    return console
+
+
+def table_cells(t: Table) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows) of a rich Table as plain text (markup removed, folded cells joined)."""
+    from rich.text import Text
+
+    def plain(cell) -> str:
+        text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+        return " ".join(text.split())
+
+    headers = [plain(c.header) for c in t.columns]
+    rows = [list(r) for r in zip(*([plain(x) for x in c._cells] for c in t.columns))]
+    return headers, rows
+
+
+def table_frame(t: Table):
+    """A rich Table as a pandas DataFrame of strings (the figures as printed)."""
+    import pandas as pd
+    headers, rows = table_cells(t)
+    return pd.DataFrame(rows, columns=headers)
+
+
+class FormatConsole:
+    """Prints what the print_* functions hand it in one of FORMATS' text formats: a Table as a markdown table or
+    as CSV (pandas), a line of text as a markdown paragraph or, for CSV, on stderr, so that stdout parses."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.out = make_console()
+        self.err = make_console(stderr=True)
+
+    def print(self, obj="", **kw) -> None:
+        from rich.text import Text
+        if isinstance(obj, Table):
+            title = Text.from_markup(str(obj.title or "")).plain
+            frame = table_frame(obj)
+            if self.fmt == "csv":
+                if title:
+                    self.out.print("# " + " ".join(title.split()), markup=False, highlight=False, soft_wrap=True)
+                self.out.print(frame.to_csv(index=False), end="", markup=False, highlight=False, soft_wrap=True)
+            else:
+                cell = lambda v: str(v).replace("|", "\\|")
+                lines = ([f"**{' '.join(title.split())}**", ""] if title else [])
+                lines += ["| " + " | ".join(map(cell, frame.columns)) + " |",
+                          "|" + "|".join("---" for _ in frame.columns) + "|"]
+                lines += ["| " + " | ".join(map(cell, row)) + " |" for row in frame.itertuples(index=False)]
+                self.out.print("\n".join(lines) + "\n", markup=False, highlight=False, soft_wrap=True)
+            return
+        text = str(obj)
+        if isinstance(obj, str) and kw.get("markup", True):
+            from rich.errors import MarkupError
+            try:
+                text = Text.from_markup(obj).plain
+            except MarkupError:
+                pass
+        (self.err if self.fmt == "csv" else self.out).print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def output_console(fmt: str = "table"):
+    """The console the print_* functions write to for --format FMT (json is printed by the caller)."""
+    return make_console() if fmt == "table" else FormatConsole(fmt)
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
@@ -67,7 +144,7 @@ def estimate_table(e) -> Table:
 
 
 def print_estimate(e, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     console.print(estimate_table(e))
     console.print(f"parameters: {e.params_total:,} total, {e.params_trainable:,} trainable; "
                   + "; ".join(e.notes))
@@ -109,8 +186,30 @@ def scale_out_table(result) -> Table:
     return t
 
 
+def fit_verdict(result) -> str:
+    """One line first: which training and inference options fit one GPU (the best micro-batch of each kind), else
+    the fewest GPUs a multi-GPU option needs."""
+    g = result.gpu
+    train = [r for r in result.rows if r.fits and r.setup.mode == "train"]
+    infer = [r for r in result.rows if r.fits and r.setup.mode == "infer"]
+    up_to = lambda rows: ", ".join(f"{r.option} up to batch {r.max_batch_size}" for r in rows)
+    parts = [f"trains with {up_to(train)}" if train else "no training option fits one GPU"]
+    if infer:
+        parts.append(f"serves with {up_to(infer)}")
+    elif any(r.setup.mode == "infer" for r in result.rows):
+        parts.append("no inference option fits")
+    several = [r for r in result.scale_out if r.fits and r.gpus > 1]
+    if not train and several:
+        fewest = min(several, key=lambda r: r.gpus)
+        parts.append(f"fewest GPUs to train: {fewest.gpus} ({fewest.option})")
+    head = "[green]fits[/]" if result.any_fits else "[red]does not fit[/]"
+    return (f"{head}: {result.model} on {g.name} (budget {_gib(result.budget_bytes)} GiB, seq_len {result.seq_len}): "
+            + "; ".join(parts))
+
+
 def print_fit(result, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
+    console.print(fit_verdict(result), soft_wrap=True)
     console.print(fit_table(result))
     if not result.any_fits:
         console.print("[red]No option fits on one GPU[/]: try a shorter --seq-len, a larger GPU, or several GPUs "
@@ -136,7 +235,7 @@ def print_models(index: dict, console: Console | None = None) -> None:
     t.add_column("answers from / aliases", overflow="fold")
     for r in rows:
         t.add_row(*r)
-    (console or Console()).print(t)
+    (console or make_console()).print(t)
 
 
 def print_gpus(gpus, console: Console | None = None) -> None:
@@ -148,7 +247,7 @@ def print_gpus(gpus, console: Console | None = None) -> None:
     for g in gpus:
         t.add_row(g.name, _gib(g.memory_bytes), g.compute_capability or g.architecture, "yes" if g.bf16 else "no",
                   ", ".join(g.aliases))
-    (console or Console()).print(t)
+    (console or make_console()).print(t)
 
 
 def replay_line(r: dict) -> str:
@@ -169,7 +268,7 @@ def replay_line(r: dict) -> str:
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
     """The chosen setup with its breakdown, the budget, and the alternatives with why each lost."""
 
-    console = console or Console()
+    console = console or make_console()
     g = plan.gpu
     head = (f"{plan.model} on {g.name} ({_gib(g.memory_bytes)} GiB) · prefer {plan.prefer} · "
             f"effective batch {plan.effective_batch}")
@@ -215,7 +314,7 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
 
 def print_trace(result, comparison=None, console: Console | None = None) -> None:
     """Traced categories at the peak and per-phase peaks; with the estimate beside them when compared."""
-    console = console or Console()
+    console = console or make_console()
     s = result.setup
     t = Table(title=f"trace: {result.model} · {'infer' if s.mode == 'infer' else s.technique} · {s.precision}"
               + (f" · {s.quant}" if s.quant else "")
@@ -269,7 +368,7 @@ def validation_rows(m, est) -> list[dict]:
 
 
 def print_validation(model: str, setup, m, rows, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     t = Table(title=f"{model} · {setup.mode} · {setup.technique} · {setup.precision} · batch {setup.batch_size} x "
                     f"seq {setup.seq_len} · measured on {m.environment.get('gpu') or m.device}", title_justify="left")
     for col in ("quantity", "predicted GiB", "measured GiB", "error"):
@@ -287,7 +386,7 @@ def print_validation(model: str, setup, m, rows, console: Console | None = None)
 def print_check(result, report_path: str, console: Console | None = None) -> None:
     from memplan.measure.gate import error_text, summary  # lazily: the check command's output only
 
-    console = console or Console()
+    console = console or make_console()
     # a CI log is 80 columns wide (rich's width without a terminal): no vertical rules, figures and verdicts never
     # wrap or get cut, the words fold, and the notes follow the table keyed by row number
     t = Table(title=f"memplan check: {'PASS' if result.ok else 'FAIL'} ({len(result.rows)} rows; GiB)",

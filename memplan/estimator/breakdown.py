@@ -66,6 +66,21 @@ class Estimate:
         optimizer state, NCCL): what the GPU's memory must hold."""
         return self.allocator_need_bytes + self.device_total_bytes - self.peak_reserved_bytes
 
+    def summary(self) -> dict:
+        """One flat row: the model, the setup's fields, the peaks and each component (bytes)."""
+        return {"model": self.model, **self.setup.to_dict(), "peak_phase": self.peak_phase,
+                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+                "device_total_bytes": self.device_total_bytes, "need_bytes": self.cap_need_bytes,
+                **{f"{name}_bytes": value for name, value in self.components.items()}}
+
+    def to_frame(self):
+        """The components at the peak as a pandas DataFrame: bytes, GiB and share of the device total."""
+        import pandas as pd
+        df = pd.DataFrame({"component": list(self.components), "bytes": list(self.components.values())})
+        df["GiB"] = df["bytes"] / 2**30
+        df["share_of_device"] = df["bytes"] / self.device_total_bytes
+        return df
+
     def to_dict(self) -> dict:
         return {
             "model": self.model,
@@ -161,3 +176,17 @@ def _notes(ctx: Ctx) -> tuple[str, ...]:
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")
     return tuple(notes)
+
+
+def frame(models, setups=None, **fields):
+    """Estimates as a pandas DataFrame, one row per model x setup (Estimate.summary's columns, bytes): `models` a
+    model id or a list of them; `setups` a Setup, a dict of Setup fields or a list of either (default:
+    Setup(**fields)). memplan.frame(["gpt2", "Qwen/Qwen3-0.6B"], [dict(batch_size=b) for b in (1, 8)])."""
+    import pandas as pd
+    models = [models] if isinstance(models, (str, ModelSpec)) else list(models)
+    if setups is None:
+        setups = [Setup(**fields)]
+    elif isinstance(setups, (Setup, dict)):
+        setups = [setups]
+    setups = [s if isinstance(s, Setup) else Setup(**{**fields, **s}) for s in setups]
+    return pd.DataFrame([estimate(m, s).summary() for m in models for s in setups])

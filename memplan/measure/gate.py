@@ -62,6 +62,12 @@ class CheckResult:
     def ok(self) -> bool:
         return not self.failures
 
+    def to_frame(self):
+        """Every row as a pandas DataFrame, worst first (CheckRow's fields)."""
+        import dataclasses
+        import pandas as pd
+        return pd.DataFrame([dataclasses.asdict(r) for r in self.worst_first()])
+
     def worst_first(self) -> list[CheckRow]:
         order = {"fail": 0, "info": 1, "pass": 2, "skip": 3}
         return sorted(self.rows, key=lambda r: (order[r.verdict], -abs(r.rel_error or 0)))
@@ -72,8 +78,11 @@ def row_label(row: dict) -> str:
     parts = [s.mode, s.technique, s.precision] + ([s.quant] if s.quant else []) + [s.optimizer] * (s.mode == "train")
     parts += [f"b{s.batch_size}", f"s{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) + ([s.attn_impl] if s.attn_impl else [])
     parts += ["padded"] if s.padded else []
+    parts += (["dora"] if s.use_dora else []) + (["liger"] if s.use_liger_kernel else [])
+    if s.added_tokens:
+        parts.append(f"+{s.added_tokens} tokens" + (f" ({s.train_new_tokens})" if s.train_new_tokens else ""))
     if s.uses_lora:
-        parts.insert(2, f"r{s.lora_r}")
+        parts.insert(2, f"r{s.lora_r}" + (" all-linear" if s.lora_targets == "all-linear" else ""))
     return " ".join(parts)
 
 

@@ -128,6 +128,12 @@ class FitResult:
     def any_fits(self) -> bool:
         return any(r.fits for r in self.rows)
 
+    def to_frame(self):
+        """The one-GPU options as a pandas DataFrame (the columns of FitRow.to_dict, setup fields flattened)."""
+        import pandas as pd
+        return pd.DataFrame([{**{k: v for k, v in r.to_dict().items() if k != "setup"}, **r.setup.to_dict()}
+                             for r in self.rows])
+
     def to_dict(self) -> dict:
         return {"model": self.model, "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes},
                 "headroom": self.headroom, "budget_bytes": self.budget_bytes, "seq_len": self.seq_len,

@@ -87,12 +87,19 @@ def _functions():
                 del logits
             loss = loss_1d.sum()
             ctx.save_for_backward(grad_input.detach(), grad_weight.detach() if grad_weight is not None else None)
+            ctx.leaf = weight if weight.is_leaf and weight.requires_grad else None
             return loss
 
         @staticmethod
         def backward(ctx, grad_loss):
-            grad_input, grad_weight = ctx.saved_tensors
-            return grad_input, grad_weight  # scaled in place by grad_loss
+            grad_input, grad_weight = ctx.saved_tensors  # scaled in place by grad_loss
+            if ctx.leaf is not None and ctx.leaf.grad is None and grad_weight is not None:
+                # On CUDA autograd adds a tied embedding's contribution into this buffer in place (input_buffer.cpp
+                # accumulate); never into a tensor subclass such as the tracer's fake tensors. Handing the buffer
+                # over as .grad makes AccumulateGrad add it in place here too: the same tensors, the same peak.
+                ctx.leaf.grad = grad_weight
+                return grad_input, None
+            return grad_input, grad_weight
 
     return RMSNorm, GatedAct, FusedLinearCrossEntropy
 

@@ -240,3 +240,55 @@ def test_inference_header_and_length_error_name_the_prompt(run):
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "prompt 1024 + 64 new tokens = 1088 exceed" in text and "--prompt-len + --new-tokens" \
         in text, r.output
+
+
+def test_fit_starts_with_a_one_line_verdict(run):
+    """Issue 42 item 7: the answer first, then the table (QLoRA is what fits Llama-2-7B on a 12 GB card)."""
+    r = run("fit", "meta-llama/Llama-2-7b-hf", "--gpu", "RTX 3060")
+    first = r.output.splitlines()[0]
+    assert first.startswith("fits: meta-llama/Llama-2-7b-hf on GeForce RTX 3060 12GB"), first
+    assert "trains with QLoRA nf4" in first and "full fine-tune" not in first.split("serves")[0]
+    r = run("fit", "meta-llama/Llama-2-70b-hf", "--gpu", "RTX 3060")
+    assert r.exit_code == 1 and r.output.startswith("does not fit:") and "fewest GPUs to train:" in r.output
+
+
+@pytest.mark.parametrize("cmd", [("fit", "gpt2", "--gpu", "t4"), ("estimate", "gpt2"), ("models", "--search", "qwen3-0"),
+                                 ("gpus",)])
+def test_markdown_and_csv_formats(run, cmd):
+    """--format markdown prints pipe tables, --format csv parses with pandas (titles as # comments, notes on
+    stderr); the same cells as the terminal table, never wrapped."""
+    import io
+
+    import pandas as pd
+    md = run(*cmd, "--format", "markdown")
+    assert md.exit_code == 0, md.output
+    assert "|---|" in md.output and "┃" not in md.output
+    runner = CliRunner()
+    csv = runner.invoke(main, [*cmd, "--format", "csv"])
+    assert csv.exit_code == 0, csv.output
+    tables = [t for t in csv.stdout.split("# ") if t.strip()]
+    frame = pd.read_csv(io.StringIO(tables[0].split("\n", 1)[1]))
+    assert len(frame) >= 2 and not frame.columns.str.contains("Unnamed").any()
+    assert json.loads(run(*cmd, "--format", "json").output) == json.loads(run(*cmd, "--json").output)
+
+
+def test_piped_tables_are_full_width(run, monkeypatch):
+    """A table printed to a pipe is not wrapped at rich's 80 columns (issue 42 item 7); COLUMNS still rules."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    r = run("fit", "gpt2", "--gpu", "t4")
+    row = next(line for line in r.output.splitlines()
+               if line.startswith("│ QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)"))
+    assert "yes" in row
+
+
+def test_python_frames():
+    """pandas DataFrames from the API: a grid of estimates, an estimate's components, a fit table."""
+    import memplan
+    df = memplan.frame(["gpt2", "Qwen/Qwen3-0.6B"], [dict(batch_size=b) for b in (1, 8)], technique="lora")
+    assert len(df) == 4 and set(df["batch_size"]) == {1, 8} and (df["technique"] == "lora").all()
+    one = memplan.estimate("gpt2", technique="lora", batch_size=8)
+    assert df.loc[1, "peak_allocated_bytes"] == one.peak_allocated_bytes
+    comp = one.to_frame()
+    assert comp["bytes"].sum() == sum(one.components.values())
+    fit = memplan.fit(memplan.load_spec("gpt2"), memplan.find_gpu("t4"), seq_len=512).to_frame()
+    assert {"option", "fits", "max_batch_size", "technique"} <= set(fit.columns)

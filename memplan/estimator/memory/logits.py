@@ -143,9 +143,10 @@ def logits_forward_bytes(ctx: Ctx) -> int:
     shifted = 0
     if _shifts_logits(ctx):
         shifted = lb if ctx.spec.arch.model_type in OWN_SHIFT_BEFORE_4_49 else loss
+    head = t * v * lb + new_tokens.head_forward_bytes(ctx)  # the head's matmul, before the loss
     if _cuda_split_loss(ctx):  # logits, 16-bit log-probabilities, their fp32 cast for nll_loss
-        return t * v * (lb + shifted + lb + 4) + softcap_bytes(ctx)
-    return t * v * (lb + upcast + shifted + loss) + softcap_bytes(ctx)
+        return max(head, t * v * (lb + shifted + lb + 4) + softcap_bytes(ctx))
+    return max(head, t * v * (lb + upcast + shifted + loss) + softcap_bytes(ctx))
 
 
 def softcap_bytes(ctx: Ctx) -> int:
@@ -234,7 +235,8 @@ def tied_accumulation_bytes(ctx: Ctx) -> int:
     the engine adds the embedding's contribution into it in place (input_buffer.cpp accumulate: "If we hold the
     last reference to `old_var` AND its storage we will try to repurpose it"), one extra. Measured on an H100
     (Llama-3.2-1B full bf16-mixed with Liger: 0.98 GiB, one fp32 table, below the out-of-place sum) and on real CPU
-    tensors; the fake-tensor tracer still sums out of place there, one table above this estimate.
+    tensors; the tracer's Liger stand-in hands the buffer over as .grad, since autograd never accumulates into a fake
+    tensor (a tensor subclass) in place.
     """
     extra = 1 if liger_head(ctx) else 2
     return (extra + 1 if ctx.setup.grad_accum > 1 else extra) * tied_table_bytes(ctx)
