@@ -8,6 +8,7 @@ import click
 
 from memplan.cli.options import given_setup_fields, handle_errors, headroom_option, load_model, setup_options
 from memplan.errors import BadInput
+from memplan.estimator.breakdown import estimator_for
 from memplan.planner.budget import DEFAULT_HEADROOM, budget_bytes
 from memplan.planner.doctor import Diagnosis, diagnose, setup_from_plan
 from memplan.planner.oom import OomInfo, parse_oom_message
@@ -50,21 +51,22 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
         console.print(f"note: {note}", highlight=False)
 
 
-def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool]:
-    """(GPU memory bytes, where it came from, bf16): --gpu/--memory, else the OOM message, else the plan's GPU."""
+def _gpu_memory(gpu_name, memory, oom: OomInfo | None, doc: dict | None) -> tuple[int, str, bool, object]:
+    """(GPU memory bytes, where it came from, bf16, the Gpu when one is named): --gpu/--memory, else the OOM
+    message, else the plan's GPU."""
     refuse_empty_card(gpu_name, memory)
     if not (gpu_name or memory) and oom and oom.total_capacity_bytes:
-        return oom.total_capacity_bytes, "total capacity in the OOM message", True
+        return oom.total_capacity_bytes, "total capacity in the OOM message", True, None
     if not (gpu_name or memory) and doc:
         m = doc.get("memplan") or {}
         try:
             g = find_gpu(str(m.get("gpu")))
-            return g.memory_bytes, f"{g.name}, from the plan", g.bf16
+            return g.memory_bytes, f"{g.name}, from the plan", g.bf16, g
         except BadInput:
             if m.get("gpu_memory_gib"):
-                return int(float(m["gpu_memory_gib"]) * GiB), f"{m.get('gpu')}, from the plan", True
+                return int(float(m["gpu_memory_gib"]) * GiB), f"{m.get('gpu')}, from the plan", True, None
     g = resolve_gpu(gpu_name, memory)
-    return g.memory_bytes, g.name, g.bf16
+    return g.memory_bytes, g.name, g.bf16, g
 
 
 def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | None = None, from_plan: str | None = None,
@@ -89,9 +91,10 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
     model = model or (doc and (doc.get("model") or {}).get("id"))
     if not model:
         raise BadInput("name a MODEL (e.g. meta-llama/Llama-2-7b-hf) or a plan file with --from plan.yaml")
-    gpu_bytes, source, bf16 = _gpu_memory(gpu_name, memory, oom, doc)
+    gpu_bytes, source, bf16, gpu = _gpu_memory(gpu_name, memory, oom, doc)
+    # estimated for the card's architecture, as plan and fit do (its cuBLAS workspace): the same need as the plan's
     return diagnose(load_model(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
-                    bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
+                    estimator_for(gpu), bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
                     gpu_memory_bytes=gpu_bytes)
 
 

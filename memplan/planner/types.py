@@ -72,8 +72,8 @@ class Plan:
 
     @property
     def spare_bytes(self) -> int:
-        """Memory left below the GPU's total at the setup's need (headroom included)."""
-        return self.gpu.memory_bytes - need_bytes(self.estimate) if self.estimate else 0
+        """Budget left at the setup's need, beyond the headroom (what doctor calls spare too)."""
+        return self.budget_bytes - need_bytes(self.estimate) if self.estimate else 0
 
     def to_dict(self) -> dict:
         return {
@@ -82,7 +82,7 @@ class Plan:
             "prefer": self.prefer, "fits": self.fits, "effective_batch": self.effective_batch,
             "achieved_effective_batch": self.achieved_effective_batch,
             "headroom": self.headroom, "usable_bytes": self.usable_bytes, "headroom_bytes": self.headroom_bytes,
-            "budget_bytes": self.budget_bytes, "pinned": _jsonable(self.pinned),
+            "budget_bytes": self.budget_bytes, "spare_bytes": self.spare_bytes, "pinned": _jsonable(self.pinned),
             "setup": self.setup.to_dict() if self.setup else None,
             "estimate": self.estimate.to_dict() if self.estimate else None,
             "alternatives": [a.to_dict() for a in self.alternatives],

@@ -252,3 +252,20 @@ def test_setup_fields_in_remedies_stay_valid():
         d = diagnose(spec, replace(s, batch_size=16, seq_len=1024), 6 * GiB)
         for r in d.remedies + d.combination:
             assert r.setup is None or isinstance(r.setup, Setup)
+
+
+def test_doctor_from_a_plan_repeats_the_plans_need_and_spare(tmp_path):
+    """Issue 42 item 8: plan said need 11.17 GiB, doctor --from the same plan 11.21 (doctor estimated without the
+    card's cuBLAS workspace); and "spare" is what the budget leaves, the headroom excluded, in both."""
+    import json
+    from click.testing import CliRunner
+    from memplan.cli.main import main
+    runner = CliRunner()
+    out = tmp_path / "plan.yaml"
+    p = runner.invoke(main, ["plan", "meta-llama/Llama-2-7b-hf", "--gpu", "RTX 3060", "-o", str(out), "--json"])
+    assert p.exit_code == 0, p.output
+    plan = json.loads(p.output[p.output.index("{"):])
+    d = runner.invoke(main, ["doctor", "--from", str(out), "--json"])
+    diag = json.loads(d.output)
+    assert diag["need_bytes"] == plan["estimate"]["need_bytes"]
+    assert plan["spare_bytes"] == plan["budget_bytes"] - plan["estimate"]["need_bytes"] == diag["margin_bytes"]
