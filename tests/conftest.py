@@ -7,11 +7,15 @@ without CUDA.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 INTEGRATION = Path(__file__).parent / "integration"
+# local configs' inventories are cached on disk (memplan.model.catalog.cache_dir): the tests keep theirs apart
+os.environ.setdefault("MEMPLAN_CACHE", tempfile.mkdtemp(prefix="memplan-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,12 +31,19 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
                   f"of the budget {fmt_gib(diag.budget_bytes)}"
                   + (f" ({diag.budget_source})" if diag.budget_source else ""), highlight=False)
     if diag.remedies:
-        t = table("remedies, smallest change first (size 1 knob ... 5 data)", ("#", "right"), "change · its cost",
+        if diag.fits:
+            order = "what buys margin, smallest change first"
+        elif any(r.fits for r in diag.remedies):
+            order = "those that fit first, smallest change first; then the rest, largest saving first"
+        else:
+            order = "no single change fits: largest saving first"
+        t = table(f"remedies: {order} (size 1 knob ... 5 data)", ("#", "right"), "change · its cost",
                   ("size", "right"), ("saves GiB", "right"), ("new need GiB", "right"), ("fits", "center"))
         for n, r in enumerate(diag.remedies, 1):
             peak = "n/a" if r.need_bytes is None else f"{r.need_bytes / GiB:,.2f}"
             fits = "?" if r.fits is None else ("[green]yes[/]" if r.fits else "[red]no[/]")
-            saves = f"{'up to ' if r.fits is None else ''}{r.saved_bytes / GiB:,.2f}"
+            saves = (f"none: {-r.saved_bytes / GiB:,.2f} more" if r.saved_bytes < 0 else
+                     f"{'up to ' if r.fits is None else ''}{r.saved_bytes / GiB:,.2f}")
             t.add_row(str(n), f"{r.description}\n[dim]{r.cost}[/]", str(r.size), saves, peak, fits)
         console.print(t)
     if diag.combination:

@@ -14,7 +14,7 @@ from memplan.fileio import check_writable, write_text_atomic
 from memplan.measure.gate import check, markdown
 from memplan.measure.rows import append_row, make_row
 from memplan.measure.runner import require_cuda, validate
-from memplan.measure.sweep import now_iso, load_sweep, run_sweep
+from memplan.measure.sweep import already_done, now_iso, load_sweep, run_sweep
 from memplan.setup import Setup
 
 
@@ -81,7 +81,8 @@ def _run_sweep(sweep_file, out, device, steps, timeout):
     for s in skipped:
         click.echo(f"skipped (invalid combination): {s}", err=True)
     with Progress(transient=False) as progress:
-        task = progress.add_task(f"validate -> {out}", total=len(jobs))
+        # a resumed sweep starts where it stopped: its bar ends at 100% (it ended at 25% or 75%: issue 42)
+        task = progress.add_task(f"validate -> {out}", total=len(jobs), completed=already_done(jobs, out, device))
 
         def done(job, m):
             progress.advance(task)

@@ -69,8 +69,11 @@ class CheckResult:
         return pd.DataFrame([dataclasses.asdict(r) for r in self.worst_first()])
 
     def worst_first(self) -> list[CheckRow]:
+        """Failures, then informational rows, then passes, worst error first; a pass on a measured OOM (the
+        prediction above the cap: no error to rank) after the measured passes."""
         order = {"fail": 0, "info": 1, "pass": 2, "skip": 3}
-        return sorted(self.rows, key=lambda r: (order[r.verdict], -abs(r.rel_error or 0)))
+        return sorted(self.rows, key=lambda r: (order[r.verdict], r.verdict == "pass" and r.status == "oom",
+                                                -abs(r.rel_error or 0)))
 
 
 def row_label(row: dict) -> str:
@@ -186,7 +189,10 @@ def _gib(n: int | None) -> str:
 
 
 def error_text(r: CheckRow) -> str:
-    """The row's signed relative error, as the report and the console print it."""
+    """The row's signed relative error, as the report and the console print it; for a measured OOM whether the
+    estimate predicted it (the prediction against the cap is no error: the real need is above the cap)."""
+    if r.status == "oom" and r.rel_error is not None:
+        return "OOM predicted" if r.verdict == "pass" else f"{r.rel_error:+.1%} under cap"
     return "" if r.rel_error is None else f"{r.rel_error:+.1%}"
 
 

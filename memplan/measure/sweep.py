@@ -153,6 +153,13 @@ def run_sweep(jobs: list[Job], out: str | Path, device: str = "cuda", steps: int
     return counts
 
 
+def already_done(jobs: list[Job], out: str | Path, device: str = "cuda") -> int:
+    """How many of `jobs` have a result in `out` already (run_sweep skips them): where a resumed sweep's progress
+    starts."""
+    done = done_keys(out)
+    return sum(job.key(device) in done for job in jobs)
+
+
 def now_iso() -> str:
     from datetime import datetime, timezone
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -177,11 +177,48 @@ def variant_note(spec: ModelSpec) -> str:
             f"{catalog_index()[spec.model_id].get('source', 'see memplan models')})")
 
 
+def cache_dir() -> Path:
+    """Where inventories of local configs are kept between runs: $MEMPLAN_CACHE, else $XDG_CACHE_HOME/memplan, else
+    ~/.cache/memplan."""
+    if os.environ.get("MEMPLAN_CACHE"):
+        return Path(os.environ["MEMPLAN_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memplan"
+
+
+def _inventory_key(text: bytes, trust_remote_code: bool) -> str:
+    """The content hash an inventory is cached under: the config's bytes and everything the inventory is built
+    with (the transformers, peft and memplan releases, remote code allowed)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+    parts = [text]
+    for package in ("transformers", "peft", "memplan"):
+        try:
+            parts.append(version(package).encode())
+        except PackageNotFoundError:
+            parts.append(b"")
+    parts.append(b"remote" if trust_remote_code else b"")
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
+
+
 @functools.lru_cache(maxsize=16)
 def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool) -> ModelSpec:
+    """A local config's spec: from the on-disk cache when its content was built before (building takes seconds:
+    the real transformers class on the meta device), else built and cached."""
+    config = read_config(path)
+    cached = cache_dir() / "inventories" / (_inventory_key(Path(path).read_bytes(), trust_remote_code) + ".json")
+    try:
+        return replace(ModelSpec.from_dict(json.loads(cached.read_text())), model_id=path, config_file=path)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not cached yet, or written by another memplan: build it
     from memplan.inventory.build import build_spec
 
-    return build_spec(read_config(path), model_id=path, config_file=path, trust_remote_code=trust_remote_code)
+    spec = build_spec(config, model_id=path, config_file=path, trust_remote_code=trust_remote_code)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cached, spec.to_dict())
+    except OSError:
+        pass  # a read-only home: the next run builds it again
+    return spec
 
 
 def read_config(path: str | Path) -> dict:

@@ -20,7 +20,7 @@ from memplan.measure.gate import check
 from memplan.cli.main import main
 from memplan.estimator.breakdown import estimate
 from memplan.setup import Setup
-from memplan.measure.sweep import Job, load_sweep, run_sweep
+from memplan.measure.sweep import Job, already_done, load_sweep, run_sweep
 from memplan.measure.runner import Measurement, validate
 
 ROOT = Path(__file__).parents[2]
@@ -206,6 +206,7 @@ def test_run_sweep_resumes_where_it_stopped(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_sweep(jobs, out, device="cpu", runner=runner)
     assert len(measured.read_rows(out)) == 1
+    assert already_done(jobs, out, device="cpu") == 1  # the resumed progress bar starts at 1 of 3, ends at 3 of 3
     counts = run_sweep(jobs, out, device="cpu", runner=runner)
     assert counts == {"run": 2, "already_done": 1, "ok": 2, "oom": 0, "error": 0}
     assert calls == [1, 2, 2, 3]

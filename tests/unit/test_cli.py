@@ -292,3 +292,23 @@ def test_python_frames():
     assert comp["bytes"].sum() == sum(one.components.values())
     fit = memplan.fit(memplan.load_spec("gpt2"), memplan.find_gpu("t4"), seq_len=512).to_frame()
     assert {"option", "fits", "max_batch_size", "technique"} <= set(fit.columns)
+
+
+def test_check_lists_predicted_ooms_after_the_measured_rows(run, tmp_path):
+    """Issue 42 item 8: a run that hit its cap and was predicted to (an OOM "pass") printed "+250.5%" and led the
+    worst-first list; it now says "OOM predicted" and follows the rows with a measured peak."""
+    import csv
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[2] / "data" / "measured" / "gpu-h100.csv"
+    rows = list(csv.DictReader(src.open()))
+    oom = next(r for r in rows if r["status"] == "oom" and r["memory_limit_bytes"])
+    ok = next(r for r in rows if r["status"] == "ok" and r["model"] == "openai-community/gpt2")
+    out = tmp_path / "rows.csv"
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows([oom, ok])
+    r = run("check", str(out), "--report", str(tmp_path / "r.md"), "--format", "csv")
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.output.splitlines() if line[:1].isdigit()]
+    assert "openai-community/gpt2" in lines[0] and "OOM predicted" in lines[1] and "%" not in lines[1].split(",")[-2]

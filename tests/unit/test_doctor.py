@@ -269,3 +269,25 @@ def test_doctor_from_a_plan_repeats_the_plans_need_and_spare(tmp_path):
     diag = json.loads(d.output)
     assert diag["need_bytes"] == plan["estimate"]["need_bytes"]
     assert plan["spare_bytes"] == plan["budget_bytes"] - plan["estimate"]["need_bytes"] == diag["margin_bytes"]
+
+
+def test_the_remedies_table_says_how_it_is_ordered_and_what_a_negative_saving_means():
+    """Issue 42 item 8: "smallest change first" headed a table sorted by GiB saved when nothing fits, and a remedy
+    that needs more memory showed as "saves -1.60 GiB"."""
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from memplan.cli.doctor import print_diagnosis
+    from memplan.planner.doctor import diagnose
+    from memplan.setup import Setup
+    spec = load_spec("meta-llama/Llama-2-13b-hf")
+    diag = diagnose(spec, Setup(technique="full", precision="bf16-mixed"), 12 * 2**30)
+    out = io.StringIO()
+    print_diagnosis(diag, Console(file=out, width=250))
+    assert "remedies: no single change fits: largest saving first" in out.getvalue()
+    worse = dataclasses.replace(diag.remedies[-1], saved_bytes=-int(1.6 * 2**30), fits=False)
+    out = io.StringIO()
+    print_diagnosis(dataclasses.replace(diag, remedies=(*diag.remedies[:-1], worse)), Console(file=out, width=250))
+    assert "none: 1.60 more" in out.getvalue() and "-1.60" not in out.getvalue()

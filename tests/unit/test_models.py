@@ -288,3 +288,32 @@ def test_leading_irregular_blocks(model_id, irregular):
     from memplan.tracer.training import leading_irregular_blocks
 
     assert leading_irregular_blocks(load_spec(model_id)) == irregular
+
+
+@pytest.mark.slow  # builds two inventories (~20 s)
+def test_a_local_config_is_built_once_and_cached_by_content(tmp_path, monkeypatch):
+    """Issue 42 item 7: a local config.json cost ~6-16 s on every call. Its inventory is cached under the hash of
+    its bytes (and the libraries' releases): a copy elsewhere reads it, an edit builds anew."""
+    import json
+    import time
+    from pathlib import Path
+
+    from memplan.model import catalog
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))
+    src = Path(__file__).resolve().parents[2] / "memplan" / "data" / "models" / "configs" / "openai-community__gpt2.json"
+    a, b = tmp_path / "a" / "config.json", tmp_path / "b" / "config.json"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_text(src.read_text())
+    first = catalog.load_spec(str(a))
+    assert len(list((tmp_path / "cache" / "inventories").glob("*.json"))) == 1
+    catalog._build_cached.cache_clear()
+    t0 = time.perf_counter()
+    again = catalog.load_spec(str(b))
+    assert time.perf_counter() - t0 < 1.0
+    assert again.model_id == str(b.resolve()) and again.params == first.params
+    edited = json.loads(src.read_text()) | {"n_layer": 2}
+    b.write_text(json.dumps(edited))
+    catalog._build_cached.cache_clear()
+    assert catalog.load_spec(str(b)).arch.num_layers == 2
+    assert len(list((tmp_path / "cache" / "inventories").glob("*.json"))) == 2
