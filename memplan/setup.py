@@ -20,6 +20,7 @@ Technique = Literal["full", "lora", "qlora", "freeze"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 Quant = Literal["int8", "nf4", "fp4"]
 NewTokens = Literal["modules-to-save", "token-indices"]
+Task = Literal["causal-lm", "seq2seq", "masked-lm", "seq-cls", "token-cls"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
                     "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion-32bit", "adamw-torch-8bit",
                     "adamw-torch-4bit", "schedule-free-adamw"]
@@ -36,6 +37,7 @@ ATTN_IMPLS: tuple[str, ...] = get_args(AttnImpl)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
+TASK_NAMES: tuple[str, ...] = get_args(Task)
 #: DeepSpeed ZeRO stages (arXiv:1910.02054 sec. 5: P_os, P_os+g, P_os+g+p) and PyTorch FSDP sharding strategies
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
 FSDP_SHARDINGS: tuple[str, ...] = ("fsdp-shard-grad-op", "fsdp-full-shard")
@@ -109,6 +111,9 @@ class Setup:
     num_nodes: int = 1  # machines; world size = num_gpus x num_nodes (sharded state divides by it)
     sharding: Sharding = "none"  # ddp replicates all state (+ gradient buckets); zero1/2/3 and fsdp shard it
     offload: Offload = "none"  # DeepSpeed/FSDP CPU offload: optimizer state (and params) live in host RAM
+    #: the head the script builds (AutoModelFor...: memplan.model.hf.TASKS): seq-cls / token-cls put a small
+    #: classifier where the vocabulary-sized LM head was; None: the language-model head the config names
+    task: Task | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_targets", parse_targets(self.lora_targets))
@@ -155,7 +160,8 @@ class Setup:
 #: (field, allowed values, None allowed)
 _CHOICES = (("mode", MODES, False), ("technique", TECHNIQUES, False), ("precision", PRECISIONS, False),
             ("quant", QUANTS, True), ("optimizer", OPTIMIZERS, False), ("attn_impl", ATTN_IMPLS, True),
-            ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False), ("train_new_tokens", NEW_TOKENS, True))
+            ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False), ("train_new_tokens", NEW_TOKENS, True),
+            ("task", TASK_NAMES, True))
 #: (field, smallest value, largest value, None allowed). The largest values are far past any run (a 16M-token
 #: sequence, a million samples per micro-batch, 65,536 GPUs per node) and keep every byte count within a float's
 #: exact integers: a number of hundreds of digits is refused, not overflowed.

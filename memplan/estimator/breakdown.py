@@ -18,7 +18,7 @@ from memplan.estimator.phases import inference_phases, sharded_phases, training_
 from memplan.setup import Setup, sharding_label
 from memplan.model.spec import ModelSpec
 from memplan.gpus import assume_gpu
-from memplan.model.catalog import load_spec
+from memplan.model.catalog import load_spec, spec_for_task
 
 #: display order of components; device-only terms last.
 COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
@@ -111,6 +111,7 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
         setup = Setup(**fields)
     elif fields:
         raise TypeError("pass either a Setup or Setup fields, not both")
+    spec = spec_for_task(spec, setup.task)
     ctx = resolve(spec, setup)
     if dist.is_distributed(setup):
         return _assemble(ctx, *sharded_phases(ctx, dist.compute_ctx(spec, setup)))

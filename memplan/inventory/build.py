@@ -17,8 +17,10 @@ from memplan.model.layout import BLOCK_INDEX, slot
 from memplan.model.spec import Arch, Buffer, Linear, ModelSpec, Param
 
 
-def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_remote_code: bool = False) -> ModelSpec:
-    """Instantiate `config_dict` on the meta device and record its exact inventory."""
+def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_remote_code: bool = False,
+               task: str | None = None) -> ModelSpec:
+    """Instantiate `config_dict` on the meta device (the class of `task`, memplan.model.hf.TASKS, else the
+    language-model head) and record its exact inventory."""
     check_remote_code(config_dict, trust_remote_code)
     import torch
     import transformers
@@ -34,7 +36,7 @@ def build_spec(config_dict: dict, model_id: str, config_file: str = "", trust_re
         raise BadInput(f"{config_file or model_id}: transformers rejects this config: {e}") from None
     check_flat(config, config_file or model_id)
     check_uniform(config, config_file or model_id)
-    cls = auto_class(config_dict, config)
+    cls = auto_class(config_dict, config, task)
     try:
         model = _on_meta(cls, config, trust_remote_code, torch, init_empty_weights)
     except ImportError as e:  # Gemma-3n's audio/vision towers need timm
@@ -89,8 +91,13 @@ def _stack(name: str, model) -> str | None:
 
 
 def _is_encoder_only(model) -> bool:
-    return not model.config.is_encoder_decoder and not getattr(model.config, "is_decoder", False) and \
-        "MaskedLM" in type(model).__name__
+    """A bidirectional encoder: the masked-LM class, or a classification class of a family with one (BERT's; a
+    decoder's classifier, LlamaForSequenceClassification, stays causal)."""
+    import transformers as tf
+    name = type(model).__name__
+    encoder_family = type(model.config) in tf.AutoModelForMaskedLM._model_mapping
+    return not model.config.is_encoder_decoder and not getattr(model.config, "is_decoder", False) and (
+        "MaskedLM" in name or encoder_family and ("SequenceClassification" in name or "TokenClassification" in name))
 
 
 def _role(pname: str, module, model, torch) -> str:

@@ -30,7 +30,7 @@ from memplan.measure.meter import CudaMeter, Measurement
 from memplan.setup import Setup
 from memplan.gpus import find_gpu
 from memplan.measure.rows import environment
-from memplan.model.catalog import config_dict, load_spec
+from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
@@ -83,7 +83,7 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
             shared_gpu: bool = False) -> Measurement:
     """Run `setup` on `model_id` in this process and measure it (validate() runs this in a subprocess)."""
 
-    spec = load_spec(model_id)
+    spec = spec_for_task(load_spec(model_id), setup.task)
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
     env = environment(device)
     if device == "cpu":

@@ -127,8 +127,10 @@ def _quantized_spec(name: str, base: str, label: str, quant: str | None) -> Mode
     return replace(_load_inventory(base), model_id=name, variant_of=base, checkpoint_quant=quant)
 
 
-def load_spec(model, trust_remote_code: bool = False) -> ModelSpec:
-    """A ModelSpec from a ModelSpec, a catalog id, a config.json path or model folder, or (online) a Hub id."""
+def load_spec(model, trust_remote_code: bool = False, task: str | None = None) -> ModelSpec:
+    """A ModelSpec from a ModelSpec, a catalog id, a config.json path or model folder, or (online) a Hub id.
+    task: the head a training script builds (memplan.model.hf.TASKS: seq-cls, token-cls, ...) instead of the
+    language-model head; built from the config (seconds, then cached: cache_dir)."""
     if isinstance(model, ModelSpec):
         return model
     name = str(model).strip()
@@ -137,14 +139,20 @@ def load_spec(model, trust_remote_code: bool = False) -> ModelSpec:
         cfg = path / "config.json" if path.is_dir() else path
         if not cfg.is_file():
             raise BadInput(f"{path} has no config.json; pass a config.json file or a folder that contains one")
-        return _build_cached(str(cfg.resolve()), cfg.stat().st_mtime_ns, trust_remote_code)
+        return _build_cached(str(cfg.resolve()), cfg.stat().st_mtime_ns, trust_remote_code, task)
     cid = catalog_id(name)
     if cid is not None:
-        return _load_inventory(cid)
+        spec = _load_inventory(cid)
+        if task is None or _task_of(spec) == task:
+            return spec
+        base = catalog_index()[cid].get("variant_of") or cid
+        cfg = CONFIGS / (file_stem(base) + ".json")
+        built = _build_cached(str(cfg), cfg.stat().st_mtime_ns, trust_remote_code, task)
+        return replace(built, model_id=cid, config_file=f"configs/{cfg.name}", variant_of=spec.variant_of)
     upload = quantized_upload(name)
     if upload is not None:
         return _quantized_spec(name, *upload)
-    return _from_hub(name, trust_remote_code)
+    return _from_hub(name, trust_remote_code, task)
 
 
 def stored_format(config: dict) -> str:
@@ -200,19 +208,34 @@ def _inventory_key(text: bytes, trust_remote_code: bool) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
 
 
+def spec_for_task(spec: ModelSpec, task: str | None) -> ModelSpec:
+    """`spec` as built for Setup.task: itself when no task is asked or it is that task's, else the same model (catalog
+    id, config.json or Hub id) loaded with that head."""
+    if task is None or _task_of(spec) == task:
+        return spec
+    return load_spec(spec.model_id, task=task)
+
+
+def _task_of(spec: ModelSpec) -> str | None:
+    """The --task whose class built `spec` (None for a class no task names)."""
+    from memplan.model.hf import TASKS
+    return next((t for t, cls in TASKS.items() if cls == spec.arch.auto_class), None)
+
+
 @functools.lru_cache(maxsize=16)
-def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool) -> ModelSpec:
+def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str | None = None) -> ModelSpec:
     """A local config's spec: from the on-disk cache when its content was built before (building takes seconds:
     the real transformers class on the meta device), else built and cached."""
     config = read_config(path)
-    cached = cache_dir() / "inventories" / (_inventory_key(Path(path).read_bytes(), trust_remote_code) + ".json")
+    key = _inventory_key(Path(path).read_bytes() + (task or "").encode(), trust_remote_code)
+    cached = cache_dir() / "inventories" / (key + ".json")
     try:
         return replace(ModelSpec.from_dict(json.loads(cached.read_text())), model_id=path, config_file=path)
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not cached yet, or written by another memplan: build it
     from memplan.inventory.build import build_spec
 
-    spec = build_spec(config, model_id=path, config_file=path, trust_remote_code=trust_remote_code)
+    spec = build_spec(config, model_id=path, config_file=path, trust_remote_code=trust_remote_code, task=task)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cached, spec.to_dict())
@@ -254,7 +277,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _from_hub(name: str, trust_remote_code: bool) -> ModelSpec:
+def _from_hub(name: str, trust_remote_code: bool, task: str | None = None) -> ModelSpec:
     ids = list(catalog_index()) + list(LEGACY)
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         raise not_found("model", name, ids, "Run `memplan models` for the catalog, or pass a local config.json "
@@ -273,7 +296,8 @@ def _from_hub(name: str, trust_remote_code: bool) -> ModelSpec:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as e:  # the Hub's own errors (gated repo, missing file) are the user's to read
         raise BadInput(f"could not fetch the config of {name!r} from the Hub: {e}") from None
-    return build_spec(config.to_dict(), model_id=name, config_file=f"hub:{name}", trust_remote_code=trust_remote_code)
+    return build_spec(config.to_dict(), model_id=name, config_file=f"hub:{name}", trust_remote_code=trust_remote_code,
+                      task=task)
 
 
 def config_dict(model) -> dict:

@@ -10,12 +10,31 @@ from memplan.errors import BadInput
 from memplan.model.layout import BLOCK_LIST_NAMES
 
 
-def auto_class(config_dict: dict, config):
-    """The Auto class that builds the model: the config's architectures decide (ConditionalGeneration: seq2seq,
-    MaskedLM/PreTraining: the encoder), else causal-LM first, except for a family with a masked-LM class. A composite
-    vision-language config builds what users load it with, AutoModelForImageTextToText (Gemma-3: the same class as
-    AutoModelForCausalLM; Llama-4 and Mllama map the causal class to their text model alone)."""
+#: --task: the Auto class a training script builds (transformers' names); None: the language-model head auto_class
+#: picks from the config
+TASKS = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM", "masked-lm": "AutoModelForMaskedLM",
+         "seq-cls": "AutoModelForSequenceClassification", "token-cls": "AutoModelForTokenClassification"}
+
+#: the classes whose head is a small classifier over labels, not a vocabulary-sized LM head
+CLASSIFIER_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+
+
+def auto_class(config_dict: dict, config, task: str | None = None):
+    """The Auto class that builds the model: the task's (--task), else the config's architectures decide
+    (ConditionalGeneration: seq2seq, MaskedLM/PreTraining: the encoder), else causal-LM first, except for a family
+    with a masked-LM class. A composite vision-language config builds what users load it with,
+    AutoModelForImageTextToText (Gemma-3: the same class as AutoModelForCausalLM; Llama-4 and Mllama map the causal
+    class to their text model alone)."""
     import transformers as tf
+
+    if task is not None:
+        if task not in TASKS:
+            raise BadInput(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+        cls = getattr(tf, TASKS[task])
+        if type(config) not in cls._model_mapping:
+            raise BadInput(f"transformers has no {TASKS[task]} class for model type {config.model_type!r} "
+                           f"(--task {task}); leave --task out for its language-model head")
+        return cls
 
     arch = (config_dict.get("architectures") or [""])[0]
     order = [tf.AutoModelForCausalLM, tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memplan.runtime.allocator import need_and_replay, replayed
 from memplan.setup import Setup
-from memplan.model.catalog import config_dict, load_spec
+from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.replay.synth import events as synthesized
 from memplan.runtime.tracker import StorageTracker
@@ -17,7 +17,7 @@ def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
     """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
     model synthesized from a trace cut to a few blocks where that is exact (memplan.replay.synth), else traced whole.
     Inference setups: validate's prefill and generate() (memplan.tracer.inference; `steps` does not apply)."""
-    spec = load_spec(model)
+    spec = spec_for_task(load_spec(model), setup.task)
     check_setup(spec, setup)
     if setup.mode != "train":
         return inference_events(spec, setup)

@@ -144,6 +144,11 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     dtypes = torch_dtypes()
     check_setup(spec, setup)
     config = config_from_dict(d)
+    if spec.arch.auto_class == "AutoModelForSequenceClassification" and getattr(config, "pad_token_id", None) is None:
+        # a decoder's classifier pools each row's last non-pad token and refuses batches > 1 without a pad token,
+        # which scripts set from eos (the batches here hold no padding: the last position)
+        eos = getattr(config, "eos_token_id", None)
+        config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
     cls = getattr(transformers, spec.arch.auto_class)
     weight_dtype = dtypes[setup.weight_dtype] if not setup.quant else dtypes[setup.compute_dtype]
     # transformers 4.56 renamed from_config's torch_dtype to dtype (modeling_utils.PreTrainedModel._from_config)
@@ -269,13 +274,26 @@ def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
     if setup.padded:
         mask[-1, -1] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
-    if spec.arch.kind == "seq2seq":
+    labels = classifier_labels(spec)
+    if labels:  # a classification head (--task seq-cls / token-cls): a label per sample, or per token
+        shape = (b,) if "Sequence" in spec.arch.auto_class else (b, s)
+        batch["labels"] = torch.randint(0, labels, shape, device=device)
+    elif spec.arch.kind == "seq2seq":
         batch["labels"] = torch.randint(0, vocab, (b, setup.target_len or s), device=device)
     else:
         batch["labels"] = ids.clone()
         if setup.padded:
             batch["labels"][-1, -1] = -100
     return batch
+
+
+def classifier_labels(spec) -> int:
+    """The label count of a classification head (the out_features of its last Linear, transformers' num_labels);
+    0 for a language-model head."""
+    from memplan.model.hf import CLASSIFIER_CLASSES
+    if spec.arch.auto_class not in CLASSIFIER_CLASSES or not spec.linears:
+        return 0
+    return spec.linears[-1].out_features
 
 
 # ---------------------------------------------------------------------------------------------------- loops

@@ -31,7 +31,7 @@ from memplan.runtime.allocator import need_and_replay
 from memplan.runtime.tracker import CATEGORIES, StorageTracker, dispatch_mode, pack_hooks, watch_blocks
 from memplan.runtime.steps import (build_model, cut_config, library_failures, make_optimizer, materialize,  # noqa: F401
                            training_loop, TRAIN_PHASES)
-from memplan.model.catalog import config_dict, load_spec
+from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.tracer.inference import inference_trace
 
@@ -138,8 +138,8 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     per-category figure linearly to the full depth (the blocks are identical; stated in the result's notes).
     """
 
-    spec = load_spec(model)
     setup = setup or Setup(**fields)
+    spec = spec_for_task(load_spec(model), setup.task)
     total_layers = max(spec.arch.num_encoder_layers, spec.arch.num_decoder_layers)
     if setup.mode != "train":
         return _inference(spec, setup, layers, total_layers)

@@ -312,3 +312,34 @@ def test_check_lists_predicted_ooms_after_the_measured_rows(run, tmp_path):
     assert r.exit_code == 0, r.output
     lines = [line for line in r.output.splitlines() if line[:1].isdigit()]
     assert "openai-community/gpt2" in lines[0] and "OOM predicted" in lines[1] and "%" not in lines[1].split(",")[-2]
+
+
+@pytest.mark.slow  # builds the classification inventories (~10 s each)
+def test_task_builds_the_classification_head(run):
+    """--task seq-cls (issue 42): BERT with its pooler and a 2-way classifier instead of the MLM head (335,143,938
+    parameters, as the published bert-large rows' AutoModelForSequenceClassification holds: 335M), no vocabulary
+    logits; a task the family has no class for is a clean error."""
+    r = run("estimate", "google-bert/bert-large-uncased", "--task", "seq-cls", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["params_total"] == 335_143_938 and d["components"]["logits"] == 0 and d["setup"]["task"] == "seq-cls"
+    mlm = json.loads(run("estimate", "google-bert/bert-large-uncased", "--json").output)
+    assert mlm["components"]["logits"] > 0 and mlm["setup"]["task"] is None
+    r = run("estimate", "gpt2", "--task", "seq2seq")
+    assert r.exit_code == 2 and "no AutoModelForSeq2SeqLM class for model type 'gpt2'" in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_task_labels_match_the_head():
+    """The traced and measured steps feed a classification head labels per sample or per token, in range."""
+    from memplan.model.catalog import load_spec
+    from memplan.runtime.steps import classifier_labels, make_batch
+    from memplan.setup import Setup
+    setup = Setup(batch_size=3, seq_len=16)
+    seq = load_spec("google-bert/bert-base-uncased", task="seq-cls")
+    tok = load_spec("FacebookAI/roberta-base", task="token-cls")
+    assert classifier_labels(seq) == 2 and classifier_labels(load_spec("gpt2")) == 0
+    assert tuple(make_batch(seq, setup, 100)["labels"].shape) == (3,)
+    labels = make_batch(tok, setup, 100)["labels"]
+    assert tuple(labels.shape) == (3, 16) and int(labels.max()) < classifier_labels(tok)

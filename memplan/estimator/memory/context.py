@@ -119,9 +119,10 @@ def _resized_spec(spec: ModelSpec, setup: Setup) -> ModelSpec:
 # the dtypes; a memoized term names any other Setup field it reads. tests/test_estimate.py checks every Setup
 # field: an estimate after a warm cache equals one from a cold cache.
 
-#: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes.
+#: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes (task
+#: decides the spec itself, which the key holds too).
 SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision", "use_dora",
-                    "use_liger_kernel", "train_new_tokens", "added_tokens")
+                    "use_liger_kernel", "train_new_tokens", "added_tokens", "task")
 _MEMO: dict[tuple, tuple[ModelSpec, object]] = {}  # key -> (spec, value): the spec kept alive so its id stays its own
 _MEMO_LIMIT = 20_000
 T = TypeVar("T")

@@ -17,7 +17,8 @@ import contextlib
 def mask_checks(padded: bool = False, seq2seq: bool = False):
     """Within: fake padding masks count as all ones (unless padded; a seq2seq decoder's causal mask always), whole
     fake bool `torch.all` answers `not padded` (4.x), and a fake scalar `torch.rand([])` draws 1.0 (LayerDrop keeps
-    every layer: `if dropout_probability < self.layerdrop`). Real tensors run as they are."""
+    every layer: `if dropout_probability < self.layerdrop`), and the largest of fake [rows, seq] integer ids is seq - 1
+    (position ids). Real tensors run as they are."""
     try:
         from transformers import masking_utils as mu
     except ImportError:  # transformers < 4.53 has no masking_utils: only the torch.all answer applies
@@ -63,6 +64,12 @@ def _torch_answers(all_true: bool):
                 return torch.tensor(all_true)
             if func is torch.rand and not kwargs and args in (([],), ((),)) and faking():
                 return torch.tensor(1.0)
+            if (func is torch.max and not kwargs and len(args) == 1 and is_fake(args[0]) and args[0].dim() == 2
+                    and not args[0].is_floating_point()):
+                # the largest position id: the positions of a step's batch are arange(seq) per row, so seq - 1
+                # (Phi-3's longrope under transformers 5.17 picks its frequencies from it:
+                # modeling_rope_utils.longrope_frequency_update, `seq_len = torch.max(position_ids) + 1`)
+                return torch.tensor(args[0].shape[-1] - 1)
             return func(*args, **(kwargs or {}))
 
     return _Mode()
