@@ -86,3 +86,20 @@ def test_a_bf16_plan_loads_on_a_machine_without_cuda(tmp_path, plan_doc):
     run = load_plan(path, output_dir=str(tmp_path / "out"))
     assert run.training_arguments.bf16 and run.training_arguments.use_cpu
     assert run.training_arguments.per_device_train_batch_size == doc["training_arguments"]["per_device_train_batch_size"]
+
+
+@pytest.mark.slow  # builds BERT's classification inventory
+def test_a_classification_plan_names_its_head_and_peft_task(tmp_path):
+    """plan --task seq-cls writes the class the script builds and peft's SEQ_CLS task type, and load_plan builds
+    them (issue 42: sequence-classification heads)."""
+    from click.testing import CliRunner
+
+    import memplan
+    from memplan.cli.main import main
+    out = tmp_path / "cls.yaml"
+    r = CliRunner().invoke(main, ["plan", "google-bert/bert-base-uncased", "--task", "seq-cls", "--gpu", "t4",
+                                  "--technique", "lora", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    run = memplan.load_plan(out, output_dir=str(tmp_path / "o"))
+    assert run.auto_class == "AutoModelForSequenceClassification" and run.setup.task == "seq-cls"
+    assert run.lora_config.task_type == "SEQ_CLS"
