@@ -18,6 +18,7 @@ from memplan.cli.plot import plot_command
 from memplan.cli.plots import write_breakdown_png
 from memplan.cli.report import output_console, print_estimate, print_fit, print_plan, print_trace, print_models, print_gpus
 from memplan.gpus import resolve_gpu, load_gpus
+from memplan.setup import TASK_NAMES
 from memplan.estimator import breakdown
 from memplan.model import catalog
 from memplan.model.catalog import find_models
@@ -64,16 +65,18 @@ def estimate(model, trust_remote_code, fmt, plot_path, gpu_name, memory, **optio
 @click.option("--num-gpus", type=click.IntRange(min=1, max=2**16),
               help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
 @headroom_option
+@click.option("--task", type=click.Choice(TASK_NAMES), help="the head your script builds (seq-cls, token-cls, ...); "
+              "default: the language-model head")
 @click.option("--trust-remote-code", is_flag=True)
 @format_options
 @handle_errors
-def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, trust_remote_code, fmt):
+def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, task, trust_remote_code, fmt):
     """Will MODEL fit on a GPU? One row per common setup with the largest micro-batch that fits, then the
     multi-GPU training options (DeepSpeed ZeRO-3, FSDP, DDP) with the fewest GPUs each needs."""
 
     if seq_len < 1:
         raise click.BadParameter("must be >= 1", param_hint="--seq-len")
-    spec = load_model(model, trust_remote_code=trust_remote_code)
+    spec = catalog.spec_for_task(load_model(model, trust_remote_code=trust_remote_code), task)
     result = fit_table.fit(spec, resolve_gpu(gpu_name, memory), seq_len, num_gpus=num_gpus, headroom=headroom)
     if fmt == "json":
         emit_json(result.to_dict())

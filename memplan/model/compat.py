@@ -121,8 +121,9 @@ TORCHAO_MIN_SIZE, TORCHAO_BLOCK = 4096, 256
 #: state's int64 codes (quant_utils.quantize_4bit_with_qmap's torch.where over integer literals), which the strided
 #: nibble packing `(codes[::2] << 4) | codes[1::2]` reads back: 8 + 16. Measured on an H100 (torch 2.11, torchao
 #: 0.18): 7.9 B on SmolLM2-135M's embedding (8-bit) and 24.0 B on Qwen2.5-0.5B's (4-bit), data/measured/gpu-h100.csv.
-#: A tensor with plain states fuses into one kernel: nothing tensor-sized.
-TORCHAO_STEP_BYTES = {8: 8, 4: 24}
+#: A tensor with plain states fuses into one kernel: nothing tensor-sized. Per bits: the buffers' bytes per element.
+TORCHAO_STEP_BUFFERS = {8: (4, 4), 4: (4, 4, 8, 8)}
+TORCHAO_STEP_BYTES = {bits: sum(sizes) for bits, sizes in TORCHAO_STEP_BUFFERS.items()}
 
 
 def torchao_quantized(numel: int) -> bool:

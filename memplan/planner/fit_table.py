@@ -147,7 +147,7 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     planner assumes (search.plan)."""
     bf = "bf16" if gpu.bf16 else "fp16"
     a = spec.arch
-    new = 0 if a.kind == "encoder" else DEFAULT_NEW_TOKENS
+    new = 0 if a.kind == "encoder" or not a.has_lm_head else DEFAULT_NEW_TOKENS  # a classifier serves one forward
     if a.max_positions:
         new = max(0, min(new, a.max_positions - seq_len))
     out = []

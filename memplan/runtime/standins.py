@@ -187,11 +187,11 @@ class StandInTorchaoAdamW(StandInBnbOptimizer):
     """torchao AdamW8bit / AdamW4bit as transformers builds them (block_size=256): tensors compat.torchao_quantized
     accepts get two quantized states (1 or 0.5 B per element) with an fp32 scale per block and a code table (256 or
     16 fp32); others keep plain states in the param dtype. Each step runs the compiled fp32 math per tensor: the
-    buffers compat.TORCHAO_STEP_BYTES gives for a quantized one (fp32 states; 4-bit: their int64 codes too)."""
+    buffers compat.TORCHAO_STEP_BUFFERS gives for a quantized one (fp32 states; 4-bit: their int64 codes too)."""
 
     def step(self):
         import torch
-        from memplan.model.compat import TORCHAO_STEP_BYTES, torchao_quantized
+        from memplan.model.compat import TORCHAO_STEP_BUFFERS, torchao_quantized
         for p in self.params:
             if p.grad is None:
                 continue
@@ -208,8 +208,10 @@ class StandInTorchaoAdamW(StandInBnbOptimizer):
                 for t in st:
                     self.tracker.tag(t, "optimizer_state")
                 self.state[p] = st
-            if quantized:
-                _work = torch.empty(n * TORCHAO_STEP_BYTES[self.bits], dtype=torch.uint8, device=p.device)
+            if quantized:  # inductor's separate buffers (fp32 states; 4-bit: int64 codes too), as many blocks
+                dtypes = {4: torch.float32, 8: torch.int64}
+                _work = [torch.empty(n, dtype=dtypes[size], device=p.device)
+                         for size in TORCHAO_STEP_BUFFERS[self.bits]]
 
 
 class StandInScheduleFree(StandInBnbOptimizer):

@@ -327,6 +327,9 @@ def test_task_builds_the_classification_head(run):
     assert mlm["components"]["logits"] > 0 and mlm["setup"]["task"] is None
     r = run("estimate", "gpt2", "--task", "seq2seq")
     assert r.exit_code == 2 and "no AutoModelForSeq2SeqLM class for model type 'gpt2'" in r.output
+    fit = json.loads(run("fit", "google-bert/bert-large-uncased", "--task", "seq-cls", "--gpu", "t4", "--json").output)
+    serve = next(o for o in fit["options"] if o["mode"] == "infer")
+    assert serve["setup"]["new_tokens"] == 0 and fit["options"][0]["fits"]  # a classifier serves one forward
     assert "Traceback" not in r.output
 
 
