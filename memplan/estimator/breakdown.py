@@ -73,6 +73,15 @@ class Estimate:
                 "device_total_bytes": self.device_total_bytes, "need_bytes": self.cap_need_bytes,
                 **{f"{name}_bytes": value for name, value in self.components.items()}}
 
+    def _repr_html_(self) -> str:
+        """A notebook shows the peaks and the components table."""
+        from html import escape
+        head = (f"<b>{escape(self.model)}</b>: peak allocated {self.peak_allocated_bytes / 2**30:.2f} GiB "
+                f"({escape(self.peak_phase)}), reserved {self.peak_reserved_bytes / 2**30:.2f} GiB, device total "
+                f"{self.device_total_bytes / 2**30:.2f} GiB")
+        frame = self.to_frame()
+        return head + frame[frame["bytes"] > 0].to_html(index=False, float_format=lambda v: f"{v:.3f}")
+
     def to_frame(self):
         """The components at the peak as a pandas DataFrame: bytes, GiB and share of the device total."""
         import pandas as pd

@@ -193,12 +193,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memplan"
 
 
+@functools.cache
+def _builder_digest() -> bytes:
+    """The source of the code that builds inventories (memplan/inventory, memplan/model): an edit to it, released or
+    not, builds cached inventories anew."""
+    import hashlib
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted([*(root / "inventory").glob("*.py"), *(root / "model").glob("*.py")]):
+        h.update(f.read_bytes())
+    return h.digest()
+
+
 def _inventory_key(text: bytes, trust_remote_code: bool) -> str:
     """The content hash an inventory is cached under: the config's bytes and everything the inventory is built
-    with (the transformers, peft and memplan releases, remote code allowed)."""
+    with (the transformers, peft and memplan releases and builder source, remote code allowed)."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
-    parts = [text]
+    parts = [text, _builder_digest()]
     for package in ("transformers", "peft", "memplan"):
         try:
             parts.append(version(package).encode())

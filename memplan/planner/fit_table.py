@@ -128,6 +128,13 @@ class FitResult:
     def any_fits(self) -> bool:
         return any(r.fits for r in self.rows)
 
+    def _repr_html_(self) -> str:
+        """A notebook shows which options fit, their largest micro-batch and need."""
+        from html import escape
+        cols = ["option", "fits", "max_batch_size", "need_bytes_at_batch_1", "shortfall_bytes", "error"]
+        head = f"<b>{escape(self.model)}</b> on {escape(self.gpu.name)} (budget {self.budget_bytes / 2**30:.2f} GiB)"
+        return head + self.to_frame()[cols].to_html(index=False)
+
     def to_frame(self):
         """The one-GPU options as a pandas DataFrame (the columns of FitRow.to_dict, setup fields flattened)."""
         import pandas as pd

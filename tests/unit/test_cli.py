@@ -346,3 +346,12 @@ def test_task_labels_match_the_head():
     assert tuple(make_batch(seq, setup, 100)["labels"].shape) == (3,)
     labels = make_batch(tok, setup, 100)["labels"]
     assert tuple(labels.shape) == (3, 16) and int(labels.max()) < classifier_labels(tok)
+
+
+def test_notebooks_get_html_tables():
+    """A notebook cell ending in an estimate or a fit table renders it (issue 42 item 7: a rich display)."""
+    import memplan
+    e = memplan.estimate("gpt2", technique="lora")
+    assert e._repr_html_().startswith("<b>openai-community/gpt2</b>: peak allocated") and "<table" in e._repr_html_()
+    fit = memplan.fit(memplan.load_spec("gpt2"), memplan.find_gpu("t4"), seq_len=512)
+    assert "QLoRA nf4" in fit._repr_html_() and "<table" in fit._repr_html_()

@@ -224,6 +224,7 @@ def test_a_token_mixer_other_than_attention_is_named_in_the_notes(tmp_path, monk
     def refuse(*args, **kwargs):
         raise NotImplementedError("no fake kernel")
     monkeypatch.setattr(linfacts, "_run", refuse)
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "fresh-cache"))  # build anew: the same content is cached
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text((tmp_path / "config.json").read_text())
     spec = load_spec(str(tmp_path / "other" / "config.json"))
