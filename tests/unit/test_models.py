@@ -317,3 +317,10 @@ def test_a_local_config_is_built_once_and_cached_by_content(tmp_path, monkeypatc
     catalog._build_cached.cache_clear()
     assert catalog.load_spec(str(b)).arch.num_layers == 2
     assert len(list((tmp_path / "cache" / "inventories").glob("*.json"))) == 2
+
+
+def test_parameter_counts_print_as_cards_write_them():
+    """Gemma-3-1B's 999.9M parameters printed as "1e+03M" in `memplan models` (session 30)."""
+    from memplan.units import fmt_count
+    assert [fmt_count(n) for n in (999_885_952, 6_738_415_616, 124_439_808, 268_098_176, 999)] == \
+        ["1B", "6.74B", "124M", "268M", "999"]
