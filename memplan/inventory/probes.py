@@ -27,7 +27,7 @@ def read(model, model_type: str, hidden: int, activation: str, body=None) -> dic
                 weightless_norms=weightless_norms(body), weightless_final_norms=weightless_final_norms(body),
                 plain_cross_entropy=plain_cross_entropy(model), lora_expert_targets=peft_expert_targets(model_type),
                 expert_gate_saves=expert_gate_saves(body), relative_bias_layers=relative_bias_layers(body),
-                experts_dense=experts_dense(body))
+                experts_dense=experts_dense(body), disentangled=disentangled(body))
 
 
 def norm_saves(model, hidden: int) -> tuple[tuple[float, float, float], ...]:
@@ -165,6 +165,17 @@ def relative_bias_layers(model) -> int:
     """Attention modules that own a learned relative position bias (`relative_attention_bias`): T5 and mT5 compute it
     once per stack (2), UMT5 in every self-attention layer. 0 for every other family."""
     return sum(1 for m in model.modules() if getattr(m, "relative_attention_bias", None) is not None)
+
+
+def disentangled(model) -> tuple[int, int]:
+    """DeBERTa-v2's disentangled attention (DisentangledSelfAttention with relative_attention): (its position
+    terms, c2p and p2c, counted; the relative-embedding rows each layer projects, 2 x pos_ebd_size). (0, 0) for every
+    other family."""
+    for m in model.modules():
+        if getattr(m, "relative_attention", False) and hasattr(m, "pos_ebd_size") and hasattr(m, "pos_att_type"):
+            kinds = sum(k in ("c2p", "p2c") for k in (m.pos_att_type or ()))
+            return kinds, 2 * int(m.pos_ebd_size) if kinds else 0
+    return 0, 0
 
 
 def weightless_norms(model) -> int:

@@ -163,6 +163,9 @@ class Arch:
     linear_work: tuple[float, ...] = ()
     #: attention modules owning a learned relative position bias (inventory.probes.relative_bias_layers: T5 2, UMT5 each)
     relative_bias_layers: int = 0
+    #: DeBERTa-v2's disentangled attention: (position terms c2p/p2c, relative-embedding rows per layer), (0, 0) if
+    #: none (inventory.probes.disentangled)
+    disentangled: tuple[int, int] = (0, 0)
     #: what the norm layer saves, (bytes per element, bytes per row, bytes per element of its input itself) per
     #: NORM_CASES (inventory.probes.norm_saves; inventories built before the third was measured list two)
     norm_saves: tuple[tuple[float, ...], ...] = ()
@@ -247,6 +250,7 @@ class ModelSpec:
         arch["act_out"] = tuple(arch.get("act_out", ()))
         arch["eager_held"] = _padded(arch.get("eager_held", ()), (False, False, True))
         arch["unmodelled_layers"] = tuple(arch.get("unmodelled_layers", ()))
+        arch["disentangled"] = tuple(arch.get("disentangled", (0, 0)))
         arch["linear_layers"] = tuple(arch.get("linear_layers", ()))
         arch["indexer"] = _padded(arch.get("indexer", ()), (0, 0, 0))
         arch["linear_saves"] = tuple(arch.get("linear_saves", ()))

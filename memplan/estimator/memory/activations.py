@@ -17,6 +17,7 @@ from memplan.estimator.memory.position_bias import bias_bucket_bytes, position_b
 from memplan.estimator.memory.block_tail import mlp_bytes, mlp_readers, norms_after_attention, post_attention_bytes
 from memplan.model.spec import linear_case
 from memplan.model.trainable import gets_no_grad
+from memplan.estimator.memory.disentangled import disentangled_bytes
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.qkv import fused_qkv_pin_bytes
 from memplan.model.layout import BlockLayout, blocks
@@ -78,7 +79,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
             per_tok += (m.out_features - a.num_heads * a.v_head_dim) * c
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
         self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel, blk.stack) + \
-        bias_bucket_bytes(ctx, blk.stack, blk.index, seqs[0])
+        bias_bucket_bytes(ctx, blk.stack, blk.index, seqs[0]) + disentangled_bytes(ctx, tokens, seqs[0])
     if cross:
         total += _cross_bytes(ctx, by_slot, tokens, seqs, lora_names)
     # a seq2seq decoder's self-attention gets no padding mask (collators pass no decoder_attention_mask): is_causal
