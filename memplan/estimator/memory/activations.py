@@ -79,7 +79,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
             per_tok += (m.out_features - a.num_heads * a.v_head_dim) * c
     total = per_tok * tokens + scores + expert_lora_copy_bytes(ctx, experts, lora_names) + \
         self_bias_mask_bytes(ctx, tokens // max(seqs[0], 1), seqs[0], kernel, blk.stack) + \
-        bias_bucket_bytes(ctx, blk.stack, blk.index, seqs[0]) + disentangled_bytes(ctx, tokens, seqs[0])
+        bias_bucket_bytes(ctx, blk.stack, blk.index, seqs[0]) + \
+        disentangled_bytes(ctx, tokens, seqs[0], [m for _, m in blk.linears], lora_names)
     if cross:
         total += _cross_bytes(ctx, by_slot, tokens, seqs, lora_names)
     # a seq2seq decoder's self-attention gets no padding mask (collators pass no decoder_attention_mask): is_causal
