@@ -40,9 +40,9 @@ def fmt_count(n: int) -> str:
     ``fmt_count(124_439_808) == '124M'``."""
     for scale, unit in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
         # rounded to 3 digits first: 999.9M is "1B" (it printed "1e+03M"), as a card would write it
-        if float(f"{n / scale:.3g}") >= 1:
-            text = f"{n / scale:.3g}"
-            return (f"{float(text):g}" if "e" not in text else f"{n / scale:.0f}") + unit
+        text = f"{n / scale:.3g}"
+        if float(text) >= 1:
+            return (text if "e" not in text else f"{n / scale:.0f}") + unit
     return str(n)
 
 

@@ -101,7 +101,8 @@ def run_doctor(model: str | None, gpu_name: str | None = None, memory: str | Non
     gpu_bytes, source, bf16, gpu = _gpu_memory(gpu_name, memory, oom, doc)
     # estimated for the card's architecture, as plan and fit do (its cuBLAS workspace): the same need as the plan's
     return diagnose(load_model(model, trust_remote_code=trust_remote_code), setup, budget_bytes(gpu_bytes, headroom),
-                    estimator_for(gpu), bf16=bf16, oom=oom, budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
+                    estimator_for(gpu), bf16=bf16, oom=oom,
+                    budget_source=f"{source}: {fmt_gib(gpu_bytes)} less {headroom:.1%} headroom",
                     gpu_memory_bytes=gpu_bytes)
 
 

@@ -12,11 +12,12 @@ import click
 
 from memplan.cli.doctor import doctor_command
 from memplan.cli.measure import check_cmd, validate_cmd
-from memplan.cli.options import (emit_json, format_options, given_setup_fields, handle_errors, headroom_option, load_model,
-                                 setup_from_options, setup_options)
+from memplan.cli.options import (TASK_HELP, emit_json, format_options, given_setup_fields, handle_errors,
+                                 headroom_option, load_model, setup_from_options, setup_options)
 from memplan.cli.plot import plot_command
 from memplan.cli.plots import write_breakdown_png
-from memplan.cli.report import output_console, print_estimate, print_fit, print_plan, print_trace, print_models, print_gpus
+from memplan.cli.report import (output_console, print_estimate, print_fit, print_plan, print_trace, print_models,
+                                print_gpus)
 from memplan.gpus import resolve_gpu, load_gpus
 from memplan.setup import TASK_NAMES
 from memplan.estimator import breakdown
@@ -65,8 +66,7 @@ def estimate(model, trust_remote_code, fmt, plot_path, gpu_name, memory, **optio
 @click.option("--num-gpus", type=click.IntRange(min=1, max=2**16),
               help="training across exactly N such GPUs (default: the fewest that fit); > 8 means nodes of 8")
 @headroom_option
-@click.option("--task", type=click.Choice(TASK_NAMES), help="the head your script builds (seq-cls, token-cls, ...); "
-              "default: the language-model head")
+@click.option("--task", type=click.Choice(TASK_NAMES), help=TASK_HELP)
 @click.option("--trust-remote-code", is_flag=True)
 @format_options
 @handle_errors

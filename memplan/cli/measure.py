@@ -5,8 +5,8 @@ import sys
 
 import click
 
-from memplan.cli.options import (emit_json, format_options, given_setup_fields, handle_errors, load_model, parse_fraction,
-                                 setup_options)
+from memplan.cli.options import (emit_json, format_options, given_setup_fields, handle_errors, load_model,
+                                 parse_fraction, setup_options)
 from memplan.errors import BadInput
 from memplan.cli.report import output_console, validation_rows, print_validation, print_check
 from memplan.estimator.breakdown import estimate

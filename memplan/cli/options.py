@@ -22,9 +22,10 @@ from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
             "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS, "sharding": SHARDINGS, "offload": OFFLOADS,
             "train_new_tokens": NEW_TOKENS, "task": TASK_NAMES}
+TASK_HELP = ("the head your script builds: seq-cls (AutoModelForSequenceClassification), token-cls, masked-lm, "
+             "seq2seq, causal-lm; default: the language-model head the config names")
 _HELP = {
-    "task": "the head your script builds: seq-cls (AutoModelForSequenceClassification), token-cls, masked-lm, "
-            "seq2seq, causal-lm; default: the language-model head the config names",
+    "task": TASK_HELP,
     "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
     "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
     "padded": "batches hold padding, as a padding collator makes them (sdpa then keeps a mask per layer); "

@@ -27,13 +27,22 @@ def make_console(stderr: bool = False) -> Console:
     return console
 
 
+def _plain(cell) -> str:
+    """A cell or line as printed text: rich markup removed (text that is not valid markup stays as written)."""
+    from rich.errors import MarkupError
+    from rich.text import Text
+    if isinstance(cell, Text):
+        return cell.plain
+    try:
+        return Text.from_markup(str(cell)).plain
+    except MarkupError:
+        return str(cell)
+
+
 def table_cells(t: Table) -> tuple[list[str], list[list[str]]]:
     """(headers, rows) of a rich Table as plain text (markup removed, folded cells joined)."""
-    from rich.text import Text
-
     def plain(cell) -> str:
-        text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
-        return " ".join(text.split())
+        return " ".join(_plain(cell).split())
 
     headers = [plain(c.header) for c in t.columns]
     rows = [list(r) for r in zip(*([plain(x) for x in c._cells] for c in t.columns))]
@@ -57,9 +66,8 @@ class FormatConsole:
         self.err = make_console(stderr=True)
 
     def print(self, obj="", **kw) -> None:
-        from rich.text import Text
         if isinstance(obj, Table):
-            title = Text.from_markup(str(obj.title or "")).plain
+            title = _plain(obj.title or "")
             frame = table_frame(obj)
             if self.fmt == "csv":
                 if title:
@@ -73,13 +81,7 @@ class FormatConsole:
                 lines += ["| " + " | ".join(map(cell, row)) + " |" for row in frame.itertuples(index=False)]
                 self.out.print("\n".join(lines) + "\n", markup=False, highlight=False, soft_wrap=True)
             return
-        text = str(obj)
-        if isinstance(obj, str) and kw.get("markup", True):
-            from rich.errors import MarkupError
-            try:
-                text = Text.from_markup(obj).plain
-            except MarkupError:
-                pass
+        text = _plain(obj) if isinstance(obj, str) and kw.get("markup", True) else str(obj)
         (self.err if self.fmt == "csv" else self.out).print(text, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -387,8 +389,8 @@ def print_check(result, report_path: str, console: Console | None = None) -> Non
     from memplan.measure.gate import error_text, summary  # lazily: the check command's output only
 
     console = console or make_console()
-    # a CI log is 80 columns wide (rich's width without a terminal): no vertical rules, figures and verdicts never
-    # wrap or get cut, the words fold, and the notes follow the table keyed by row number
+    # a narrow terminal (COLUMNS) or CI log: no vertical rules, figures and verdicts never wrap or get cut, the words
+    # fold, and the notes follow the table keyed by row number
     t = Table(title=f"memplan check: {'PASS' if result.ok else 'FAIL'} ({len(result.rows)} rows; GiB)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     t.add_column("#", justify="right", no_wrap=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from memplan.errors import BadInput, OfflineError, close_matches, not_found
 from memplan.model.config_rules import config_problems
-from memplan.model.hf import config_from_dict
+from memplan.model.hf import TASKS, config_from_dict
 from memplan.model.spec import ModelSpec
 from memplan.fileio import write_json_atomic
 
@@ -230,7 +230,6 @@ def spec_for_task(spec: ModelSpec, task: str | None) -> ModelSpec:
 
 def _task_of(spec: ModelSpec) -> str | None:
     """The --task whose class built `spec` (None for a class no task names)."""
-    from memplan.model.hf import TASKS
     return next((t for t, cls in TASKS.items() if cls == spec.arch.auto_class), None)
 
 

@@ -15,8 +15,9 @@ from memplan.model.layout import BLOCK_LIST_NAMES
 TASKS = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM", "masked-lm": "AutoModelForMaskedLM",
          "seq-cls": "AutoModelForSequenceClassification", "token-cls": "AutoModelForTokenClassification"}
 
-#: the classes whose head is a small classifier over labels, not a vocabulary-sized LM head
-CLASSIFIER_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+#: the classes whose head is a small classifier over labels, not a vocabulary-sized LM head: class -> peft's task
+#: type for it (SEQ_CLS / TOKEN_CLS also train the classifier: modules_to_save, a few KiB)
+CLASSIFIER_CLASSES = {"AutoModelForSequenceClassification": "SEQ_CLS", "AutoModelForTokenClassification": "TOKEN_CLS"}
 
 
 def auto_class(config_dict: dict, config, task: str | None = None):

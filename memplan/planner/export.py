@@ -28,6 +28,7 @@ from memplan.planner.budget import need_bytes
 from memplan.errors import BadInput, schema_problems
 from memplan.fileio import write_text_atomic
 from memplan.model.compat import default_attn_impl
+from memplan.model.hf import CLASSIFIER_CLASSES
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
 from memplan.estimator.launch import accelerate_config, deepspeed_config
@@ -80,9 +81,8 @@ def peft_section(spec, s: Setup) -> dict | None:
         targets = list(spec.arch.lora_default_targets)
     elif isinstance(targets, tuple):
         targets = list(targets)
-    # peft's task type for the head (SEQ_CLS / TOKEN_CLS also train the classifier: modules_to_save, a few KiB)
-    task = {"AutoModelForSequenceClassification": "SEQ_CLS", "AutoModelForTokenClassification": "TOKEN_CLS"}.get(
-        spec.arch.auto_class) or {"causal": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM"}.get(spec.arch.kind)
+    task = CLASSIFIER_CLASSES.get(spec.arch.auto_class) or {"causal": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM"}.get(
+        spec.arch.kind)
     return {"r": s.lora_r, "lora_alpha": s.lora_alpha, "lora_dropout": s.lora_dropout, "target_modules": targets,
             "bias": "none", "task_type": task, "use_dora": s.use_dora, **new_token_kwargs(spec, s)}
 

@@ -192,6 +192,7 @@ class StandInTorchaoAdamW(StandInBnbOptimizer):
     def step(self):
         import torch
         from memplan.model.compat import TORCHAO_STEP_BUFFERS, torchao_quantized
+        dtypes = {4: torch.float32, 8: torch.int64}  # a step buffer's bytes per element -> inductor's dtype
         for p in self.params:
             if p.grad is None:
                 continue
@@ -209,7 +210,6 @@ class StandInTorchaoAdamW(StandInBnbOptimizer):
                     self.tracker.tag(t, "optimizer_state")
                 self.state[p] = st
             if quantized:  # inductor's separate buffers (fp32 states; 4-bit: int64 codes too), as many blocks
-                dtypes = {4: torch.float32, 8: torch.int64}
                 _work = [torch.empty(n, dtype=dtypes[size], device=p.device)
                          for size in TORCHAO_STEP_BUFFERS[self.bits]]
 

@@ -20,7 +20,7 @@ from memplan.errors import BadInput, MemplanError, TraceFailed
 from memplan.setup import TORCH_DTYPE_NAMES, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
-from memplan.model.hf import config_from_dict
+from memplan.model.hf import CLASSIFIER_CLASSES, config_from_dict
 from memplan.runtime.liger import apply_liger_kernels, apply_liger_standins
 from memplan.runtime.standins import (StandInBnbOptimizer, StandInScheduleFree, StandInTorchaoAdamW,
                                       quantize_standins)
@@ -290,7 +290,6 @@ def make_batch(spec, setup: Setup, vocab: int, device="cpu") -> dict:
 def classifier_labels(spec) -> int:
     """The label count of a classification head (the out_features of its last Linear, transformers' num_labels);
     0 for a language-model head."""
-    from memplan.model.hf import CLASSIFIER_CLASSES
     if spec.arch.auto_class not in CLASSIFIER_CLASSES or not spec.linears:
         return 0
     return spec.linears[-1].out_features

@@ -252,8 +252,8 @@ def test_fit_starts_with_a_one_line_verdict(run):
     assert r.exit_code == 1 and r.output.startswith("does not fit:") and "fewest GPUs to train:" in r.output
 
 
-@pytest.mark.parametrize("cmd", [("fit", "gpt2", "--gpu", "t4"), ("estimate", "gpt2"), ("models", "--search", "qwen3-0"),
-                                 ("gpus",)])
+@pytest.mark.parametrize("cmd", [("fit", "gpt2", "--gpu", "t4"), ("estimate", "gpt2"),
+                                 ("models", "--search", "qwen3-0"), ("gpus",)])
 def test_markdown_and_csv_formats(run, cmd):
     """--format markdown prints pipe tables, --format csv parses with pandas (titles as # comments, notes on
     stderr); the same cells as the terminal table, never wrapped."""

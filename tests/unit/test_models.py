@@ -300,7 +300,8 @@ def test_a_local_config_is_built_once_and_cached_by_content(tmp_path, monkeypatc
 
     from memplan.model import catalog
     monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path / "cache"))
-    src = Path(__file__).resolve().parents[2] / "memplan" / "data" / "models" / "configs" / "openai-community__gpt2.json"
+    configs = Path(__file__).resolve().parents[2] / "memplan" / "data" / "models" / "configs"
+    src = configs / "openai-community__gpt2.json"
     a, b = tmp_path / "a" / "config.json", tmp_path / "b" / "config.json"
     for p in (a, b):
         p.parent.mkdir()

@@ -11,8 +11,9 @@ disentangled_attention_bias, per layer in training:
 - p2c: likewise pos_query_layer and its own [s, s] int64 index, and `torch.bmm(key_layer, ...)` saves key_layer
   itself (the plain scores save the scaled copy `key_layer.transpose(-1, -2) / scale`, a new tensor).
 Under LoRA the frozen rows record nothing of their own; each adapter on query_proj / key_proj saves its cast of
-them (peft's fp32 adapters). Everything else (the gathered [b x heads, s, s] terms, the sum) is transient. Counted with saved_tensors_hooks on a
-one-layer deberta-v3-xsmall (bf16, 1 x 512, 2 x 512, 1 x 256 tokens) and checked against the tracer.
+them (peft's fp32 adapters). Everything else (the gathered [b x heads, s, s] terms, the sum) is transient.
+Counted with saved_tensors_hooks on a one-layer deberta-v3-xsmall (bf16, 1 x 512, 2 x 512, 1 x 256 tokens) and
+checked against the tracer.
 """
 from __future__ import annotations
 
