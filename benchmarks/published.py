@@ -119,7 +119,8 @@ def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
         rows.append(_measured_row(row, Setup(**fields), versions))
         done.append({**base, "setup": _summary(fields), "measure": row["measure"], "measured_gib": measured / 2**30,
                      "predicted_gib": predicted / 2**30, "rel_error": (predicted - measured) / measured,
-                     "peak_phase": est.peak_phase, "transformers": versions.get("transformers", "")})
+                     "peak_phase": est.peak_phase, "transformers": versions.get("transformers", ""),
+                     "older_stack": older_stack(row.get("framework_note", ""))})
     return done, skipped, rows
 
 
@@ -201,6 +202,14 @@ def render(done, skipped, summary) -> str:
                   f"p90 {summary['p90_abs_rel_error']:.1%}, worst under-prediction "
                   f"{summary['worst_under_prediction']:.1%}, worst over-prediction {summary['worst_over_prediction']:.1%}",
                   ""]
+        # the split the README quotes: stacks memplan models, and rows older than OLDEST_MODELLED (reported only)
+        for label, part in (("transformers >= 4.46 or unnamed", [r for r in done if not r["older_stack"]]),
+                            ("older stacks, reported, not gated", [r for r in done if r["older_stack"]])):
+            if part:
+                sub = summarize(part)
+                lines += [f"- {label}: {sub['rows']} rows, median |rel. error| {sub['median_abs_rel_error']:.1%}, "
+                          f"p90 {sub['p90_abs_rel_error']:.1%}"]
+        lines += [""]
     lines += ["Estimated under the transformers release a row names (column *transformers*; blank: the installed one).",
               "",
               "| id | model | setup | transformers | measure | measured GiB | predicted GiB | rel. error | trust | peak phase |",
