@@ -155,7 +155,9 @@ def assume_gpu(gpu: "Gpu | str | None"):
             gpu = find_gpu(gpu)
         except MemplanError:
             gpu = None
-    return libs.assume(compute_capability=getattr(gpu, "compute_capability", None) or None)
+    memory = getattr(gpu, "memory_bytes", None)
+    return libs.assume(compute_capability=getattr(gpu, "compute_capability", None) or None,
+                       gpu_memory_bytes=str(memory) if memory else None)
 
 
 #: cuBLAS workspace PyTorch allocates through its caching allocator, one per (cuBLAS handle, stream), on the first

@@ -27,6 +27,9 @@ Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "a
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2"]
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp-shard-grad-op", "fsdp-full-shard"]
 Offload = Literal["none", "optimizer", "params+optimizer"]
+#: the trainer that runs the step: transformers' Trainer, or TRL's SFTTrainer, DPOTrainer, GRPOTrainer (TRL 1.16)
+TrainerName = Literal["hf", "sft", "dpo", "grpo"]
+VllmMode = Literal["colocate", "server"]
 
 MODES: tuple[str, ...] = get_args(Mode)
 TECHNIQUES: tuple[str, ...] = get_args(Technique)
@@ -37,6 +40,10 @@ ATTN_IMPLS: tuple[str, ...] = get_args(AttnImpl)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
+TRAINERS: tuple[str, ...] = get_args(TrainerName)
+VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
+#: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
+TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")
 TASK_NAMES: tuple[str, ...] = get_args(Task)
 #: DeepSpeed ZeRO stages (arXiv:1910.02054 sec. 5: P_os, P_os+g, P_os+g+p) and PyTorch FSDP sharding strategies
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -114,6 +121,19 @@ class Setup:
     #: the head the script builds (AutoModelFor...: memplan.model.hf.TASKS): seq-cls / token-cls put a small
     #: classifier where the vocabulary-sized LM head was; None: the language-model head the config names
     task: Task | None = None
+    #: TRL (field names as SFTConfig / DPOConfig / GRPOConfig name them; memplan.estimator.trainers). sft, dpo and
+    #: grpo score tokens through TRL's fused LM head (trl/trainer/utils.py add_fused_lm_head): no [tokens, vocab]
+    #: logits; dpo runs 2 x batch_size rows (chosen and rejected) and a reference forward; grpo generates first
+    trainer: TrainerName = "hf"
+    packing: bool = False  # sft: BFD packing, which makes batches padding-free
+    padding_free: bool = False  # sft: the micro-batch as one row of batch_size x seq_len tokens, no padding
+    precompute_ref_log_probs: bool = False  # dpo: reference log-probs computed before training: no reference model
+    num_generations: int = 8  # grpo: completions per prompt; batch_size counts completions
+    max_completion_length: int = 512  # grpo: generated tokens per completion (the KV cache and the scored tokens)
+    beta: float = 0.0  # grpo: KL coefficient; > 0 loads a reference model (full) or disables the adapter (LoRA)
+    use_vllm: bool = False  # grpo: vLLM generates instead of model.generate()
+    vllm_mode: VllmMode = "colocate"  # colocate: vLLM in the training process, on the same card; server: elsewhere
+    vllm_gpu_memory_utilization: float = 0.3  # colocate: the fraction of the card's total memory vLLM takes
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_targets", parse_targets(self.lora_targets))
@@ -161,14 +181,15 @@ class Setup:
 _CHOICES = (("mode", MODES, False), ("technique", TECHNIQUES, False), ("precision", PRECISIONS, False),
             ("quant", QUANTS, True), ("optimizer", OPTIMIZERS, False), ("attn_impl", ATTN_IMPLS, True),
             ("sharding", SHARDINGS, False), ("offload", OFFLOADS, False), ("train_new_tokens", NEW_TOKENS, True),
-            ("task", TASK_NAMES, True))
+            ("task", TASK_NAMES, True), ("trainer", TRAINERS, False), ("vllm_mode", VLLM_MODES, False))
 #: (field, smallest value, largest value, None allowed). The largest values are far past any run (a 16M-token
 #: sequence, a million samples per micro-batch, 65,536 GPUs per node) and keep every byte count within a float's
 #: exact integers: a number of hundreds of digits is refused, not overflowed.
 _INTEGERS = (("num_gpus", 1, 2**16, False), ("num_nodes", 1, 2**16, False), ("batch_size", 1, 2**20, False),
              ("seq_len", 1, 2**24, False), ("target_len", 1, 2**24, True), ("grad_accum", 1, 2**20, False),
              ("lora_r", 1, 2**16, False), ("added_tokens", 0, 2**24, False), ("prompt_len", 1, 2**24, True),
-             ("new_tokens", 0, 2**24, True))
+             ("new_tokens", 0, 2**24, True), ("num_generations", 1, 2**16, False),
+             ("max_completion_length", 1, 2**24, False))
 
 
 def value_problems(fields: dict) -> list[str]:
@@ -196,7 +217,9 @@ def validate(s: Setup) -> list[str]:
         p.append(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}")
     if s.mode == "train":
         p.extend(_training_combinations(s))
-        given = [f"--{n.replace('_', '-')}" for n in ("prompt_len", "new_tokens") if getattr(s, n) is not None]
+        p.extend(trainer_problems(s))
+        given = [f"--{n.replace('_', '-')}" for n in ("prompt_len", "new_tokens") if getattr(s, n) is not None
+                 and not (n == "prompt_len" and s.trainer in ("dpo", "grpo"))]
         if given:
             p.append(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode infer only: drop "
                      f"{'it' if len(given) == 1 else 'them'}, or add --mode infer")
@@ -208,12 +231,83 @@ def validate(s: Setup) -> list[str]:
                  "--use-liger-kernel for --mode infer")
     if s.use_dora and (s.mode != "train" or s.technique not in ("lora", "qlora")):
         p.append("use_dora trains a DoRA adapter: it needs --technique lora or qlora in train mode (drop --use-dora)")
+    if s.mode != "train" and s.trainer != "hf":
+        p.append(f"--trainer {s.trainer} runs a training step: drop it for --mode infer")
     p.extend(_distributed_combinations(s))
     if s.double_quant and s.quant not in ("nf4", "fp4"):
         p.append("double_quant applies to 4-bit quantization only: add --quant nf4 (or fp4) or drop --double-quant")
     if s.attn_impl == "flash_attention_2" and s.precision == "fp32" and s.quant is None:
         p.append("flash_attention_2 runs in fp16/bf16 only: use --precision bf16-mixed (or bf16), or --attn-impl sdpa")
     return p
+
+
+#: TRL fields -> the trainers they apply to, and their defaults are in Setup
+_TRL_FIELDS = {"packing": ("sft",), "padding_free": ("sft",), "precompute_ref_log_probs": ("dpo",),
+               "num_generations": ("grpo",), "max_completion_length": ("grpo",), "beta": ("grpo",),
+               "use_vllm": ("grpo",), "vllm_mode": ("grpo",), "vllm_gpu_memory_utilization": ("grpo",)}
+
+
+def trainer_problems(s: Setup) -> list[str]:
+    """What contradicts the trainer: TRL fields given to another trainer, GRPO's batch rule (grpo_trainer.py:
+    generation_batch_size = per_device_train_batch_size x processes x steps_per_generation must divide by
+    num_generations), the vLLM fraction, an encoder-decoder step."""
+    p: list[str] = []
+    defaults = {f.name: f.default for f in dataclasses.fields(Setup)}
+    for name, trainers in _TRL_FIELDS.items():
+        if getattr(s, name) != defaults[name] and s.trainer not in trainers:
+            p.append(f"{name} is a {'/'.join(t.upper() for t in trainers)}Config field: add --trainer {trainers[0]}, "
+                     f"or drop --{name.replace('_', '-')}")
+    if s.trainer == "grpo":
+        if isinstance(s.num_generations, int) and s.num_generations < 2:
+            p.append("GRPO needs num_generations >= 2 (it compares completions of the same prompt): use "
+                     "--num-generations 2 or more")
+        generation_batch = s.batch_size * s.grad_accum * s.world_size
+        if isinstance(s.num_generations, int) and s.num_generations >= 2 and generation_batch % s.num_generations:
+            fits = [g for g in range(2, generation_batch + 1) if generation_batch % g == 0]
+            p.append(f"generation_batch_size ({s.batch_size} x {s.grad_accum} accumulation x {s.world_size} GPUs = "
+                     f"{generation_batch}) must be divisible by num_generations ({s.num_generations}), as GRPOTrainer "
+                     f"requires: use --num-generations {', '.join(map(str, fits[:6])) or 'that divides it'}, or change "
+                     "--batch-size / --grad-accum")
+        if not isinstance(s.beta, (int, float)) or s.beta < 0:
+            p.append(f"beta must be >= 0, got {s.beta!r}")
+        u = s.vllm_gpu_memory_utilization
+        if not isinstance(u, (int, float)) or not 0 < u < 1:
+            p.append(f"vllm_gpu_memory_utilization is a fraction of the card's memory in (0, 1), got {u!r}")
+    if s.trainer != "hf" and (s.sharding != "none" or s.offload != "none"):
+        p.append(f"--trainer {s.trainer} is modelled on one GPU: drop --sharding/--offload, or use --trainer hf")
+    return p
+
+
+def prompt_tokens(s: Setup) -> int:
+    """GRPO's prompt length: --prompt-len, else --seq-len (TRL 1.16 has no max_prompt_length; prompts are
+    left-padded to the longest in the generation batch). DPO: the prompt tokens of each row, 0 when not given (every
+    position scored)."""
+    if s.trainer == "grpo":
+        return s.prompt_len or s.seq_len
+    return (s.prompt_len or 0) if s.trainer == "dpo" else 0
+
+
+def needs_reference_model(s: Setup) -> bool:
+    """A second model for the reference: full fine-tuning or freezing under DPO (unless its log-probs are
+    precomputed) and GRPO with beta > 0 load one in the policy's dtype (trl/trainer/utils.py create_model_from_path,
+    dtype = the policy's); peft's reference is the base with the adapter disabled: no copy."""
+    uses = (s.trainer == "dpo" and not s.precompute_ref_log_probs) or (s.trainer == "grpo" and s.beta > 0)
+    return uses and s.technique in ("full", "freeze")
+
+
+def trainer_rows(s: Setup, attention: str) -> Setup:
+    """The setup of the sequences the policy's training forward runs (`attention`: the kernel the model resolves):
+    dpo's 2 x batch_size rows (chosen and rejected concatenated), grpo's prompt + completion rows, sft's
+    padding-free single row of batch_size x seq_len tokens, masked as a padded batch where the kernel needs a mask
+    (flash attention reads the documents' boundaries from cu_seqlens)."""
+    if s.trainer == "dpo":
+        return dataclasses.replace(s, batch_size=2 * s.batch_size)
+    if s.trainer == "grpo":
+        return dataclasses.replace(s, seq_len=prompt_tokens(s) + s.max_completion_length)
+    if s.trainer == "sft" and (s.packing or s.padding_free):
+        return dataclasses.replace(s, batch_size=1, seq_len=s.batch_size * s.seq_len,
+                                   padded=attention != "flash_attention_2")
+    return s
 
 
 def _training_combinations(s: Setup) -> list[str]:

@@ -15,19 +15,20 @@ from memplan.estimator.memory import optimizer as opt
 from memplan.estimator.memory import overhead, weights
 from memplan.estimator.memory.context import Ctx, resolve, reties_head
 from memplan.estimator.phases import inference_phases, sharded_phases, training_phases
-from memplan.setup import Setup, sharding_label
+from memplan.estimator import trainers
+from memplan.setup import TRL_TRAINERS, Setup, sharding_label
 from memplan.model.spec import ModelSpec
 from memplan.gpus import assume_gpu
 from memplan.model.catalog import load_spec, spec_for_task
 
 #: display order of components; device-only terms last.
-COMPONENTS = ("weights", "quant_state", "lora_adapters", "gradients", "optimizer_state", "optimizer_temporaries",
+COMPONENTS = ("weights", "quant_state", "lora_adapters", "reference_model", "gradients", "optimizer_state", "optimizer_temporaries",
               "gathered_params", "comm_buffers", "activations", "autocast_weight_copies", "logits", "attention_mask",
-              "dequant_temporaries", "dora_temporaries", "forward_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "cublas_workspace",
-              "allocator_reserve",
+              "dequant_temporaries", "dora_temporaries", "forward_temporaries", "backward_temporaries", "forward_kv_cache", "kv_cache", "reference_forward",
+              "cublas_workspace", "allocator_reserve", "vllm_colocated",
               "paged_optimizer_state", "nccl_buffers", "cuda_context")
-_DEVICE_ONLY = ("allocator_reserve", "paged_optimizer_state", "nccl_buffers", "cuda_context")
-_PERSISTENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace", "kv_cache",
+_DEVICE_ONLY = ("allocator_reserve", "vllm_colocated", "paged_optimizer_state", "nccl_buffers", "cuda_context")
+_PERSISTENT = ("weights", "quant_state", "lora_adapters", "reference_model", "optimizer_state", "cublas_workspace", "kv_cache",
                "comm_buffers")
 
 
@@ -121,6 +122,9 @@ def estimate(model: str | ModelSpec, setup: Setup | None = None, **fields) -> Es
     elif fields:
         raise TypeError("pass either a Setup or Setup fields, not both")
     spec = spec_for_task(spec, setup.task)
+    if setup.trainer in TRL_TRAINERS:
+        ctx = resolve(spec, trainers.rows_setup(spec, setup))
+        return _assemble(ctx, trainers.trl_phases(ctx), setup=setup)
     ctx = resolve(spec, setup)
     if dist.is_distributed(setup):
         return _assemble(ctx, *sharded_phases(ctx, dist.compute_ctx(spec, setup)))
@@ -138,7 +142,10 @@ def estimator_for(gpu):
     return run
 
 
-def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState | None = None) -> Estimate:
+def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState | None = None,
+              setup: Setup | None = None) -> Estimate:
+    """The Estimate of `phases`; `setup`: the user's, where ctx was resolved on the rows a trainer runs."""
+    setup = setup or ctx.setup
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
     peak = totals[peak_phase]
@@ -147,21 +154,24 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
     reserve = overhead.allocator_reserve_bytes(ctx, transient)
     paged = opt.optimizer_state_bytes(ctx) if ctx.training and opt.is_paged(ctx) else 0
     nccl = rank.nccl_device_bytes if rank else 0
-    device_only = {"allocator_reserve": reserve, "paged_optimizer_state": paged, "nccl_buffers": nccl,
-                   "cuda_context": overhead.CUDA_CONTEXT_BYTES}
+    vllm = trainers.vllm_bytes(setup) or 0
+    device_only = {"allocator_reserve": reserve, "vllm_colocated": vllm, "paged_optimizer_state": paged,
+                   "nccl_buffers": nccl, "cuda_context": overhead.CUDA_CONTEXT_BYTES}
     merged = {**at_peak, **device_only}
     components = {k: int(merged.get(k, 0)) for k in COMPONENTS}
     return Estimate(
-        model=ctx.spec.model_id, setup=ctx.setup, params_total=weights.total_numel(ctx),
+        model=ctx.spec.model_id, setup=setup, params_total=weights.total_numel(ctx),
         params_trainable=weights.trainable_numel(ctx) if ctx.training else 0,
         components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
         peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
-        device_total_bytes=int(peak + reserve + paged + nccl + overhead.CUDA_CONTEXT_BYTES),
-        notes=_notes(ctx), largest_block_bytes=lg.largest_block_bytes(ctx), host_bytes=rank.host_bytes if rank else 0)
+        device_total_bytes=int(peak + reserve + vllm + paged + nccl + overhead.CUDA_CONTEXT_BYTES),
+        notes=_notes(ctx, setup), largest_block_bytes=lg.largest_block_bytes(ctx), host_bytes=rank.host_bytes if rank else 0)
 
 
-def _notes(ctx: Ctx) -> tuple[str, ...]:
+def _notes(ctx: Ctx, setup: Setup) -> tuple[str, ...]:
     notes = [f"attention: {ctx.attn_impl}"]
+    if setup.trainer in TRL_TRAINERS:
+        notes.extend(trainers.notes(ctx, setup))
     if ctx.setup.mode == "train" or ctx.setup.padded:
         notes.append("batches: padded (sdpa keeps a mask per layer)" if ctx.setup.padded else
                      "batches: no padding (packed or equal-length; --padded for a padding collator's)")

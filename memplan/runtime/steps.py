@@ -17,10 +17,11 @@ from collections.abc import Callable
 
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
 from memplan.errors import BadInput, MemplanError, TraceFailed
-from memplan.setup import TORCH_DTYPE_NAMES, Setup
+from memplan.setup import TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import CLASSIFIER_CLASSES, config_from_dict
+from memplan.runtime.trl import add_head
 from memplan.runtime.liger import apply_liger_kernels, apply_liger_standins
 from memplan.runtime.standins import (StandInBnbOptimizer, StandInScheduleFree, StandInTorchaoAdamW,
                                       quantize_standins)
@@ -168,6 +169,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     if setup.mode != "train":
         model.eval()
         return model
+    if setup.trainer in TRL_TRAINERS:  # the trainers patch the transformers model (peft's base model)
+        add_head(model, setup.trainer)
     if setup.quant:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
                                                      gradient_checkpointing_kwargs=checkpoint_kwargs())

@@ -64,6 +64,15 @@ def _traced(spec, setup: Setup):
 
 
 @contextlib.contextmanager
+def generation_answers(length: int):
+    """generate()'s host-side decisions answered on fake tensors for a run to `length` tokens (TRL's GRPO
+    generation, memplan.runtime.trl): the stop at the max length and the right-padding check."""
+    from transformers.generation import utils as generation
+    with _stop_at(generation.StopCheck, length), _host_reads():
+        yield
+
+
+@contextlib.contextmanager
 def _stop_at(stop_check, length: int):
     """StopCheck answers from the sequence length (no end-of-sequence token: generation runs to the max length)."""
     original = stop_check.__call__

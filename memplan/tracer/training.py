@@ -24,7 +24,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 from memplan.errors import BadInput
-from memplan.setup import Setup
+from memplan.setup import TRL_TRAINERS, Setup, prompt_tokens, trainer_rows
+from memplan.runtime.trl import add_head
+from memplan.runtime.trl_step import reference_setup, trl_loop
+from memplan.model.compat import attn_impl
 from memplan.runtime.standins import StandInBnbOptimizer
 from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.allocator import need_and_replay
@@ -33,9 +36,10 @@ from memplan.runtime.steps import (build_model, cut_config, library_failures, ma
                            training_loop, TRAIN_PHASES)
 from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
-from memplan.tracer.inference import inference_trace
+from memplan.tracer.inference import generation_answers, inference_trace
 
-PHASES = TRAIN_PHASES
+#: the tracer's phases: TRL's generation and reference passes (memplan.runtime.trl), then the step's
+PHASES = ("generation", "reference_forward") + TRAIN_PHASES
 
 
 @dataclass
@@ -90,20 +94,32 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
 
     tracker = tracker or StorageTracker()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    user, setup = setup, trainer_rows(setup, attn_impl(spec, setup))
     model = build_model(spec, setup, layers, d)
+    ref_setup = reference_setup(user) if user.trainer in TRL_TRAINERS else None
+    ref = build_model(spec, ref_setup, layers, d) if ref_setup else None
     if tracker.segmented:
         watch_blocks(model, tracker)
     sharded = shard(model) if shard else contextlib.nullcontext()
-    with sharded, fake_mode, dispatch_mode(tracker), \
+    answers = contextlib.nullcontext()
+    if user.trainer == "grpo" and fake:
+        answers = generation_answers(prompt_tokens(user) + user.max_completion_length)
+        with contextlib.suppress(AttributeError):
+            model.generation_config.eos_token_id = None
+    with sharded, fake_mode, answers, dispatch_mode(tracker), \
             cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         if shard:
             model.to_empty(device="cpu")
         else:
             materialize(model, fake)
-        for p in model.parameters():
-            tracker.tag(p, "weights")
-        for b in model.buffers():  # quantization metadata of the stand-ins included
-            tracker.tag(b, "weights")
+        if ref is not None:  # TRL's second model for the reference, frozen, with a log-probs-only head
+            materialize(ref, fake)
+            add_head(ref, None)
+        for m in (model, ref) if ref is not None else (model,):
+            for p in m.parameters():
+                tracker.tag(p, "weights")
+            for b in m.buffers():  # quantization metadata of the stand-ins included
+                tracker.tag(b, "weights")
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(setup, params, standin_tracker=tracker, model=model)
 
@@ -122,9 +138,12 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
             if on_step_end is not None:  # tests: compare the live bytes with the tensors really alive
                 on_step_end(model, opt, tracker)
 
-        training_loop(model, opt, spec, setup, steps, "cpu", enter,
-                      forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(pack_hooks(tracker), lambda t: t),
-                      after_backward=tag_grads, after_step=tag_state)
+        hooks = dict(forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(pack_hooks(tracker), lambda t: t),
+                     after_backward=tag_grads, after_step=tag_state)
+        if user.trainer in TRL_TRAINERS:
+            trl_loop(model, ref, opt, spec, user, setup, steps, "cpu", enter, **hooks)
+        else:
+            training_loop(model, opt, spec, setup, steps, "cpu", enter, **hooks)
         tracker.trainable = sum(p.numel() for p in params)
         tracker.total = sum(p.numel() for p in model.parameters())
     return tracker

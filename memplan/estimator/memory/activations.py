@@ -24,6 +24,7 @@ from memplan.model.layout import BlockLayout, blocks
 from memplan.estimator.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.recording import block_training, gradless_linears, input_grads
+from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.saves import (act_saved_bytes, dora_dropout_weight_bytes, input_saves, liger_head,
                                             lora_saves, norm_bytes, shared_input_saves, weight_trains)
 from memplan.estimator.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes, embedding_leaf_bytes
@@ -305,7 +306,7 @@ def _outside_saves(ctx: Ctx) -> tuple[float, float]:
             branch, shares = lora_saves(ctx, m.in_features, ctx.residual_bytes, m)
             n += (branch + (m.in_features * ctx.residual_bytes if shares and not trains else 0)) * tokens
         if m.is_output:  # Liger's fused loss computes the head's weight gradient in forward: saves no input
-            saves_input = trains and a.has_lm_head and not liger_head(ctx)
+            saves_input = trains and a.has_lm_head and not liger_head(ctx) and not trl_head(ctx)
             n += (m.in_features * c if saves_input else 0) * tokens + new_tokens.head_saved_bytes(ctx, tokens)
         else:
             act = 0 if into_blocks else m.out_features * act_saved_bytes(ctx, trains)

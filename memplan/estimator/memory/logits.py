@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
-from memplan.estimator.memory import new_tokens
+from memplan.estimator.memory import fused_head, new_tokens
+from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.saves import liger_head
-from memplan.estimator.memory.weights import numel
+from memplan.estimator.memory.weights import numel, output_head
 
 
 def _logit_tokens(ctx: Ctx) -> int:
@@ -136,6 +137,8 @@ def logits_forward_bytes(ctx: Ctx) -> int:
     """
     if liger_head(ctx):
         return _flce_forward(ctx)
+    if trl_head(ctx):
+        return fused_head.forward_bytes(ctx)
     t, v, lb, loss = _logit_tokens(ctx), ctx.vocab, _logit_bytes(ctx), _loss_bytes(ctx)
     if _fp32_logits(ctx):  # the 16-bit head output is gone once the biased fp32 sum exists
         lb = 4
@@ -155,7 +158,7 @@ def softcap_bytes(ctx: Ctx) -> int:
     tanh saves its [tokens, vocab] output in the logits dtype until the loss's backward reaches it, beside the loss
     buffers. Source: modeling_gemma2.py Gemma2ForCausalLM.forward.
     """
-    if not ctx.spec.arch.final_logit_softcap or liger_head(ctx):  # Liger caps inside its kernel, per chunk
+    if not ctx.spec.arch.final_logit_softcap or liger_head(ctx) or trl_head(ctx):  # the fused heads cap per tile
         return 0
     return _logit_tokens(ctx) * ctx.vocab * _logit_bytes(ctx)
 
@@ -165,6 +168,8 @@ def largest_block_bytes(ctx: Ctx) -> int:
 
     One [tokens, vocab] buffer in the loss dtype: the upcast logits, log_softmax output or its gradient.
     """
+    if trl_head(ctx):
+        return fused_head.largest_block_bytes(ctx)
     if liger_head(ctx):
         v, h = ctx.vocab, ctx.spec.arch.hidden_size
         temp = v * h * 4 if head_grad_bytes(ctx) and ctx.weight_bytes < 4 else 0
@@ -180,6 +185,8 @@ def logits_saved_bytes(ctx: Ctx) -> int:
     """
     if liger_head(ctx):
         return _flce_saved(ctx)
+    if trl_head(ctx):
+        return fused_head.saved_bytes(ctx)
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4)
     return _logit_tokens(ctx) * ctx.vocab * _loss_bytes(ctx)
@@ -196,6 +203,8 @@ def logits_backward_bytes(ctx: Ctx) -> int:
     """
     if liger_head(ctx):  # its backward scales the saved gradients in place
         return _flce_saved(ctx)
+    if trl_head(ctx):
+        return fused_head.backward_bytes(ctx)
     if _cuda_split_loss(ctx):
         return _logit_tokens(ctx) * ctx.vocab * (_logit_bytes(ctx) + 4 + 4) + softcap_bytes(ctx)
     return _logit_tokens(ctx) * ctx.vocab * 3 * _loss_bytes(ctx) + softcap_bytes(ctx)
@@ -209,6 +218,8 @@ def head_backward_bytes(ctx: Ctx) -> int:
     t = _logit_tokens(ctx)
     if liger_head(ctx):  # grad_input is the hidden states' gradient; grad_weight is already the head's .grad
         return t * ctx.spec.arch.hidden_size * ctx.residual_bytes
+    if trl_head(ctx):
+        return fused_head.scatter_backward_bytes(ctx)
     return t * ctx.vocab * _logit_bytes(ctx) + t * ctx.spec.arch.hidden_size * ctx.compute_bytes
 
 
@@ -216,11 +227,9 @@ def head_backward_bytes(ctx: Ctx) -> int:
 def head_grad_bytes(ctx: Ctx) -> int:
     """The output embedding's weight gradient, allocated in lm_head's backward while the logits gradient is alive
     (tied heads: the shared embedding's gradient)."""
-    tied = dict(ctx.spec.tied)
-    for m in ctx.spec.linears:
-        weight = m.name + ".weight"
-        if m.is_output and (weight in ctx.trainable or tied.get(weight) in ctx.trainable):
-            return m.in_features * ctx.vocab * ctx.weight_bytes  # the head as resized (added tokens)
+    head = output_head(ctx)
+    if head is not None:
+        return head.in_features * ctx.vocab * ctx.weight_bytes  # the head as resized (added tokens)
     return new_tokens.head_grad_bytes(ctx)
 
 
@@ -238,7 +247,7 @@ def tied_accumulation_bytes(ctx: Ctx) -> int:
     tensors; the tracer's Liger stand-in hands the buffer over as .grad, since autograd never accumulates into a fake
     tensor (a tensor subclass) in place.
     """
-    extra = 1 if liger_head(ctx) else 2
+    extra = 1 if liger_head(ctx) or trl_head(ctx) else 2
     return (extra + 1 if ctx.setup.grad_accum > 1 else extra) * tied_table_bytes(ctx)
 
 

@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.recording import graph_blocks, gradless_linears
+from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.saves import liger_head
 
 
@@ -52,7 +53,7 @@ def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = No
         in_blocks = sum(trains for _, trains in inside.values())
     # Liger's fused loss saves no cast of the head's weight for a backward: the casts it makes are counted with it
     # (logits._flce_forward)
-    outside = 0 if liger_head(ctx) else _outside(per)
+    outside = 0 if liger_head(ctx) or trl_head(ctx) else _outside(per)  # the fused heads cast per tile
     return (outside + in_blocks) * ctx.compute_bytes
 
 
@@ -69,7 +70,7 @@ def largest_block_cast_bytes(ctx: Ctx, keys) -> int:
 
 def outside_cast_bytes(ctx: Ctx) -> int:
     """The autocast copies of Linears outside the blocks (the lm_head): alive until the head's backward."""
-    if not (ctx.mixed and ctx.training) or liger_head(ctx):
+    if not (ctx.mixed and ctx.training) or liger_head(ctx) or trl_head(ctx):
         return 0
     return _outside(_casts_by_block(ctx)) * ctx.compute_bytes
 

@@ -224,3 +224,15 @@ def stack_trainable_bytes(ctx: Ctx) -> MappingProxyType:
         if m.stack:
             out[m.stack] = out.get(m.stack, 0) + adapter_numel(ctx, [m]) * 4
     return MappingProxyType(out)
+
+
+@per_model()
+def output_head(ctx: Ctx):
+    """The output embedding Linear when its weight trains (tied: the embedding it shares trains), else None."""
+    tied = dict(ctx.spec.tied)
+    for m in ctx.spec.linears:
+        weight = m.name + ".weight"
+        if m.is_output and (weight in ctx.trainable or tied.get(weight) in ctx.trainable):
+            return m
+    return None
+

@@ -1,0 +1,124 @@
+"""TRL's step around its fused head (memplan.runtime.trl), shared by the tracer and the validator: SFT's loss,
+DPO's reference forward inside the loss, GRPO's generation and reference scoring before the step
+(memplan.estimator.trainers describes the phases). Lazy torch: nothing is imported at module import."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+from memplan.runtime.steps import autocast_for, make_batch
+from memplan.runtime.trl import cuda_head, scored
+from memplan.setup import Setup, needs_reference_model, prompt_tokens
+
+
+def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device: str,
+             enter_phase: Callable[[str], None], forward_ctx: Callable = contextlib.nullcontext,
+             after_backward: Callable | None = None, after_step: Callable | None = None) -> None:
+    """`steps` optimizer steps of a TRL trainer (training_loop's contract): GRPO generates and scores the reference
+    first; each micro-batch runs the policy through the fused head (DPO: then the reference under no_grad)."""
+    import torch
+    import torch.nn.functional as F
+
+    vocab = spec.arch.vocab_size
+    accum = min(user.grad_accum, 2)
+    autocast = autocast_for(rows, device)
+    prompt = prompt_tokens(user)
+    count = {"n": 0}
+    with cuda_head(lambda: count["n"]):
+        for _ in range(steps):
+            if user.trainer == "grpo":
+                _grpo_prepare(model, ref, spec, user, rows, device, enter_phase, count, autocast)
+            for _ in range(accum):
+                batch = make_batch(spec, rows, vocab, device)
+                labels = batch.pop("labels")
+                if prompt:
+                    labels[:, :prompt] = -100
+                count["n"] = scored(rows.batch_size, rows.seq_len, prompt, rows.padded)
+                enter_phase("forward")
+                with autocast, forward_ctx():
+                    out = model(**batch, labels=labels, fused_lm_head=True, use_cache=False)
+                    loss = _loss(out, model, ref, batch, labels, user, enter_phase, F, torch)
+                enter_phase("backward")
+                loss.backward()
+                del loss, out, batch, labels
+                if after_backward is not None:
+                    after_backward()
+            enter_phase("optimizer")
+            opt.step()
+            enter_phase("zero_grad")
+            opt.zero_grad(set_to_none=True)
+            enter_phase("between")
+            if after_step is not None:
+                after_step()
+
+
+def _reference(model, ref, batch, labels):
+    """The reference's log-probs under no_grad: its own model, or the policy with the adapter disabled."""
+    import torch
+    with torch.no_grad():
+        if ref is not None:
+            return ref(**batch, labels=labels, fused_lm_head=True, use_cache=False).log_probs
+        with model.disable_adapter():
+            return model(**batch, labels=labels, fused_lm_head=True, use_cache=False).log_probs
+
+
+def _loss(out, model, ref, batch, labels, user: Setup, enter_phase, F, torch):
+    """The trainer's loss from the head's outputs."""
+    if user.trainer == "sft":
+        return out.loss
+    if user.trainer == "dpo":
+        logps = out.log_probs.sum(dim=1)
+        if user.precompute_ref_log_probs:
+            ref_logps = torch.zeros_like(logps)
+        else:
+            enter_phase("reference_forward")
+            ref_logps = _reference(model, ref, batch, labels).sum(dim=1)
+            enter_phase("forward")
+        chosen, rejected = (logps - ref_logps).chunk(2, dim=0)
+        return -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+    c = user.max_completion_length
+    logps, mask = out.log_probs[:, -c:], (labels[:, 1:] != -100)[:, -c:].float()
+    ratio = torch.exp(logps - logps.detach())
+    advantages = torch.zeros(logps.shape[0], 1, device=logps.device)
+    per_token = -torch.min(ratio * advantages, torch.clamp(ratio, 0.8, 1.28) * advantages)
+    if user.beta > 0:
+        ref_logps = torch.zeros_like(logps)  # computed before the step (_grpo_prepare)
+        per_token = per_token + user.beta * (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phase, count, autocast) -> None:
+    """GRPO's generation (generate() of batch_size x grad_accum completions under no_grad; peft's generate runs
+    outside accelerate's autocast wrapper) and, with beta > 0, the reference log-probs per batch_size rows."""
+    import torch
+
+    prompt = prompt_tokens(user)
+    gen_rows = user.batch_size * user.grad_accum
+    ids = torch.randint(0, spec.arch.vocab_size, (gen_rows, prompt), device=device)
+    mask = torch.ones(gen_rows, prompt, dtype=torch.long, device=device)
+    enter_phase("generation")
+    peft_model = hasattr(model, "disable_adapter")
+    with torch.no_grad(), (contextlib.nullcontext() if peft_model else autocast):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=user.max_completion_length,
+                       min_new_tokens=user.max_completion_length, do_sample=False, use_cache=True, pad_token_id=0)
+    del ids, mask
+    if user.beta > 0:
+        enter_phase("reference_forward")
+        for _ in range(min(user.grad_accum, 2)):
+            batch = make_batch(spec, rows, spec.arch.vocab_size, device)
+            labels = batch.pop("labels")
+            labels[:, :prompt] = -100
+            count["n"] = scored(rows.batch_size, rows.seq_len, prompt, rows.padded)
+            with autocast:
+                _reference(model, ref, batch, labels)
+            del batch, labels
+
+
+def reference_setup(user: Setup) -> Setup | None:
+    """The setup a separate reference model is built with (inference: frozen, the policy's dtype), or None where
+    the reference is the policy with its adapter disabled, or there is none."""
+    if not needs_reference_model(user):
+        return None
+    return dataclasses.replace(Setup(), mode="infer", precision=user.precision, attn_impl=user.attn_impl,
+                               task=user.task)
