@@ -15,11 +15,16 @@ set -u
 budget=$1; shift
 end=$(( $(date +%s) + budget ))
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  install .whl /tmp/site || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD
+for dir in .whl .whl-trl; do  # whichever folder the call carries
+  if ls $dir/*.whl >/dev/null 2>&1; then
+    install $dir /tmp/site || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+  fi
+done
+if [ -d /tmp/site/trl ] && ! python3 -c "import datasets" 2>/dev/null; then
+  # trl/trainer/utils.py imports datasets.IterableDataset at the top; the fused LM head never touches a dataset
+  mkdir -p /tmp/site/datasets && echo "class IterableDataset: pass" > /tmp/site/datasets/__init__.py
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"

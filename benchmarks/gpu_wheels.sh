@@ -4,6 +4,9 @@
 #               transformers 5.17 are there), plus the .whl-2026 wheels, so that one folder travels
 #   .whl-t523   transformers 5.23.0 (T5's per-layer sdpa position-bias masks: benchmarks/sweeps/t5-transformers523.yaml)
 #   .whl-t448   transformers 4.48.1, peft 0.13.2 and their pins (older code paths: benchmarks/sweeps/t448-*.yaml)
+#   .whl-trl    trl 1.16.0 and pydantic's set, without bitsandbytes: issue 38's TRL sweep (benchmarks/sweeps/
+#               gpu-2026-trl.yaml) carried alone, [".whl-trl"]; gpu_session.sh stubs the `datasets` import trl's
+#               trainer utilities make (pyarrow alone is 55 MB; nothing on the memory path reads a dataset)
 #   .whl-2026   liger-kernel, torchao and schedulefree (issue 39's techniques: benchmarks/sweeps/gpu-2026-techniques.yaml;
 #               liger-kernel needs triton, which the device image's torch brings)
 # A checkout does not keep ignored folders between sessions; run this first in a session with a GPU (about a
@@ -22,5 +25,7 @@ get .whl bitsandbytes==0.50.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-t
 get .whl-t523 transformers==5.23.0
 get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_hub==0.36.2
 get .whl-2026 liger-kernel==0.8.2 torchao==0.18.0 schedulefree==1.4.1
+get .whl-trl trl==1.16.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==4.16.0
 cp .whl-2026/*.whl .whl/  # about 48 MiB in .whl with the tree's 15: carry [".whl"] alone
-du -sh .whl .whl-t523 .whl-t448 .whl-2026
+du -sh .whl .whl-t523 .whl-t448 .whl-2026 .whl-trl

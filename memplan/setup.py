@@ -44,6 +44,9 @@ TRAINERS: tuple[str, ...] = get_args(TrainerName)
 VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
 #: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
 TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")
+#: what TRL's configs change from TrainingArguments (trl/trainer/base_config.py: bf16 = not fp16, i.e. autocast over
+#: the fp32 model TRL loads by default; gradient_checkpointing=True): the CLI applies them where the user set nothing
+TRL_DEFAULTS: dict[str, dict] = {t: {"precision": "bf16-mixed", "grad_ckpt": True} for t in TRL_TRAINERS}
 TASK_NAMES: tuple[str, ...] = get_args(Task)
 #: DeepSpeed ZeRO stages (arXiv:1910.02054 sec. 5: P_os, P_os+g, P_os+g+p) and PyTorch FSDP sharding strategies
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}

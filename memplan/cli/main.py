@@ -39,17 +39,18 @@ def main():
 @format_options
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="also draw the components per phase as stacked bars (PNG/SVG/PDF)")
-@click.option("--gpu", "gpu_name", help="--plot: draw this card's memory as a line")
-@click.option("--memory", help="--plot: draw this memory size as a line, e.g. 12GiB")
+@click.option("--gpu", "gpu_name", help="estimate for this card (its cuBLAS workspace; colocated vLLM's share of its "
+              "memory); --plot: draw its memory as a line")
+@click.option("--memory", help="the card's memory, e.g. 12GiB (colocated vLLM's share); --plot: draw it as a line")
 @handle_errors
 def estimate(model, trust_remote_code, fmt, plot_path, gpu_name, memory, **options):
     """Itemised memory estimate of one setup: components, peak allocated/reserved and device total."""
 
     spec = load_model(model, trust_remote_code=trust_remote_code)
     setup = setup_from_options(options, spec)
-    result = breakdown.estimate(spec, setup)
+    gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
+    result = breakdown.estimator_for(gpu)(spec, setup) if gpu else breakdown.estimate(spec, setup)
     if plot_path:
-        gpu = resolve_gpu(gpu_name, memory) if (gpu_name or memory) else None
         click.echo(f"wrote {write_breakdown_png(spec, setup, result, plot_path, gpu)}", err=fmt != "table")
     if fmt == "json":
         emit_json(result.to_dict())

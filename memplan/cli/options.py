@@ -15,19 +15,33 @@ import click
 
 from memplan.errors import BadInput, MemplanError
 from memplan.setup import (ATTN_IMPLS, MODES, NEW_TOKENS, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, SHARDINGS,
-                           TASK_NAMES, TECHNIQUES, Setup, parse_targets, parse_trainable)
+                           TASK_NAMES, TECHNIQUES, TRAINERS, TRL_DEFAULTS, VLLM_MODES, Setup, parse_targets,
+                           parse_trainable)
 from memplan.model.catalog import catalog_id, load_spec, model_notes
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM
 
 _CHOICES = {"mode": MODES, "technique": TECHNIQUES, "precision": PRECISIONS, "quant": QUANTS,
             "optimizer": OPTIMIZERS, "attn_impl": ATTN_IMPLS, "sharding": SHARDINGS, "offload": OFFLOADS,
-            "train_new_tokens": NEW_TOKENS, "task": TASK_NAMES}
+            "train_new_tokens": NEW_TOKENS, "task": TASK_NAMES, "trainer": TRAINERS, "vllm_mode": VLLM_MODES}
 TASK_HELP = ("the head your script builds: seq-cls (AutoModelForSequenceClassification), token-cls, masked-lm, "
              "seq2seq, causal-lm; default: the language-model head the config names")
 _HELP = {
     "task": TASK_HELP,
     "lora_targets": "LoRA modules, comma-separated (q_proj,v_proj) or all-linear; default: peft's per-model default",
     "trainable": "freeze: N (train the last N blocks) or comma-separated parameter-name patterns",
+    "trainer": "hf: transformers' Trainer; sft, dpo, grpo: TRL's SFTTrainer, DPOTrainer, GRPOTrainer (with TRL's "
+               "defaults unless given: --precision bf16-mixed --grad-ckpt)",
+    "packing": "sft: BFD packing (SFTConfig.packing), which makes the batches padding-free",
+    "padding_free": "sft: the micro-batch as one row of batch-size x seq-len tokens (SFTConfig.padding_free)",
+    "precompute_ref_log_probs": "dpo: reference log-probs computed before training: no reference model or forward",
+    "num_generations": "grpo: completions per prompt (default 8); --batch-size counts completions",
+    "max_completion_length": "grpo: tokens generated per completion (default 512); --prompt-len (else --seq-len) "
+                             "is the prompt",
+    "beta": "grpo: KL coefficient (default 0.0); > 0 adds the reference model (full) or an adapter-off pass (LoRA)",
+    "use_vllm": "grpo: vLLM generates instead of model.generate()",
+    "vllm_mode": "grpo --use-vllm: colocate (on this card) or server (another GPU)",
+    "vllm_gpu_memory_utilization": "grpo --use-vllm colocate: the fraction of the card's memory vLLM takes (default "
+                                   "0.3)",
     "padded": "batches hold padding, as a padding collator makes them (sdpa then keeps a mask per layer); "
               "default: no padding (equal-length or packed batches), except for plan, whose config pads",
 }
@@ -65,6 +79,8 @@ def given_setup_fields(options: dict, spec=None) -> dict:
         given["trainable"] = parse_trainable(given["trainable"])
     if spec is not None and spec.checkpoint_quant and "quant" not in given:
         given["quant"] = spec.checkpoint_quant
+    if given.get("trainer") in TRL_DEFAULTS:  # what TRL's configs default to, where the user set nothing
+        given = {**TRL_DEFAULTS[given["trainer"]], **given}
     return given
 
 

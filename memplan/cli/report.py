@@ -114,8 +114,13 @@ def _error_row(t: Table, option: str, error: str, width: int) -> None:
 def tokens_label(s) -> str:
     """The tokens per sample as the setup gives them: a training sequence, or an inference prompt and the new tokens
     (issue 42 item 8: the header said "seq 512" when --prompt-len 2048 was given)."""
+    if s.trainer == "grpo":
+        return (f"(prompt {s.prompt_len or s.seq_len} + completion {s.max_completion_length}), {s.num_generations} "
+                "generations per prompt")
+    if s.trainer == "dpo":
+        return f"(chosen + rejected) seq {s.seq_len}" + (f", prompt {s.prompt_len}" if s.prompt_len else "")
     if s.mode != "infer":
-        return f"seq {s.seq_len}"
+        return f"seq {s.seq_len}" + (" packed" if s.packing or s.padding_free else "")
     new = f" + {s.new_tokens} new" if s.new_tokens is not None else ""
     return f"prompt {s.prompt_len or s.seq_len}{new}"
 
@@ -123,7 +128,8 @@ def tokens_label(s) -> str:
 def estimate_table(e) -> Table:
     """Components at the peak (GiB and % of the device total), then the three peaks and what the fit test needs."""
     s = e.setup
-    what = (f"{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
+    trainer = f"TRL {s.trainer.upper()} · " if s.trainer != "hf" else ""
+    what = (f"{trainer}{s.mode} · {s.technique} · {s.precision}" + (f" · {s.quant}" if s.quant else "")
             + f" · batch {s.batch_size} x {tokens_label(s)}" + (" · grad ckpt" if s.grad_ckpt else ""))
     if s.sharding != "none":
         what += f" · per GPU: {sharding_label(s)}"

@@ -34,6 +34,9 @@ from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+from memplan.runtime.trl_step import reference_model, trl_loop
+from memplan.setup import TRL_TRAINERS, trainer_rows
+from memplan.model.compat import attn_impl
 from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
 DEFAULT_STEPS = 3
@@ -99,12 +102,17 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
 
     meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
     try:
-        model = build_model(spec, setup, None, d, quantizer=quantize_bnb("cuda"), real_kernels=True)
+        rows = trainer_rows(setup, attn_impl(spec, setup))  # the rows a TRL trainer runs (setup itself otherwise)
+        model = build_model(spec, rows, None, d, quantizer=quantize_bnb("cuda"), real_kernels=True)
         materialize(model, fake=False, device="cuda")
-        opt = make_optimizer(setup, model.parameters(), model=model) if setup.mode == "train" else None
+        ref = reference_model(spec, setup, None, d, build_model, "cuda")
+        opt = make_optimizer(rows, model.parameters(), model=model) if setup.mode == "train" else None
         meter.start()
         if opt is None:
             inference_loop(model, spec, setup, "cuda", meter.enter)
+        elif setup.trainer in TRL_TRAINERS:
+            _no_eos(model)
+            trl_loop(model, ref, opt, spec, setup, rows, steps, "cuda", meter.enter)
         else:
             training_loop(model, opt, spec, setup, steps, "cuda", meter.enter)
         return meter.result("ok", steps)
@@ -117,24 +125,37 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
     import contextlib
 
     tracker = StorageTracker()
-    model = build_model(spec, setup, None, config_dict(spec))
+    rows = trainer_rows(setup, attn_impl(spec, setup))
+    model = build_model(spec, rows, None, config_dict(spec))
 
     def enter(phase: str) -> None:
         tracker.phase = phase
 
-    with dispatch_mode(tracker), cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
+    with dispatch_mode(tracker), cuda_like(rows.padded, spec.arch.kind == "seq2seq"):
         materialize(model, fake=False)
-        for t in [*model.parameters(), *model.buffers()]:
+        ref = reference_model(spec, setup, None, config_dict(spec), build_model, "cpu")
+        for t in [*model.parameters(), *model.buffers(), *(ref.parameters() if ref is not None else ())]:
             tracker.serial_of(t)
         if setup.mode == "train":
-            opt = make_optimizer(setup, model.parameters(), standin_tracker=tracker, model=model)
-            training_loop(model, opt, spec, setup, steps, "cpu", enter)
+            opt = make_optimizer(rows, model.parameters(), standin_tracker=tracker, model=model)
+            if setup.trainer in TRL_TRAINERS:
+                _no_eos(model)
+                trl_loop(model, ref, opt, spec, setup, rows, steps, "cpu", enter)
+            else:
+                training_loop(model, opt, spec, setup, steps, "cpu", enter)
         else:
             with contextlib.suppress(AttributeError):
                 model.generation_config.eos_token_id = None
             inference_loop(model, spec, setup, "cpu", enter)
     return Measurement(status="ok", device="cpu", steps=steps, allocated_bytes=tracker.peak,
                        phase_allocated=dict(tracker.phase_peaks), peak_phase=tracker.peak_phase)
+
+
+def _no_eos(model) -> None:
+    """GRPO's generation runs to max_completion_length, as the estimate assumes: no end-of-sequence stop."""
+    import contextlib
+    with contextlib.suppress(AttributeError):
+        model.generation_config.eos_token_id = None
 
 
 # ---------------------------------------------------------------------------------------------------- isolation

@@ -37,6 +37,16 @@ FIT_OPTIONS: tuple[tuple[str, dict], ...] = (
     ("QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)",
      {"technique": "qlora", "quant": "nf4", "double_quant": True, "precision": "{bf}",
       "optimizer": "paged-adamw-8bit", "grad_ckpt": True}),
+    # TRL's trainers with a LoRA adapter on a 16-bit base (model_init_kwargs dtype; TRL alone loads fp32) and TRL's
+    # checkpointing: SFT; DPO with the adapter-off reference (batch = pairs); GRPO generating with generate() (batch
+    # = completions, 2 per prompt, 2 accumulation steps so that every micro-batch size divides into prompts)
+    ("TRL SFT, LoRA r=8 on a {bf} base, checkpointing", {"trainer": "sft", "technique": "lora", "precision": "{bf}",
+                                          "grad_ckpt": True}),
+    ("TRL DPO, LoRA r=8 on a {bf} base, checkpointing (pairs per batch)", {"trainer": "dpo", "technique": "lora",
+                                                            "precision": "{bf}", "grad_ckpt": True}),
+    ("TRL GRPO, LoRA r=8 on a {bf} base (2 x 256-token completions per prompt)",
+     {"trainer": "grpo", "technique": "lora", "precision": "{bf}", "grad_ckpt": True, "num_generations": 2,
+      "grad_accum": 2, "max_completion_length": 256}),
 )
 DEFAULT_NEW_TOKENS = 128
 

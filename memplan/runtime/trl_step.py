@@ -7,8 +7,8 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
-from memplan.runtime.steps import autocast_for, make_batch
-from memplan.runtime.trl import cuda_head, scored
+from memplan.runtime.steps import autocast_for, make_batch, materialize
+from memplan.runtime.trl import add_head, cuda_head, scored
 from memplan.setup import Setup, needs_reference_model, prompt_tokens
 
 
@@ -25,7 +25,8 @@ def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device
     autocast = autocast_for(rows, device)
     prompt = prompt_tokens(user)
     count = {"n": 0}
-    with cuda_head(lambda: count["n"]):
+    # CUDA runs TRL's own path (compaction, Triton kernels); elsewhere the head is made to take it
+    with cuda_head(lambda: count["n"]) if device != "cuda" else contextlib.nullcontext():
         for _ in range(steps):
             if user.trainer == "grpo":
                 _grpo_prepare(model, ref, spec, user, rows, device, enter_phase, count, autocast)
@@ -113,6 +114,19 @@ def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phas
             with autocast:
                 _reference(model, ref, batch, labels)
             del batch, labels
+
+
+def reference_model(spec, user: Setup, layers, d: dict, build, device: str | None = None):
+    """TRL's second model for the reference (reference_setup), frozen, with a log-probs-only head; None where there
+    is none. build: steps.build_model; device: materialise it there with random weights (None: the caller does)."""
+    ref_setup = reference_setup(user)
+    if ref_setup is None:
+        return None
+    ref = build(spec, ref_setup, layers, d)
+    if device is not None:
+        materialize(ref, fake=False, device=device)
+        add_head(ref, None)
+    return ref
 
 
 def reference_setup(user: Setup) -> Setup | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from memplan.errors import BadInput
 from memplan.setup import TRL_TRAINERS, Setup, prompt_tokens, trainer_rows
 from memplan.runtime.trl import add_head
-from memplan.runtime.trl_step import reference_setup, trl_loop
+from memplan.runtime.trl_step import reference_model, trl_loop
 from memplan.model.compat import attn_impl
 from memplan.runtime.standins import StandInBnbOptimizer
 from memplan.runtime.emulate.cuda import cuda_like
@@ -96,8 +96,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     user, setup = setup, trainer_rows(setup, attn_impl(spec, setup))
     model = build_model(spec, setup, layers, d)
-    ref_setup = reference_setup(user) if user.trainer in TRL_TRAINERS else None
-    ref = build_model(spec, ref_setup, layers, d) if ref_setup else None
+    ref = reference_model(spec, user, layers, d, build_model)
     if tracker.segmented:
         watch_blocks(model, tracker)
     sharded = shard(model) if shard else contextlib.nullcontext()

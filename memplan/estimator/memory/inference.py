@@ -6,6 +6,7 @@ from memplan.estimator.memory.attention import (CACHE_COPIES_SINCE, attention_ke
                                      mask_block_bytes, padded_masks, windowed)
 from memplan.estimator.memory.position_bias import has_position_bias
 from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
+from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.forward_block import MATH_QSIZED_FP32, mlp_live, score_bytes
 
@@ -39,8 +40,10 @@ def training_cache_bytes(ctx: Ctx) -> int:
     grouped K/V (repeat_kv saves expanded copies).
     """
     a, s = ctx.spec.arch, ctx.setup
-    if not ctx.training or s.grad_ckpt or a.kind == "encoder" or a.labels_disable_cache:
-        return 0  # a head given labels may turn the cache off (BART: cachefacts.labels_disable_cache)
+    if not ctx.training or s.grad_ckpt or a.kind == "encoder" or a.labels_disable_cache or trl_head(ctx):
+        # a head given labels may turn the cache off (BART: cachefacts.labels_disable_cache); TRL's fused head
+        # calls the backbone with use_cache=False (trl/trainer/utils.py _fused_forward)
+        return 0
     eager_copies = ctx.attn_impl == "eager" and a.model_type not in OWN_EAGER_4X
     if (ctx.attn_impl == "sdpa" or eager_copies) and integration_before(ctx, CACHE_COPIES_SINCE):
         return int(_pinned_kv_bytes(ctx) * s.batch_size * ctx.tgt_len * a.num_decoder_layers)

@@ -1,0 +1,135 @@
+"""TRL's trainers (issue 38): Setup rules, the fused head's closed form, the phases each trainer adds, the CLI.
+
+The trace agreement of these terms is pinned by the trainer= rows of benchmarks/matrices/trace_vs_estimate.yaml
+(tests/integration/test_trace.py runs the quick ones); here, what can be checked without running a model.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from memplan.cli.main import main
+from memplan.errors import SetupError
+from memplan.estimator.breakdown import estimate, estimator_for
+from memplan.estimator.memory import fused_head
+from memplan.estimator.memory.context import resolve
+from memplan.estimator.trainers import rows_setup
+from memplan.gpus import find_gpu
+from memplan.model.catalog import load_spec
+from memplan.setup import Setup
+
+QWEN = "Qwen/Qwen2.5-0.5B"  # tied 151,936-row vocabulary: the logits dominate Trainer's step
+TRL = dict(precision="bf16-mixed", grad_ckpt=True, batch_size=4, seq_len=512)
+
+
+def test_grpo_batch_must_divide_into_prompts():
+    with pytest.raises(SetupError, match=r"generation_batch_size \(3 x 1 accumulation x 1 GPUs = 3\) must be "
+                                         r"divisible by num_generations \(8\).*--num-generations 3"):
+        Setup(trainer="grpo", batch_size=3)
+    assert Setup(trainer="grpo", batch_size=4, grad_accum=2).num_generations == 8  # 4 x 2 prompts' completions
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(packing=True), "packing is a SFTConfig field: add --trainer sft"),
+    (dict(trainer="dpo", num_generations=4), "num_generations is a GRPOConfig field"),
+    (dict(trainer="grpo", batch_size=8, beta=-1.0), "beta must be >= 0"),
+    (dict(trainer="grpo", batch_size=8, vllm_gpu_memory_utilization=1.5), "fraction of the card's memory"),
+    (dict(trainer="sft", mode="infer"), "--trainer sft runs a training step"),
+    (dict(trainer="sft", prompt_len=10), "--prompt-len applies to --mode infer only"),
+    (dict(trainer="dpo", sharding="ddp", num_gpus=2), "modelled on one GPU"),
+])
+def test_trl_fields_refused_where_they_do_not_apply(fields, words):
+    with pytest.raises(SetupError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Setup(**fields)
+
+
+def test_prompt_len_is_a_dpo_and_grpo_field():
+    assert Setup(trainer="dpo", prompt_len=128).prompt_len == 128
+    assert Setup(trainer="grpo", prompt_len=128).prompt_len == 128
+
+
+def test_rows_each_trainer_runs():
+    spec = load_spec(QWEN)
+    assert rows_setup(spec, Setup(trainer="dpo", **TRL)).batch_size == 8  # chosen and rejected
+    grpo = rows_setup(spec, Setup(trainer="grpo", max_completion_length=64, prompt_len=100, num_generations=4, **TRL))
+    assert grpo.seq_len == 164 and grpo.batch_size == 4
+    packed = rows_setup(spec, Setup(trainer="sft", packing=True, **TRL))
+    assert (packed.batch_size, packed.seq_len, packed.padded) == (1, 2048, True)  # sdpa: a block-diagonal mask
+
+
+def test_fused_head_closed_form_by_hand():
+    """SmolLM2-135M (hidden 576, vocabulary 49,152: two tiles, 32,768 and 16,384 wide), LoRA under bf16 autocast
+    over fp32 weights, DPO on 2 pairs of 256 tokens with a 128-token prompt: N = 4 rows x 128 completion tokens."""
+    s = Setup(trainer="dpo", technique="lora", prompt_len=128, precision="bf16-mixed", grad_ckpt=True, batch_size=2,
+              seq_len=256)
+    spec = load_spec("HuggingFaceTB/SmolLM2-135M")
+    ctx = resolve(spec, rows_setup(spec, s))
+    n, h = 4 * 128, 576
+    assert fused_head.scored_tokens(ctx) == n
+    tile = n * 32768 * 2
+    # the backward binds w_chunk: the 32,768- and 16,384-row bf16 casts of the fp32 weight overlap; and the token
+    # chunk's bf16 cast of the fp32 hidden states
+    assert fused_head._tile_bytes(ctx, backward=True) == tile + (32768 + 16384) * h * 2 + n * h * 2
+    assert fused_head._tile_bytes(ctx) == tile + 32768 * h * 2 + n * h * 2
+    saved = n * h * 4 + n * (3 * 8 + 2 * 4) + 4 * 255 * (4 * 3 + 2)
+    assert fused_head.saved_bytes(ctx) == saved
+    # the head is frozen under LoRA: fp32 grad_hidden alone
+    assert fused_head.backward_bytes(ctx) == saved + n * h * 4 + fused_head._tile_bytes(ctx, backward=True)
+
+
+def test_sft_never_holds_the_logits():
+    hf = estimate(QWEN, Setup(**TRL))
+    sft = estimate(QWEN, Setup(trainer="sft", **TRL))
+    assert hf.components["logits"] > 2**30  # 4 x 512 x 151,936 fp32 and their gradients
+    assert sft.peak_allocated_bytes < hf.peak_allocated_bytes - 2**30
+    assert "fused LM head" in " ".join(sft.notes)
+
+
+def test_dpo_reference_strategies():
+    full = estimate(QWEN, Setup(trainer="dpo", **TRL))
+    assert full.components["reference_model"] == full.components["weights"]  # from_pretrained in the policy's dtype
+    assert "reference_forward" in full.phases
+    lora = estimate(QWEN, Setup(trainer="dpo", technique="lora", **TRL))
+    assert lora.components["reference_model"] == 0 and "reference_forward" in lora.phases  # the adapter disabled
+    pre = estimate(QWEN, Setup(trainer="dpo", precompute_ref_log_probs=True, **TRL))
+    assert pre.components["reference_model"] == 0 and "reference_forward" not in pre.phases
+    assert pre.peak_allocated_bytes < full.peak_allocated_bytes
+
+
+def test_grpo_phases():
+    g = dict(TRL, num_generations=4, max_completion_length=256)
+    plain = estimate(QWEN, Setup(trainer="grpo", technique="lora", **g))
+    assert {"generation_prefill", "generation_decode"} <= set(plain.phases) and "reference_forward" not in plain.phases
+    beta = estimate(QWEN, Setup(trainer="grpo", technique="lora", beta=0.04, **g))
+    assert "reference_forward" in beta.phases and beta.components["reference_model"] == 0
+    full = estimate(QWEN, Setup(trainer="grpo", beta=0.04, **g))
+    assert full.components["reference_model"] == full.components["weights"]
+    server = estimate(QWEN, Setup(trainer="grpo", use_vllm=True, vllm_mode="server", **g))
+    assert not any(p.startswith("generation") for p in server.phases)
+    # longer completions grow the generation's KV cache and the policy's rows
+    longer = estimate(QWEN, Setup(trainer="grpo", technique="lora", **{**g, "max_completion_length": 1024}))
+    assert longer.peak_allocated_bytes > plain.peak_allocated_bytes
+
+
+def test_colocated_vllm_takes_its_fraction_of_the_named_card():
+    s = Setup(trainer="grpo", technique="lora", use_vllm=True, num_generations=4, **TRL)
+    h100 = find_gpu("h100")
+    e = estimator_for(h100)(QWEN, s)
+    assert e.components["vllm_colocated"] == int(0.3 * h100.memory_bytes)
+    assert e.device_total_bytes - e.peak_reserved_bytes >= e.components["vllm_colocated"]
+    unnamed = estimate(QWEN, s)
+    assert unnamed.components["vllm_colocated"] == 0 and any("--gpu" in n for n in unnamed.notes)
+
+
+def test_cli_applies_trl_defaults_and_refuses_a_bad_grpo_batch():
+    r = CliRunner().invoke(main, ["estimate", "gpt2", "--trainer", "sft", "--json"])
+    assert r.exit_code == 0, r.output
+    setup = json.loads(r.output)["setup"]
+    assert (setup["precision"], setup["grad_ckpt"]) == ("bf16-mixed", True)  # TRL's bf16=True, checkpointing
+    given = json.loads(CliRunner().invoke(main, ["estimate", "gpt2", "--trainer", "sft", "--precision", "fp32",
+                                                 "--json"]).output)["setup"]
+    assert given["precision"] == "fp32"
+    bad = CliRunner().invoke(main, ["estimate", "gpt2", "--trainer", "grpo", "--batch-size", "3"])
+    assert bad.exit_code == 2 and "divisible by num_generations" in bad.output and "Traceback" not in bad.output
