@@ -97,17 +97,23 @@ def train(plan, model, train_data, collator, **trainer_kwargs):
     return trainer.train()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(description: str, data_flag: str, data_help: str, learning_rate: float) -> argparse.ArgumentParser:
+    """The command line both examples take: the plan, the data (a file or --synthetic N), the run's settings."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("plan")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text-file", help="training text, one sample per line (seq2seq: source<TAB>target)")
-    src.add_argument("--synthetic", type=int, metavar="N", help="N random samples at max_length (no tokenizer)")
+    src.add_argument(data_flag, help=data_help)
+    src.add_argument("--synthetic", type=int, metavar="N", help="N random samples at the plan's lengths")
     ap.add_argument("--random-init", action="store_true", help="build the model from its config (no weights)")
     ap.add_argument("--output-dir", default="trainer_output")
-    ap.add_argument("--learning-rate", type=float, default=2e-4)
+    ap.add_argument("--learning-rate", type=float, default=learning_rate)
     ap.add_argument("--max-steps", type=int, default=-1)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser(__doc__.split("\n\n")[0], "--text-file",
+                  "training text, one sample per line (seq2seq: source<TAB>target)", 2e-4).parse_args(argv)
 
     plan = memplan.load_plan(args.plan, output_dir=args.output_dir, learning_rate=args.learning_rate,
                              max_steps=args.max_steps, report_to=[], save_strategy="no")

@@ -306,7 +306,7 @@ def trainer_rows(s: Setup, attention: str) -> Setup:
     if s.trainer == "dpo":
         return dataclasses.replace(s, batch_size=2 * s.batch_size)
     if s.trainer == "grpo":
-        return dataclasses.replace(s, seq_len=prompt_tokens(s) + s.max_completion_length)
+        return dataclasses.replace(s, seq_len=prompt_tokens(s) + s.max_completion_length, prompt_len=prompt_tokens(s))
     if s.trainer == "sft" and (s.packing or s.padding_free):
         return dataclasses.replace(s, batch_size=1, seq_len=s.batch_size * s.seq_len,
                                    padded=attention != "flash_attention_2")

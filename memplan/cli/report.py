@@ -310,7 +310,8 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
             t.add_row(describe(a.setup), "yes" if a.fits else "[red]no[/]", _gib(a.need_bytes), a.reason)
         console.print(t)
     if written:
-        console.print(f"wrote {written} (load it with memplan.load_plan; examples/train_with_plan.py trains from it)")
+        script = "train_trl_with_plan.py" if plan.setup.trainer != "hf" else "train_with_plan.py"
+        console.print(f"wrote {written} (load it with memplan.load_plan; examples/{script} trains from it)")
         if plan.setup.sharding != "none":
             from memplan.planner.export import launcher_paths  # lazily: pydantic and yaml, for plans only
 

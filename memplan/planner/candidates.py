@@ -124,7 +124,9 @@ class Pool:
 
     def __init__(self, seq_len: int, bf16: bool, pinned: dict, keep: Callable[[dict], bool] | None = None):
         base = {k: v for k, v in pinned.items() if k in _BASE_PINS}
-        base.update(mode="train", batch_size=pinned.get("batch_size", 1), grad_accum=pinned.get("grad_accum", 1))
+        # GRPO's micro-batch 1 accumulates num_generations steps: its generation batch must divide into prompts
+        ga = pinned.get("num_generations", 8) if pinned.get("trainer") == "grpo" else 1
+        base.update(mode="train", batch_size=pinned.get("batch_size", 1), grad_accum=pinned.get("grad_accum", ga))
         base.setdefault("seq_len", seq_len)
         world = world_size(pinned)
         self.fields: list[dict] = []

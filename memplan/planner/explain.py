@@ -14,6 +14,17 @@ def describe(s: Setup) -> str:
     if s.technique in ("lora", "qlora"):
         parts[0] += f" r={s.lora_r} " + ("all-linear" if s.lora_targets == "all-linear" else
                                           ",".join(s.lora_targets) if s.lora_targets else "default targets")
+    if s.trainer != "hf":  # TRL's trainer and the fields that set its memory
+        parts[0] = f"TRL {s.trainer.upper()} " + parts[0]
+        if s.packing or s.padding_free:
+            parts.append("packed" if s.packing else "padding-free")
+        if s.precompute_ref_log_probs:
+            parts.append("precomputed reference")
+        if s.trainer == "grpo":
+            parts.append(f"{s.num_generations} generations x {s.max_completion_length} tokens"
+                         + (f", beta {s.beta:g}" if s.beta else "")
+                         + (f", vLLM {s.vllm_mode}" + (f" {s.vllm_gpu_memory_utilization:.0%}"
+                                                       if s.vllm_mode == "colocate" else "") if s.use_vllm else ""))
     if s.quant:
         parts.append(s.quant + (" + double quant" if s.double_quant else ""))
     if s.technique == "freeze":

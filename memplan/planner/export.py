@@ -5,7 +5,9 @@ Sections (each maps to the constructor its name says, so nothing needs translati
                       (BitsAndBytesConfig kwargs), prepare_for_kbit_training (QLoRA / int8 bases)
   peft                LoraConfig kwargs (absent without LoRA)
   freeze              the parameter names that train (technique freeze; every other parameter is frozen)
-  training_arguments  TrainingArguments kwargs
+  training_arguments  TrainingArguments kwargs (TRL plans: the TRL config's, TrainingArguments' fields among them)
+  trl                 (TRL plans) the trainer and config classes and the TRL fields the estimate assumed; load_plan
+                      builds the config class (SFTConfig, DPOConfig, GRPOConfig) from them and training_arguments
   data                tokenisation and collation: max_length (the padded length the estimate assumes), padding,
                       pad_to_multiple_of, label_pad_token_id
   accelerate          (multi-GPU plans) the accelerate config (memplan.estimator.launch); write_plan also writes it
@@ -102,6 +104,26 @@ def training_arguments_section(s: Setup) -> dict:
     }
 
 
+#: Setup.trainer -> (TRL trainer class, its config class)
+TRL_CLASSES = {"sft": ("SFTTrainer", "SFTConfig"), "dpo": ("DPOTrainer", "DPOConfig"),
+               "grpo": ("GRPOTrainer", "GRPOConfig")}
+
+
+def trl_section(s: Setup) -> dict | None:
+    """The TRL trainer and config classes and the config fields as estimated (TRL 1.16 names); None for Trainer.
+    max_length is the row length the estimate assumed (SFT, DPO: prompt and completion); GRPO's generation batch is
+    TRL's default, per_device_train_batch_size x gradient_accumulation_steps completions."""
+    if s.trainer not in TRL_CLASSES:
+        return None
+    trainer, config = TRL_CLASSES[s.trainer]
+    fields = {"sft": {"max_length": s.seq_len, "packing": s.packing, "padding_free": s.padding_free or s.packing},
+              "dpo": {"max_length": s.seq_len, "precompute_ref_log_probs": s.precompute_ref_log_probs},
+              "grpo": {"num_generations": s.num_generations, "max_completion_length": s.max_completion_length,
+                       "beta": s.beta, "use_vllm": s.use_vllm, "vllm_mode": s.vllm_mode,
+                       "vllm_gpu_memory_utilization": s.vllm_gpu_memory_utilization}}[s.trainer]
+    return {"trainer_class": trainer, "config_class": config, "config": fields, "trl_version": "1.16"}
+
+
 def data_section(spec, s: Setup) -> dict:
     """The collator pads each batch to its longest sample (at most max_length). The planner's estimate assumes
     padded batches (Setup.padded: under sdpa every attention then keeps a mask), of max_length tokens: shorter
@@ -123,6 +145,8 @@ def plan_document(plan, spec, deepspeed_file: str | None = None) -> dict:
     if s.technique == "freeze":
         doc["freeze"] = {"trainable_parameters": [p.name for p in trainable_params(spec, s)]}
     doc["training_arguments"] = training_arguments_section(s)
+    if s.trainer in TRL_CLASSES:
+        doc["trl"] = trl_section(s)
     doc["data"] = data_section(spec, s)
     if s.sharding != "none":
         doc["accelerate"] = accelerate_config(s, deepspeed_file)
@@ -268,6 +292,13 @@ class _ModelSection(BaseModel):
     prepare_for_kbit_training: bool = False
 
 
+class _TrlSection(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    config_class: Literal["SFTConfig", "DPOConfig", "GRPOConfig"]
+    trainer_class: Literal["SFTTrainer", "DPOTrainer", "GRPOTrainer"]
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
 class _MemplanSection(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     setup: dict[str, Any]
@@ -285,6 +316,26 @@ class PlanFile(BaseModel):
     memplan: _MemplanSection
     peft: dict[str, Any] | None = None
     freeze: dict[str, list[str]] | None = None
+    trl: _TrlSection | None = None
+
+
+def _arguments_class(doc: dict, planned: dict, overrides: dict):
+    """TrainingArguments, or the TRL config class a TRL plan names (its fields added to `planned`)."""
+    import transformers
+    section = doc.get("trl")
+    if not section:
+        return transformers.TrainingArguments
+    try:
+        import trl
+    except ImportError:
+        raise BadInput(f"this plan trains with TRL's {section['trainer_class']}: pip install 'memplan[trl]' "
+                       "(trl>=1.16) to load it") from None
+    clash = sorted(set(overrides) & set(section["config"]))
+    if clash:
+        raise BadInput(f"these {section['config_class']} fields are planned and set the memory budget: "
+                       f"{', '.join(clash)}; re-plan with them pinned instead")
+    planned.update(section["config"])
+    return getattr(trl, section["config_class"])
 
 
 def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
@@ -305,7 +356,7 @@ def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
     planned = {k: v for k, v in planned.items() if v is not None}
     if "use_cpu" not in training_overrides and not torch.cuda.is_available():
         training_overrides = {**training_overrides, "use_cpu": True}
-    args = transformers.TrainingArguments(**planned, **training_overrides)
+    args = _arguments_class(doc, planned, training_overrides)(**planned, **training_overrides)
     m = doc["model"]
     qconf = None
     if m.get("quantization_config"):

@@ -27,7 +27,7 @@ from memplan.errors import MemplanError
 from memplan.planner.fit_table import largest_fitting, max_batch_size
 from memplan.model.compat import LIGER_ESTIMATED, default_attn_impl, sdpa_supported
 from memplan.planner.candidates import speed_score, split_batch
-from memplan.setup import Setup
+from memplan.setup import Setup, needs_reference_model
 
 @dataclass(frozen=True, slots=True)
 class Remedy:
@@ -85,12 +85,38 @@ class RemedyContext:
 
 #: (name, size) by size, each size's remedies by increasing speed/quality cost; _change says what each one does
 REMEDIES: tuple[tuple[str, int], ...] = (
-    ("sdpa", 1), ("liger", 1), ("largest-micro-batch", 1), ("halve-batch", 1), ("grad-ckpt", 1), ("mixed-precision", 2),
-    ("adamw-8bit", 2), ("paged-adamw-8bit", 2), ("plain-lora", 2), ("fewer-lora-targets", 2), ("smaller-lora-rank", 2),
-    ("16-bit-weights", 2), ("adafactor", 2), ("lora", 3), ("freeze", 3), ("qlora", 4), ("shorter-sequences", 5),
+    ("sdpa", 1), ("liger", 1), ("precompute-ref", 1), ("padding-free", 1), ("largest-micro-batch", 1),
+    ("halve-batch", 1), ("grad-ckpt", 1), ("mixed-precision", 2), ("adamw-8bit", 2), ("paged-adamw-8bit", 2),
+    ("plain-lora", 2), ("fewer-lora-targets", 2), ("smaller-lora-rank", 2), ("smaller-vllm-fraction", 2),
+    ("16-bit-weights", 2), ("adafactor", 2), ("lora", 3), ("freeze", 3), ("qlora", 4),
+    ("shorter-completions", 5), ("shorter-sequences", 5),
 )
 _DYNAMIC = {"largest-micro-batch", "shorter-sequences"}  # sized against the budget: applied last when combined
 _ADAMW = ("adamw", "adamw-fused")
+
+
+def _trl_change(name: str, s: Setup) -> tuple[Setup, str, str] | None:
+    """The remedies of TRL's trainers (Setup.trainer): None where `name` is not one, or does not apply. Fewer
+    generations per prompt is none: GRPO's per_device_train_batch_size counts completions, so the number per prompt
+    changes no memory (halve-batch keeps the generation batch, batch_size x accumulation, too)."""
+    if name == "precompute-ref" and s.trainer == "dpo" and not s.precompute_ref_log_probs:
+        return (replace(s, precompute_ref_log_probs=True), "precompute the reference log-probs "
+                "(precompute_ref_log_probs=True)" + (": no second model" if needs_reference_model(s) else ""),
+                "none for quality (the same loss); one reference pass over the data before training")
+    if name == "padding-free" and s.trainer == "sft" and not (s.packing or s.padding_free):
+        return (replace(s, packing=True, padded=False), "packing (packing=True: BFD, padding-free rows)",
+                "none expected: the same tokens without padding (TRL recommends flash attention for it)")
+    if name == "smaller-vllm-fraction" and s.trainer == "grpo" and s.use_vllm and s.vllm_mode == "colocate" \
+            and s.vllm_gpu_memory_utilization > 0.15:
+        u = round(s.vllm_gpu_memory_utilization - 0.1, 2)
+        return (replace(s, vllm_gpu_memory_utilization=u), f"vllm_gpu_memory_utilization={u} (colocated vLLM takes "
+                f"{u:.0%} of the card instead of {s.vllm_gpu_memory_utilization:.0%})",
+                "speed: fewer KV-cache blocks for vLLM, so fewer completions generated at once")
+    if name == "shorter-completions" and s.trainer == "grpo" and s.max_completion_length > 16:
+        n = s.max_completion_length // 2
+        return (replace(s, max_completion_length=n), f"max_completion_length={n} instead of "
+                f"{s.max_completion_length}", "changes the task: completions cut at {n} tokens".format(n=n))
+    return None
 
 
 def _change(name: str, s: Setup, c: RemedyContext) -> tuple[Setup, str, str] | None:
@@ -100,10 +126,13 @@ def _change(name: str, s: Setup, c: RemedyContext) -> tuple[Setup, str, str] | N
     if name == "sdpa" and (s.attn_impl or default_attn_impl(c.spec)) == "eager" and sdpa_supported(c.spec):
         return replace(s, attn_impl="sdpa"), "sdpa attention instead of eager", "none: same math, usually faster"
     if (name == "liger" and not s.use_liger_kernel and s.mode == "train" and arch.kind == "causal"
-            and arch.model_type in LIGER_ESTIMATED):
+            and arch.model_type in LIGER_ESTIMATED and s.trainer == "hf"):  # TRL keeps its own fused head
         return (replace(s, use_liger_kernel=True), "Liger Kernel (use_liger_kernel=True): fused linear "
                 "cross-entropy without logits, leaner RMSNorm and MLP saves",
                 "none for quality (same math); needs `pip install liger-kernel` and a CUDA GPU; usually faster")
+    trl = _trl_change(name, s)
+    if trl is not None:
+        return trl
     if name == "largest-micro-batch" and s.batch_size > 1 and c.total(s) > c.budget:
         probe = replace(s, grad_accum=max(2, s.grad_accum))  # accumulating keeps the gradients between micro-steps
         b = max_batch_size(c.spec, probe, c.budget, lambda _spec, x: c.est(x), s.batch_size - 1)
@@ -150,8 +179,10 @@ def _change(name: str, s: Setup, c: RemedyContext) -> tuple[Setup, str, str] | N
                 "quality: factored second moment, usually a little below AdamW; retune the learning rate")
     if name == "lora" and not lora:
         p = s.precision if s.precision in ("bf16", "fp16") else half
+        reference = " (the reference: the base with the adapter disabled, no second model)" if needs_reference_model(
+            s) else ""
         return (replace(s, technique="lora", precision=p, trainable=None),
-                f"LoRA r={s.lora_r} (peft's default targets) on a {p} base",
+                f"LoRA r={s.lora_r} (peft's default targets) on a {p} base{reference}",
                 "quality: adapters only, usually close to full fine-tuning on instruction data (arXiv:2106.09685)")
     if name == "freeze" and s.technique == "full":
         return (replace(s, technique="freeze"), "freeze all but the last block",

@@ -98,8 +98,17 @@ class Search:
 
     def accum_for(self, batch: int) -> int:
         """Accumulation steps a micro-batch implies (memory only sees whether it is > 1: gradients then persist
-        across micro-steps)."""
-        return self.pinned.get("grad_accum") or max(1, math.ceil(self.effective / batch))
+        across micro-steps); GRPO: the fewest at least that many whose generation batch divides into prompts."""
+        return self.pinned.get("grad_accum") or self.prompts_accum(batch, max(1, math.ceil(self.effective / batch)))
+
+    def prompts_accum(self, batch: int, accum: int = 1) -> int:
+        """The smallest accumulation >= `accum` at which a GRPO micro-batch's generation batch (batch x accum
+        completions, TRL's steps_per_generation = gradient_accumulation_steps) divides by num_generations: the
+        rule GRPOTrainer enforces. `accum` itself for the other trainers."""
+        if self.pinned.get("trainer") != "grpo":
+            return accum
+        step = self.pinned.get("num_generations", 8) // math.gcd(batch, self.pinned.get("num_generations", 8))
+        return math.ceil(accum / step) * step
 
     def evaluate(self, setup: Setup) -> Candidate:
         """The candidate at its best micro-batch (or at batch 1 when nothing fits).
@@ -118,10 +127,11 @@ class Search:
             return self.need(est(b, self.accum_for(b))) <= self.budget
 
         pinned_b, pinned_ga = self.pinned.get("batch_size"), self.pinned.get("grad_accum")
-        smallest = est(pinned_b or 1, pinned_ga or 1)  # the least memory this candidate can take
+        low_b = pinned_b or 1
+        low_ga = pinned_ga or self.prompts_accum(low_b)
+        smallest = est(low_b, low_ga)  # the least memory this candidate can take
         if self.need(smallest) > self.budget:
-            return Candidate(dataclasses.replace(setup, batch_size=pinned_b or 1, grad_accum=pinned_ga or 1),
-                             smallest, False, 0, ())
+            return Candidate(dataclasses.replace(setup, batch_size=low_b, grad_accum=low_ga), smallest, False, 0, ())
         if pinned_b:
             b, ga = pinned_b, self.accum_for(pinned_b)
         elif self.prefer == "memory":
@@ -131,9 +141,11 @@ class Search:
             ga = pinned_ga
         else:
             b, ga = split_batch(self.effective, largest_fitting(fits, self.effective - 1) or 1)
+            ga = self.prompts_accum(b, ga)
             if b * ga != self.effective or not fits(b):  # try the whole batch at once (no accumulation)
-                if self.need(est(self.effective, 1)) <= self.budget:
-                    b, ga = self.effective, 1
+                whole = self.prompts_accum(self.effective)
+                if self.need(est(self.effective, whole)) <= self.budget:
+                    b, ga = self.effective, whole
         e = est(b, ga)
         first = est(1, self.accum_for(1)) if not pinned_b else e
         chosen = dataclasses.replace(setup, batch_size=b, grad_accum=ga)

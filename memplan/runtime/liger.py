@@ -104,10 +104,10 @@ def _functions():
     return RMSNorm, GatedAct, FusedLinearCrossEntropy
 
 
-def apply_liger_standins(model, gated_act_names=("gate_proj", "up_proj", "down_proj")) -> None:
+def apply_liger_standins(model, gated_act_names=("gate_proj", "up_proj", "down_proj"), head: bool = True) -> None:
     """Patch `model` (a causal LM, or the peft model around one) as Liger's default patch does: the decoder
-    layers' RMSNorms and the final norm, the gated MLPs, and the causal LM's forward (fused linear cross-entropy
-    when training with labels)."""
+    layers' RMSNorms and the final norm, the gated MLPs, and (head) the causal LM's forward (fused linear
+    cross-entropy when training with labels); TRL's trainers pass fused_linear_cross_entropy=False: no head."""
     import torch.nn.functional as F
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -122,7 +122,8 @@ def apply_liger_standins(model, gated_act_names=("gate_proj", "up_proj", "down_p
             module.forward = _norm_forward(module, RMSNorm, in_place)
         if short == "mlp" and all(hasattr(module, n) for n in gated_act_names):
             module.forward = _mlp_forward(module, GatedAct)
-
+    if not head:
+        return
     original = base.forward
 
     def forward(input_ids=None, attention_mask=None, labels=None, **kwargs):
@@ -150,12 +151,14 @@ def _mlp_forward(module, fn):
     return forward
 
 
-def apply_liger_kernels(model) -> None:
+def apply_liger_kernels(model, head: bool = True) -> None:
     """Patch `model` with Liger's own kernels, as Trainer.train() does (transformers integrations/liger.py: the peft
-    model's base, default kernel config). For CUDA runs; the tracer uses apply_liger_standins."""
+    model's base, default kernel config; TRL's trainers without the fused cross-entropy: head=False). For CUDA runs;
+    the tracer uses apply_liger_standins."""
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError:
         from memplan.errors import BadInput
         raise BadInput("use_liger_kernel on a GPU runs Liger's Triton kernels: pip install liger-kernel") from None
-    _apply_liger_kernel_to_instance(model=model.get_base_model() if hasattr(model, "get_base_model") else model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _apply_liger_kernel_to_instance(model=base, **({} if head else {"fused_linear_cross_entropy": False}))

@@ -192,7 +192,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         model = peft.get_peft_model(model, cfg)
     model.train()
     if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base
-        (apply_liger_kernels if real_kernels else apply_liger_standins)(model)
+        (apply_liger_kernels if real_kernels else apply_liger_standins)(model, head=setup.trainer == "hf")
     return model
 
 

@@ -98,11 +98,13 @@ def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phas
     gen_rows = user.batch_size * user.grad_accum
     ids = torch.randint(0, spec.arch.vocab_size, (gen_rows, prompt), device=device)
     mask = torch.ones(gen_rows, prompt, dtype=torch.long, device=device)
-    enter_phase("generation")
     peft_model = hasattr(model, "disable_adapter")
-    with torch.no_grad(), (contextlib.nullcontext() if peft_model else autocast):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=user.max_completion_length,
-                       min_new_tokens=user.max_completion_length, do_sample=False, use_cache=True, pad_token_id=0)
+    if not user.use_vllm:  # vLLM generates in its own engine (measured separately: vllm_gpu_memory_utilization)
+        enter_phase("generation")
+        with torch.no_grad(), (contextlib.nullcontext() if peft_model else autocast):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=user.max_completion_length,
+                           min_new_tokens=user.max_completion_length, do_sample=False, use_cache=True,
+                           pad_token_id=0)
     del ids, mask
     if user.beta > 0:
         enter_phase("reference_forward")

@@ -259,3 +259,35 @@ def test_two_trainer_steps_from_a_plan_on_cpu(tmp_path, model, pins):
     result = _example().main([str(out), "--synthetic", "8", "--random-init", "--max-steps", "2",
                               "--output-dir", str(tmp_path / "run")])
     assert result.global_step == 2 and result.training_loss > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer,pins", [
+    ("sft", ["--seq-len", "32", "--packing"]),
+    ("dpo", ["--seq-len", "32", "--prompt-len", "16"]),
+    ("grpo", ["--seq-len", "16", "--num-generations", "2", "--max-completion-length", "8"]),
+])
+def test_two_trl_steps_from_a_plan_on_cpu(tmp_path, monkeypatch, trainer, pins):
+    """examples/train_trl_with_plan.py trains two steps of the planned TRL trainer (random init, synthetic rows and a
+    word-level tokenizer: no Hub), with the plan's TRL config (load_plan builds SFTConfig / DPOConfig / GRPOConfig)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    pytest.importorskip("trl")
+    out = tmp_path / "plan.yaml"
+    r = CliRunner().invoke(main, ["plan", "HuggingFaceTB/SmolLM2-135M", "--memory", "4GiB", "--effective-batch", "4",
+                                  "--precision", "fp32", "--optimizer", "adamw-fused", "--technique", "lora",
+                                  "--trainer", trainer, "-o", str(out), *pins])
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out, output_dir=str(tmp_path / "run"))
+    assert type(plan.training_arguments).__name__ == {"sft": "SFTConfig", "dpo": "DPOConfig",
+                                                      "grpo": "GRPOConfig"}[trainer]
+    examples = Path(__file__).parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    spec = importlib.util.spec_from_file_location("train_trl_with_plan", examples / "train_trl_with_plan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.main([str(out), "--synthetic", "8", "--random-init", "--max-steps", "2",
+                       "--output-dir", str(tmp_path / "run")])
+    assert result.global_step == 2
+    sys.modules.pop("train_with_plan", None)

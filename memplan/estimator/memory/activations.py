@@ -64,7 +64,8 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         per_tok += tok_core + fused_qkv_pin_bytes(ctx, by_slot.get("attn_in", []), kernel, q_dim, kv_dim,
                                                   bool(blk.qk_norm_widths), block_trains)
         if (a.model_type in FUSED_QKV_CACHE and kernel == "fused" and ctx.training and not ctx.setup.grad_ckpt
-                and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)):
+                and not kernel_casts_kv(ctx) and not sdpa_integration_before(ctx, CACHE_COPIES_SINCE)
+                and not trl_head(ctx)):  # TRL's fused head runs the backbone with use_cache=False: no cache copies
             per_tok += 2 * kv_dim * c
         scores = a.num_heads * seqs[0] * seqs[0] * per_score * (tokens // max(seqs[0], 1))
     per_tok += post_attention_bytes(ctx, blk, lora_names, block_trains, kernel)

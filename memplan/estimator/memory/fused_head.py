@@ -82,6 +82,8 @@ def _cast_bytes(ctx: Ctx, backward: bool) -> int:
     if ctx.weight_bytes == c:
         return hidden
     chunks = _vocab_chunks(ctx) * token_chunks
+    if not chunks:  # nothing scored (a one-token row)
+        return 0
     if not backward or len(chunks) == 1:
         return hidden + max(chunks) * h * c
     return hidden + max(a + b for a, b in zip(chunks, chunks[1:])) * h * c

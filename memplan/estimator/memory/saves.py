@@ -155,9 +155,10 @@ def liger_patched(ctx: Ctx) -> bool:
 
 def liger_head(ctx: Ctx) -> bool:
     """Liger's fused linear cross-entropy replaces the head and the loss (use_liger_kernel, training a causal LM
-    with labels: liger_kernel/transformers/model/*.py lce_forward skips the logits)."""
+    with labels: liger_kernel/transformers/model/*.py lce_forward skips the logits); not under TRL's trainers."""
     a = ctx.spec.arch
-    return liger_patched(ctx) and a.kind == "causal" and a.has_lm_head
+    # TRL's trainers set fused_linear_cross_entropy=False and score through their own head (memory.fused_head)
+    return liger_patched(ctx) and a.kind == "causal" and a.has_lm_head and ctx.setup.trainer == "hf"
 
 
 def norm_bytes(ctx: Ctx, h: int, trains: bool, rows: int = 1, in_bytes: int | None = None) -> float:
