@@ -111,7 +111,8 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
     """Search the best training setup that fits a GPU; pin any setup flag (e.g. --technique lora --lora-r 16)."""
 
     spec = load_model(model, trust_remote_code=trust_remote_code)
-    pins = given_setup_fields(options, spec)  # validated with each candidate (a pin's problems are reported then)
+    # validated with each candidate (a pin's problems are reported then); TRL's defaults are searched, not pinned
+    pins = given_setup_fields(options, spec, trl_defaults=False)
     spec = catalog.spec_for_task(spec, pins.get("task"))  # the plan file names the task's class
     result = search.plan(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
                          headroom=headroom, host_memory=host_memory, replay=replay, **pins)

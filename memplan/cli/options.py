@@ -68,9 +68,11 @@ def setup_options(func):
     return func
 
 
-def given_setup_fields(options: dict, spec=None) -> dict:
+def given_setup_fields(options: dict, spec=None, trl_defaults: bool = True) -> dict:
     """The Setup fields the user set on the command line, parsed (target lists split, block counts as ints); with
-    the model's `spec`, a pre-quantized upload's bitsandbytes format as the quant unless --quant was given."""
+    the model's `spec`, a pre-quantized upload's bitsandbytes format as the quant unless --quant was given; with
+    --trainer sft/dpo/grpo, TRL's precision and checkpointing defaults where unset (trl_defaults; plan searches
+    them instead)."""
     names = {f.name for f in dataclasses.fields(Setup)}
     given = {k: v for k, v in options.items() if k in names and v is not None}
     if "lora_targets" in given:
@@ -79,7 +81,7 @@ def given_setup_fields(options: dict, spec=None) -> dict:
         given["trainable"] = parse_trainable(given["trainable"])
     if spec is not None and spec.checkpoint_quant and "quant" not in given:
         given["quant"] = spec.checkpoint_quant
-    if given.get("trainer") in TRL_DEFAULTS:  # what TRL's configs default to, where the user set nothing
+    if trl_defaults and given.get("trainer") in TRL_DEFAULTS:  # what TRL's configs default to, where unset
         given = {**TRL_DEFAULTS[given["trainer"]], **given}
     return given
 
