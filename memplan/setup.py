@@ -276,6 +276,9 @@ def trainer_problems(s: Setup) -> list[str]:
         u = s.vllm_gpu_memory_utilization
         if not isinstance(u, (int, float)) or not 0 < u < 1:
             p.append(f"vllm_gpu_memory_utilization is a fraction of the card's memory in (0, 1), got {u!r}")
+    if s.trainer != "hf" and s.added_tokens:
+        p.append(f"--added-tokens with --trainer {s.trainer} is not modelled yet (TRL's fused head reads the resized "
+                 "head through peft's wrappers): estimate with --trainer hf, or drop --added-tokens")
     if s.trainer != "hf" and (s.sharding != "none" or s.offload != "none"):
         p.append(f"--trainer {s.trainer} is modelled on one GPU: drop --sharding/--offload, or use --trainer hf")
     return p

@@ -89,6 +89,12 @@ def trl_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     return phases
 
 
+def vllm_weight_bytes(ctx: Ctx) -> int:
+    """The weights vLLM loads in its own engine: every parameter in 16 bit (dtype "auto" from a 16-bit checkpoint)."""
+    from memplan.estimator.memory.weights import total_numel
+    return 2 * total_numel(ctx)
+
+
 def vllm_bytes(s: Setup) -> int | None:
     """What colocated vLLM takes of the card planned for: vllm_gpu_memory_utilization x its total memory; 0 without
     a colocated vLLM, None when no card is named (the total cannot be known)."""
@@ -117,7 +123,12 @@ def notes(ctx: Ctx, s: Setup) -> list[str]:
                f"{s.max_completion_length}) tokens")
         out.append(f"GRPO: {gen}; reference: " + ("none (beta = 0)" if s.beta == 0 else
                                                  "a second copy" if reference_weight_bytes(ctx) else "adapter off"))
-        if vllm_bytes(s) is None:
+        share = vllm_bytes(s)
+        if share is None:
             out.append("not in the device total: colocated vLLM's vllm_gpu_memory_utilization x the card's memory "
                        "(name the card with --gpu)")
+        elif share and share < vllm_weight_bytes(ctx):
+            out.append(f"vLLM's share ({share / 2**30:.1f} GiB) cannot hold the model's 16-bit weights "
+                       f"({vllm_weight_bytes(ctx) / 2**30:.1f} GiB), let alone its KV cache: vLLM will refuse to start; "
+                       "raise --vllm-gpu-memory-utilization")
     return out

@@ -63,6 +63,9 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
         else:
             p.append(f"sequence length {total_len} exceeds the model's max_position_embeddings ({a.max_positions}); "
                      f"use --seq-len <= {a.max_positions}")
+    if setup.trainer != "hf" and (a.kind != "causal" or not a.has_lm_head):
+        p.append(f"--trainer {setup.trainer} (TRL) is modelled for causal language models (AutoModelForCausalLM); "
+                 f"this setup builds {a.auto_class}: use --trainer hf")
     if setup.use_liger_kernel and a.model_type not in LIGER_ESTIMATED:
         why = ("Liger Kernel does not patch it (transformers would train without it, silently)"
                if a.model_type not in LIGER_MODEL_TYPES else "memplan does not model Liger's patches for it yet")

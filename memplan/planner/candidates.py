@@ -103,8 +103,16 @@ def candidate_fields(bf16: bool, pinned: dict) -> list[dict]:
             if tech == "qlora":
                 f.update(quant="nf4", double_quant=True)
             f.update(rest)
-            out.append(f)
+            out.extend(_reference_strategies(f, pinned))
     return out
+
+
+def _reference_strategies(f: dict, pinned: dict) -> list[dict]:
+    """DPO's reference unpinned: in training (TRL's default) first, then precomputed log-probs (the same loss; no
+    reference forward in the step, nor a second model for full fine-tuning)."""
+    if f.get("trainer") != "dpo" or "precompute_ref_log_probs" in pinned:
+        return [f]
+    return [f, {**f, "precompute_ref_log_probs": True}]
 
 
 def _field(f: Setup | Mapping, name: str):
@@ -169,14 +177,15 @@ def quality_key(f: Setup | Mapping) -> tuple:
     So with all-linear targets every rank from ALL_LINEAR_RANK_FLOOR up ranks alike, the smallest first (the rest of
     the memory goes to the micro-batch: throughput), below it lower; on fewer targets a larger rank ranks higher.
     8-bit AdamW matches 32-bit AdamW's results (arXiv:2110.02861) but ranks after it, paged after unpaged (same
-    math, slower when paging), Adafactor (factored second moment, arXiv:1804.04235) last."""
+    math, slower when paging), Adafactor (factored second moment, arXiv:1804.04235) last. DPO's precomputed reference
+    (the same loss) ranks after the reference computed in the step, TRL's default, at equal quality."""
     precision, technique, optimizer = _field(f, "precision"), _field(f, "technique"), _field(f, "optimizer")
     prec = 0 if precision.endswith("-mixed") else (1 if precision == "fp32" else 2)
     lora = technique in ("lora", "qlora")
     targets = (0 if _field(f, "lora_targets") == "all-linear" else 1) if lora else 0
     optim = OPTIMIZER_ORDER.index(optimizer) if optimizer in OPTIMIZER_ORDER else len(OPTIMIZER_ORDER)
     return (TECHNIQUE_ORDER.index(technique), prec, targets, optim, rank_key(_field(f, "lora_r"), targets) if lora
-            else (0, 0), _field(f, "quant") is not None)
+            else (0, 0), _field(f, "quant") is not None, bool(_field(f, "precompute_ref_log_probs")))
 
 
 def rank_key(r: int, targets: int) -> tuple[int, int]:

@@ -133,3 +133,13 @@ def test_cli_applies_trl_defaults_and_refuses_a_bad_grpo_batch():
     assert given["precision"] == "fp32"
     bad = CliRunner().invoke(main, ["estimate", "gpt2", "--trainer", "grpo", "--batch-size", "3"])
     assert bad.exit_code == 2 and "divisible by num_generations" in bad.output and "Traceback" not in bad.output
+
+
+@pytest.mark.parametrize("model, flags, words", [
+    ("google-t5/t5-small", [], "this setup builds AutoModelForSeq2SeqLM"),
+    ("Qwen/Qwen2.5-0.5B", ["--task", "seq-cls"], "this setup builds AutoModelForSequenceClassification"),
+    ("gpt2", ["--added-tokens", "3"], "not modelled yet"),
+])
+def test_trl_refuses_what_it_does_not_model(model, flags, words):
+    r = CliRunner().invoke(main, ["estimate", model, "--trainer", "sft", *flags])
+    assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output
