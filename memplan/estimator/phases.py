@@ -295,7 +295,7 @@ def inference_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
 
     prefill: one layer's working set + the cache so far. decode: full cache + growth + last-token logits.
     """
-    res = _resident(ctx)
+    res = {**_resident(ctx), "autocast_weight_copies": quant.cached_cast_bytes(ctx)}  # mixed: cached casts
     kv = inf.kv_cache_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)
     prompt = {**res, "kv_cache": inf.prompt_cache_bytes(ctx), "activations": inf.prefill_working_bytes(ctx),

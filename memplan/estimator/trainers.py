@@ -21,7 +21,7 @@ from __future__ import annotations
 
 
 from memplan import libs
-from memplan.estimator.memory import fused_head
+from memplan.estimator.memory import fused_head, quant
 from memplan.estimator.memory import inference as inf
 from memplan.estimator.memory.context import Ctx, resolve
 from memplan.estimator.memory.weights import weights_bytes
@@ -59,10 +59,12 @@ def _no_grad_setup(s: Setup, batch: int, prompt: int, new: int) -> Setup:
 
 
 def _no_grad_forward_bytes(ctx: Ctx) -> int:
-    """A scoring pass under no_grad on the rows of `ctx`: the largest of a block's working set and the fused head's."""
+    """A scoring pass under no_grad on the rows of `ctx`: the largest of a block's working set and the fused head's,
+    and a separate reference model's cached autocast casts (TRL leaves its parameters requiring grad)."""
     spec, s = ctx.spec, ctx.setup
     infer = resolve(spec, _no_grad_setup(s, s.batch_size, ctx.src_len, 0))
-    return max(inf.prefill_working_bytes(infer), fused_head.reference_bytes(ctx))
+    casts = quant.cached_cast_bytes(infer, requires_grad=needs_reference_model(s), head=False)
+    return max(inf.prefill_working_bytes(infer), fused_head.reference_bytes(ctx)) + casts
 
 
 def trl_phases(ctx: Ctx) -> dict[str, dict[str, int]]:

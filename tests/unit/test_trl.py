@@ -143,3 +143,16 @@ def test_cli_applies_trl_defaults_and_refuses_a_bad_grpo_batch():
 def test_trl_refuses_what_it_does_not_model(model, flags, words):
     r = CliRunner().invoke(main, ["estimate", model, "--trainer", "sft", *flags])
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output
+
+
+def test_plan_keeps_grpo_batches_divisible_and_searches_dpo_reference():
+    from memplan.planner.search import plan
+    for g in (4, 8):
+        p = plan("Qwen/Qwen2.5-1.5B", "rtx 4090", trainer="grpo", technique="lora", num_generations=g,
+                 max_completion_length=256)
+        assert p.fits and (p.setup.batch_size * p.setup.grad_accum) % g == 0
+    # full-fine-tuning DPO on a 12 GB card: a second copy of the weights does not fit beside the policy; the
+    # precomputed reference (the same loss) does
+    p = plan("Qwen/Qwen2.5-1.5B", "rtx 3060", trainer="dpo", technique="full")
+    assert p.fits and p.setup.precompute_ref_log_probs
+    assert any(a.setup.precompute_ref_log_probs is False for a in p.alternatives) or p.evaluated > 1

@@ -105,6 +105,18 @@ def _casts_by_block(ctx: Ctx) -> Mapping[tuple, tuple[int, int]]:
                              for k, (n, t, g) in per.items()})
 
 
+def cached_cast_bytes(ctx: Ctx, requires_grad: bool = True, head: bool = True) -> int:
+    """Autocast's cache over a no-grad pass of a model whose fp32 weights keep requires_grad (inference after
+    model.eval(), which leaves it set; TRL's reference model and GRPO's policy in generate()): every Linear weight's
+    compute-dtype cast is cached for the autocast region, since caching tests the tensor's requires_grad flag, not
+    grad mode (aten/src/ATen/autocast_mode.cpp cached_cast: `arg.requires_grad() && arg.is_leaf()`). 0 without
+    autocast over fp32 weights, or with frozen weights (requires_grad False). head=False: the output head does not
+    run as a module (TRL's fused head casts its weight chunk by chunk, outside the cache)."""
+    if not (requires_grad and ctx.autocast and ctx.weight_bytes == 4):
+        return 0
+    return sum(size for m, size, _ in _cast_weights(ctx) if head or not m.is_output) * ctx.compute_bytes
+
+
 def _cast_weights(ctx: Ctx):
     """Every weight a Linear's matmul casts under autocast.
 
