@@ -18,7 +18,10 @@ from memplan.errors import SetupError
 Mode = Literal["train", "infer"]
 Technique = Literal["full", "lora", "qlora", "freeze"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
-Quant = Literal["int8", "nf4", "fp4"]
+#: bitsandbytes quantizes on load (int8, nf4, fp4); the others are checkpoints stored quantized (issue 40): GPTQ
+#: 4/8-bit and AWQ 4-bit with group size 128 (gptqmodel's QuantLinear layouts), FP8 with 128 x 128 block scales
+#: (transformers' FineGrainedFP8, quant_method "fp8")
+Quant = Literal["int8", "nf4", "fp4", "gptq-int4", "gptq-int8", "awq", "fp8"]
 NewTokens = Literal["modules-to-save", "token-indices"]
 Task = Literal["causal-lm", "seq2seq", "masked-lm", "seq-cls", "token-cls"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
@@ -41,6 +44,8 @@ SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
 TRAINERS: tuple[str, ...] = get_args(TrainerName)
+#: the stored-quantized formats: weight bits per element of each
+PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8": 8}
 VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
 #: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
 TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")
@@ -321,6 +326,9 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.technique == "qlora" and s.quant not in ("nf4", "fp4"):
         p.append(f"technique qlora needs a 4-bit base (quant nf4 or fp4), got quant={s.quant!r}; "
                  "for LoRA on an 8-bit base use --technique lora --quant int8")
+    if s.quant in PREQUANTIZED and s.technique != "full":
+        p.append(f"training LoRA on a pre-quantized {s.quant} base is not modelled yet: estimate serving it with "
+                 "--mode infer, or LoRA on the 16-bit base quantized on load (--technique qlora)")
     if s.technique in ("full", "freeze") and s.quant is not None:
         p.append(f"technique {s.technique} cannot train quantized weights (quant={s.quant}); "
                  "use --technique lora/qlora, or drop --quant")

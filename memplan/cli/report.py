@@ -201,7 +201,8 @@ def fit_verdict(result) -> str:
     train = [r for r in result.rows if r.fits and r.setup.mode == "train"]
     infer = [r for r in result.rows if r.fits and r.setup.mode == "infer"]
     up_to = lambda rows: ", ".join(f"{r.option} up to batch {r.max_batch_size}" for r in rows)
-    parts = [f"trains with {up_to(train)}" if train else "no training option fits one GPU"]
+    trains = any(r.setup.mode == "train" for r in result.rows)  # a stored-quantized upload shows serving alone
+    parts = [f"trains with {up_to(train)}" if train else "no training option fits one GPU"] if trains else []
     if infer:
         parts.append(f"serves with {up_to(infer)}")
     elif any(r.setup.mode == "infer" for r in result.rows):

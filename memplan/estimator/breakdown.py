@@ -192,6 +192,9 @@ def _notes(ctx: Ctx, setup: Setup) -> tuple[str, ...]:
         notes.append("resize_token_embeddings ties this checkpoint's own lm_head to the input embedding again "
                      "(transformers 5 forces T5's tie): one vocabulary table fewer, and the head's trained values "
                      "are replaced by the embedding's")
+    if ctx.setup.quant == "fp8" and not ctx.quantized:
+        notes.append("FP8 weights on a card below compute capability 8.9: transformers loads them dequantized to "
+                     "16 bit (quantizer_finegrained_fp8.py), 2 bytes per weight")
     if ctx.training and opt.is_paged(ctx):
         notes.append("paged optimizer state lives in CUDA unified memory: outside allocated/reserved, "
                      "counted in the device total while resident")

@@ -35,7 +35,7 @@ from memplan.model.compat import check_setup
 from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
 from memplan.runtime.trl_step import reference_model, trl_loop
-from memplan.setup import TRL_TRAINERS, trainer_rows
+from memplan.setup import PREQUANTIZED, TRL_TRAINERS, trainer_rows
 from memplan.model.compat import attn_impl
 from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
@@ -88,6 +88,10 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
 
     spec = spec_for_task(load_spec(model_id), setup.task)
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
+    if setup.quant in PREQUANTIZED and device != "cpu":
+        raise BadInput(f"validating a {setup.quant} checkpoint on CUDA needs its kernels (gptqmodel's Marlin, "
+                       "transformers' FP8 Triton kernel from the `kernels` hub), which memplan does not build yet: "
+                       "use --device cpu for the stand-ins' accounting, or `memplan trace`")
     env = environment(device)
     if device == "cpu":
         m = _measure_cpu(spec, setup, steps)

@@ -20,6 +20,7 @@ from memplan.errors import BadInput, OfflineError, close_matches, not_found
 from memplan.model.config_rules import config_problems
 from memplan.model.hf import TASKS, config_from_dict
 from memplan.model.spec import ModelSpec
+from memplan.setup import PREQUANTIZED
 from memplan.fileio import write_json_atomic
 
 DATA = Path(__file__).parents[1] / "data" / "models"
@@ -46,9 +47,11 @@ QUANT_SUFFIXES = (
     (r"-unsloth-bnb-4bit", "unsloth dynamic 4-bit (some layers kept in 16 bit)", None),
     (r"-bnb-4bit", "bitsandbytes 4-bit NF4", "nf4"),
     (r"-bnb-8bit", "bitsandbytes 8-bit", "int8"),
-    (r"-GPTQ(-Int[48])?", "GPTQ", None),
-    (r"-AWQ", "AWQ", None),
-    (r"-FP8(-Dynamic|-Static)?", "FP8", None),
+    (r"-GPTQ-Int8", "GPTQ 8-bit", "gptq-int8"),
+    (r"-GPTQ(-Int4)?", "GPTQ 4-bit", "gptq-int4"),
+    (r"-AWQ", "AWQ 4-bit", "awq"),
+    (r"-FP8", "FP8 (128 x 128 block scales)", "fp8"),
+    (r"-FP8-(Dynamic|Static)", "compressed-tensors FP8", None),
     (r"-MXFP4", "MXFP4", None),
 )
 
@@ -177,6 +180,11 @@ def variant_note(spec: ModelSpec) -> str:
     """One line saying which catalog config answers for a variant or pre-quantized upload; "" for any other."""
     if not spec.variant_of:
         return ""
+    if spec.checkpoint_quant in PREQUANTIZED:
+        layout = "128 x 128 block scales" if spec.checkpoint_quant == "fp8" else "group size 128"
+        return (f"{spec.model_id}: the architecture of {spec.variant_of}, weights stored as {spec.checkpoint_quant} "
+                f"(--quant {spec.checkpoint_quant}; {layout}, as nearly every published upload; serving is modelled, "
+                "LoRA on it not yet)")
     if spec.checkpoint_quant:
         return (f"{spec.model_id}: the architecture of {spec.variant_of}, weights stored as bitsandbytes "
                 f"{spec.checkpoint_quant} (estimate with --quant {spec.checkpoint_quant}; add --double-quant if its "

@@ -7,7 +7,7 @@ from memplan import libs
 from memplan.errors import BadInput
 from memplan.model import trainable as select
 from memplan.model.spec import ModelSpec
-from memplan.setup import Setup
+from memplan.setup import PREQUANTIZED, Setup
 
 
 #: Families whose transformers class gained sdpa after the oldest release memplan installs with (4.46): T5 and mT5
@@ -71,7 +71,8 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
                if a.model_type not in LIGER_MODEL_TYPES else "memplan does not model Liger's patches for it yet")
         p.append(f"use_liger_kernel on {a.model_type}: {why}; drop --use-liger-kernel")
     if spec.checkpoint_quant and setup.quant != spec.checkpoint_quant:
-        p.append(f"{spec.model_id} stores its weights as bitsandbytes {spec.checkpoint_quant}, which load as such: "
+        stored = spec.checkpoint_quant if spec.checkpoint_quant in PREQUANTIZED else f"bitsandbytes {spec.checkpoint_quant}"
+        p.append(f"{spec.model_id} stores its weights as {stored}, which load as such: "
                  f"use --quant {spec.checkpoint_quant}" + (" (with --technique lora, qlora or an inference mode)"
                                                             if setup.technique in ("full", "freeze") else ""))
     if setup.attn_impl == "sdpa" and not sdpa_supported(spec):

@@ -14,7 +14,7 @@ from memplan.planner import budget as _budget
 from memplan.planner.budget import DEFAULT_HEADROOM, fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.gpus import Gpu
-from memplan.setup import Setup
+from memplan.setup import PREQUANTIZED, Setup
 from memplan.estimator.breakdown import estimator_for
 
 #: option name -> (mode, Setup overrides). "{bf}" is bf16 on GPUs that support it, else fp16. The QLoRA row is
@@ -164,6 +164,10 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     planner assumes (search.plan)."""
     bf = "bf16" if gpu.bf16 else "fp16"
     a = spec.arch
+    if spec.checkpoint_quant in PREQUANTIZED and options is FIT_OPTIONS:
+        # a stored-quantized upload loads as stored: serving it is the one row memplan models (LoRA on it: issue 40)
+        options = ((f"inference {spec.checkpoint_quant} (as stored)", {"mode": "infer", "precision": "{bf}",
+                                                                        "quant": spec.checkpoint_quant}),)
     new = 0 if a.kind == "encoder" or not a.has_lm_head else DEFAULT_NEW_TOKENS  # a classifier serves one forward
     if a.max_positions:
         new = max(0, min(new, a.max_positions - seq_len))
@@ -248,5 +252,6 @@ def fit(spec, gpu: Gpu, seq_len: int = 512, estimator: Callable | None = None,
         need = need_bytes(est)
         best = max_batch_size(spec, setup, budget, estimator) if fits(est, budget) else 0
         rows.append(FitRow(name, setup, best > 0, best, need, max(0, need - budget), est))
-    multi = scale_out(spec, gpu, seq_len, estimator, num_gpus, headroom)
+    multi = [] if spec.checkpoint_quant in PREQUANTIZED else scale_out(spec, gpu, seq_len, estimator, num_gpus,
+                                                                        headroom)
     return FitResult(spec.model_id, gpu, seq_len, tuple(rows), tuple(multi), num_gpus, headroom, budget)

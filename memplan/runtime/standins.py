@@ -8,7 +8,7 @@ import contextlib
 import functools
 import math
 
-from memplan.setup import Setup
+from memplan.setup import PREQUANTIZED, Setup
 
 
 @functools.cache
@@ -102,6 +102,46 @@ def standin_linear_classes():
 
 
 @functools.cache
+def prequantized_standin_class():
+    """An nn.Module holding a stored-quantized Linear as the default CUDA kernel keeps it for inference
+    (memplan.estimator.memory.weights.prequantized_state_bytes: GPTQ and AWQ after Marlin's repack, FP8's
+    FineGrainedFP8 layer); its forward allocates the output alone, as the fused kernels do (Marlin multiplies the
+    packed weight in its own tiles; the FP8 Triton kernel quantizes the activations inside its K loop)."""
+    import torch
+
+    group, workspace = 128, 132
+
+    class StandInPrequantized(torch.nn.Module):
+        def __init__(self, src: torch.nn.Linear, quant: str):
+            super().__init__()
+            k, n, dev = src.in_features, src.out_features, src.weight.device
+            self.in_features, self.out_features = k, n
+            groups = math.ceil(k / group)
+            if quant.startswith("gptq"):
+                bits = 8 if quant.endswith("8") else 4
+                self.register_buffer("qweight", torch.empty(math.ceil(k * bits / 32), n, dtype=torch.int32, device=dev))
+                self.register_buffer("scales", torch.empty(groups, n, dtype=torch.float16, device=dev))
+                self.register_buffer("workspace", torch.empty(workspace, dtype=torch.int32, device=dev))
+            elif quant == "awq":
+                self.register_buffer("qweight", torch.empty(k, math.ceil(n * 4 / 32), dtype=torch.int32, device=dev))
+                self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), dtype=torch.int32,
+                                                           device=dev))
+                self.register_buffer("scales", torch.empty(groups, n, dtype=torch.float16, device=dev))
+                self.register_buffer("workspace", torch.empty(workspace, dtype=torch.int32, device=dev))
+            else:  # fp8
+                self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev))
+                self.register_buffer("weight_scale_inv", torch.empty(math.ceil(n / group), groups,
+                                                                     dtype=torch.float32, device=dev))
+            self.bias = src.bias
+
+        def forward(self, x):
+            out = x.new_empty(*x.shape[:-1], self.out_features)
+            return out + self.bias if self.bias is not None else out
+
+    return StandInPrequantized
+
+
+@functools.cache
 def peft_dequantizes_standins() -> None:
     """Let peft's dequantize_module_weight (DoRA's weight norm, at get_peft_model and in every forward) dequantize
     the stand-ins as it dequantizes bnb layers: 4-bit to its dtype (the compute dtype), 8-bit to fp32 (peft
@@ -138,7 +178,9 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
                                   device="meta")
             lin.bias = src.bias
             src = lin
-        if setup.quant == "int8":
+        if setup.quant in PREQUANTIZED:
+            new = prequantized_standin_class()(src, setup.quant)
+        elif setup.quant == "int8":
             new = StandIn8bit(src, compute_dtype)
         else:
             new = StandIn4bit(src, setup.quant, setup.double_quant, compute_dtype)

@@ -73,6 +73,8 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.weight_dtype])
     compute = int(DTYPE_BYTES[setup.compute_dtype])
     trainable, lora, quantized = _selection(spec, setup)
+    if setup.quant == "fp8" and fp8_dequantized():
+        quantized = frozenset()  # held as plain 16-bit Linears
     src = setup.seq_len if setup.mode == "train" else (setup.prompt_len or setup.seq_len)
     tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
     # bitsandbytes Linear4bit/8bitLt return their output in the input's dtype (nn/modules.py `.to(inp_dtype)`): after
@@ -174,6 +176,20 @@ def _releases() -> tuple:
     memplan, for a measured row, what its runner did (optimizer.TRAINER_EMBEDDING_OVERRIDE_SINCE).
     """
     return libs.version("transformers"), libs.version("peft"), libs.version("memplan")
+
+
+#: the compute capability from which transformers keeps FP8 weights quantized (quantizer_finegrained_fp8.py
+#: validate_environment: below 8.9 it sets dequantize=True and loads plain Linears in the model's dtype)
+FP8_KERNELS_FROM = (8, 9)
+
+
+def fp8_dequantized() -> bool:
+    """FP8 checkpoints load dequantized on the card planned for (known and below FP8_KERNELS_FROM)."""
+    cc = libs.assumed("compute_capability")
+    if not cc:
+        return False
+    major, _, minor = cc.partition(".")
+    return (int(major), int(minor or 0)) < FP8_KERNELS_FROM
 
 
 def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:

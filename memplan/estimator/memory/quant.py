@@ -7,6 +7,7 @@ from types import MappingProxyType
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.recording import graph_blocks, gradless_linears
 from memplan.estimator.memory.fused_head import trl_head
+from memplan.setup import PREQUANTIZED
 from memplan.estimator.memory.saves import liger_head
 
 
@@ -19,7 +20,7 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
     largest quantized Linear exists once in compute dtype at a time. LLM.int8 (MatMul8bitLt) likewise materialises
     an fp16 weight for the input gradient in backward."""
     sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
-    if not sizes:
+    if not sizes or ctx.setup.quant in PREQUANTIZED:  # Marlin / FP8 kernels multiply the packed weight directly
         return 0
     return max(sizes) * ctx.compute_bytes
 

@@ -9,6 +9,7 @@ from memplan import libs
 from memplan.model import trainable as select
 from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.context import Ctx, per_model
+from memplan.setup import PREQUANTIZED
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
 # one fp32 absmax per block of 64 weights; with compress_statistics (double quant) the absmax values are themselves
@@ -19,6 +20,9 @@ NF4_BLOCK = 64
 NESTED_BLOCK = 256
 # bitsandbytes LLM.int8 (Int8Params): int8 weight plus one fp32 scale per output row (SCB) - arXiv:2208.07339 sec. 3.
 INT8_ROW_SCALE_BYTES = 4
+#: bytes per element of a quantized Linear's weight: bitsandbytes 4-bit and int8, and the stored formats
+#: (PREQUANTIZED: GPTQ/AWQ pack 32 / bits values per int32, FP8 one byte)
+QUANT_WEIGHT_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0, "gptq-int4": 0.5, "gptq-int8": 1.0, "awq": 0.5, "fp8": 1.0}
 
 
 def numel(ctx: Ctx, p) -> int:
@@ -51,7 +55,7 @@ def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
     A quantized Linear's weight is stored at 0.5 (4-bit) or 1 (int8) byte per element.
     """
     if p.name.endswith(".weight") and p.name[:-len(".weight")] in ctx.quantized:
-        return p.numel * (0.5 if ctx.setup.quant in ("nf4", "fp4") else 1.0)
+        return p.numel * QUANT_WEIGHT_BYTES[ctx.setup.quant]
     return numel(ctx, p) * bytes_per
 
 
@@ -140,12 +144,40 @@ def quant_state_bytes(ctx: Ctx) -> int:
     for m in ctx.spec.linears + ctx.spec.media_linears:
         if m.name not in ctx.quantized:
             continue
-        if s.quant == "int8":
+        if s.quant in PREQUANTIZED:
+            total += prequantized_state_bytes(s.quant, m.in_features, m.out_features)
+        elif s.quant == "int8":
             total += alloc_bytes(m.out_features * INT8_ROW_SCALE_BYTES)
         else:
             total += nf4_state_bytes(m.in_features * m.out_features, s.double_quant)
     shared_code = alloc_bytes(256 * 4) if s.double_quant and total else 0
     return total + shared_code
+
+
+#: GPTQ/AWQ group size (GPTQConfig/AwqConfig group_size, 128 in nearly every published upload) and FP8's block
+#: (FineGrainedFP8Config weight_block_size, default (128, 128))
+QUANT_GROUP = 128
+#: ints of a Marlin kernel's per-layer workspace (gptqmodel utils/marlin.py: int32 [max(SMs, 128)]; 132 on an H100)
+MARLIN_WORKSPACE_INTS = 132
+
+
+def prequantized_state_bytes(quant: str, k: int, n: int) -> int:
+    """Bytes beside the packed weight of one stored-quantized Linear [k in, n out] as the default CUDA kernel holds
+    it for inference (the packed weight itself: QUANT_WEIGHT_BYTES).
+
+    GPTQ: gptqmodel's QuantLinear holds qweight int32 [k x bits / 32, n], qzeros int32 [k / g, n x bits / 32], scales
+    fp16 [k / g, n] and g_idx int32 [k]; "auto" picks Marlin (Machete on Hopper), which repacks qweight at the same
+    size, empties qzeros and (without desc_act) g_idx, and adds a per-layer int32 workspace. AWQ (AwqMarlin): qweight
+    int32 [k, n x 4 / 32], qzeros int32 [k / g, n x 4 / 32] and scales fp16 [k / g, n] kept, the same workspace. FP8
+    (transformers integrations/finegrained_fp8.py FP8Linear): weight float8_e4m3 [n, k] and weight_scale_inv fp32
+    [ceil(n / 128), ceil(k / 128)]."""
+    groups = math.ceil(k / QUANT_GROUP)
+    workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
+    if quant.startswith("gptq"):
+        return alloc_bytes(groups * n * 2) + workspace
+    if quant == "awq":
+        return alloc_bytes(groups * n * 2) + alloc_bytes(groups * math.ceil(n * 4 / 32) * 4) + workspace
+    return alloc_bytes(math.ceil(n / QUANT_GROUP) * math.ceil(k / QUANT_GROUP) * 4)
 
 
 @per_model("lora_r")
