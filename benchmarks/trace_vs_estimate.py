@@ -65,14 +65,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the CI subset only")
     ap.add_argument("--catalog-only", action="store_true", help="leave out the family shapes (benchmarks/shapes)")
     ap.add_argument("--tag", default="", help="results go to trace_vs_estimate_TAG.{md,csv}")
-    ap.add_argument("--match", default="", help="only the rows whose setup label contains this text (trainer=)")
+    ap.add_argument("--match", default="", help="only the rows whose setup label matches this regular expression "
+                    "(trainer=, quant=(gptq|awq|fp8))")
     args = ap.parse_args(argv)
     from memplan.errors import MemplanError
     rows = [MATRIX[i] for i in QUICK] if args.quick else MATRIX
     if args.catalog_only:
         rows = [r for r in rows if not r[0].startswith(str(SHAPES))]
     if args.match:
-        rows = [r for r in rows if args.match in label(r[1])]
+        import re
+        rows = [r for r in rows if re.search(args.match, label(r[1]))]
     out, failed = [], []
     for i, (model, fields, layers) in enumerate(rows):
         try:

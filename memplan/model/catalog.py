@@ -172,7 +172,8 @@ def model_notes(spec: ModelSpec) -> list[str]:
     if row.get("stored_as") and not spec.checkpoint_quant:
         notes.append(f"{spec.model_id}'s checkpoint is stored as {row['stored_as']} (its quantization_config); "
                      f"memplan estimates 16-bit weights, what transformers holds where it dequantizes the format "
-                     f"(pre-quantized formats are not modelled yet)")
+                     f"({row['stored_as']} over fused MoE experts is not modelled yet; --quant fp8 models dense "
+                     "Linears only)")
     return notes
 
 
