@@ -139,6 +139,9 @@ class Setup:
     num_generations: int = 8  # grpo: completions per prompt; batch_size counts completions
     max_completion_length: int = 512  # grpo: generated tokens per completion (the KV cache and the scored tokens)
     beta: float = 0.0  # grpo: KL coefficient; > 0 loads a reference model (full) or disables the adapter (LoRA)
+    #: grpo: micro-batches one generation serves (None: grad_accum, TRL's default): generate() runs batch_size x
+    #: this many completions at once; below grad_accum it runs mid-window, with the accumulated gradients alive
+    steps_per_generation: int | None = None
     use_vllm: bool = False  # grpo: vLLM generates instead of model.generate()
     vllm_mode: VllmMode = "colocate"  # colocate: vLLM in the training process, on the same card; server: elsewhere
     vllm_gpu_memory_utilization: float = 0.3  # colocate: the fraction of the card's total memory vLLM takes
@@ -197,7 +200,7 @@ _INTEGERS = (("num_gpus", 1, 2**16, False), ("num_nodes", 1, 2**16, False), ("ba
              ("seq_len", 1, 2**24, False), ("target_len", 1, 2**24, True), ("grad_accum", 1, 2**20, False),
              ("lora_r", 1, 2**16, False), ("added_tokens", 0, 2**24, False), ("prompt_len", 1, 2**24, True),
              ("new_tokens", 0, 2**24, True), ("num_generations", 1, 2**16, False),
-             ("max_completion_length", 1, 2**24, False))
+             ("max_completion_length", 1, 2**24, False), ("steps_per_generation", 1, 2**20, True))
 
 
 def value_problems(fields: dict) -> list[str]:
@@ -252,6 +255,7 @@ def validate(s: Setup) -> list[str]:
 #: TRL fields -> the trainers they apply to, and their defaults are in Setup
 _TRL_FIELDS = {"packing": ("sft",), "padding_free": ("sft",), "precompute_ref_log_probs": ("dpo",),
                "num_generations": ("grpo",), "max_completion_length": ("grpo",), "beta": ("grpo",),
+               "steps_per_generation": ("grpo",),
                "use_vllm": ("grpo",), "vllm_mode": ("grpo",), "vllm_gpu_memory_utilization": ("grpo",)}
 
 
@@ -269,13 +273,15 @@ def trainer_problems(s: Setup) -> list[str]:
         if isinstance(s.num_generations, int) and s.num_generations < 2:
             p.append("GRPO needs num_generations >= 2 (it compares completions of the same prompt): use "
                      "--num-generations 2 or more")
-        generation_batch = s.batch_size * s.grad_accum * s.world_size
+        steps = generation_steps(s)
+        generation_batch = s.batch_size * steps * s.world_size
         if isinstance(s.num_generations, int) and s.num_generations >= 2 and generation_batch % s.num_generations:
             fits = [g for g in range(2, generation_batch + 1) if generation_batch % g == 0]
-            p.append(f"generation_batch_size ({s.batch_size} x {s.grad_accum} accumulation x {s.world_size} GPUs = "
+            what = "accumulation" if s.steps_per_generation is None else "steps per generation"
+            p.append(f"generation_batch_size ({s.batch_size} x {steps} {what} x {s.world_size} GPUs = "
                      f"{generation_batch}) must be divisible by num_generations ({s.num_generations}), as GRPOTrainer "
                      f"requires: use --num-generations {', '.join(map(str, fits[:6])) or 'that divides it'}, or change "
-                     "--batch-size / --grad-accum")
+                     "--batch-size / --grad-accum / --steps-per-generation")
         if not isinstance(s.beta, (int, float)) or s.beta < 0:
             p.append(f"beta must be >= 0, got {s.beta!r}")
         u = s.vllm_gpu_memory_utilization
@@ -296,6 +302,18 @@ def prompt_tokens(s: Setup) -> int:
     if s.trainer == "grpo":
         return s.prompt_len or s.seq_len
     return (s.prompt_len or 0) if s.trainer == "dpo" else 0
+
+
+def generation_steps(s: Setup) -> int:
+    """GRPO's steps_per_generation: the micro-batches one generate() serves (TRL's default: grad_accum)."""
+    return s.steps_per_generation or s.grad_accum
+
+
+def recomputes_old_logps(s: Setup) -> bool:
+    """GRPO scores the generated batch once more under no_grad for the importance ratio when accumulation is not a
+    whole number of generations, or when vLLM generates (its importance-sampling correction, on by default)
+    (grpo_trainer.py: `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0`)."""
+    return s.trainer == "grpo" and (s.grad_accum % generation_steps(s) != 0 or s.use_vllm)
 
 
 def needs_reference_model(s: Setup) -> bool:

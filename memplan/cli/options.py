@@ -39,6 +39,9 @@ _HELP = {
                              "is the prompt",
     "beta": "grpo: KL coefficient (default 0.0); > 0 adds the reference model (full) or an adapter-off pass (LoRA)",
     "use_vllm": "grpo: vLLM generates instead of model.generate()",
+    "steps_per_generation": "grpo: micro-batches one generation serves (default --grad-accum): generate() runs "
+                            "batch-size x this many completions; fewer than --grad-accum runs it with the "
+                            "gradients alive",
     "vllm_mode": "grpo --use-vllm: colocate (on this card) or server (another GPU)",
     "vllm_gpu_memory_utilization": "grpo --use-vllm colocate: the fraction of the card's memory vLLM takes (default "
                                    "0.3)",

@@ -27,7 +27,8 @@ from memplan.estimator.memory.context import Ctx, resolve
 from memplan.estimator.memory.weights import weights_bytes
 from memplan.estimator.phases import inference_phases, training_phases
 from memplan.model.compat import attn_impl
-from memplan.setup import Setup, needs_reference_model, prompt_tokens, trainer_rows
+from memplan.setup import (Setup, generation_steps, needs_reference_model, prompt_tokens, recomputes_old_logps,
+                           trainer_rows)
 
 #: inference components that are the model's own resident state: the training step's resident replaces them
 _RESIDENT = ("weights", "quant_state", "lora_adapters", "optimizer_state", "cublas_workspace")
@@ -58,12 +59,14 @@ def _no_grad_setup(s: Setup, batch: int, prompt: int, new: int) -> Setup:
                  task=s.task)
 
 
-def _no_grad_forward_bytes(ctx: Ctx) -> int:
+def _no_grad_forward_bytes(ctx: Ctx, trained: bool = False) -> int:
     """A scoring pass under no_grad on the rows of `ctx`: the largest of a block's working set and the fused head's,
-    and a separate reference model's cached autocast casts (TRL leaves its parameters requiring grad)."""
+    and the cached autocast casts of a model whose weights keep requires_grad: a separate reference model (TRL
+    leaves it so), or the policy itself when fully fine-tuned (`trained`: GRPO's old log-probs)."""
     spec, s = ctx.spec, ctx.setup
     infer = resolve(spec, _no_grad_setup(s, s.batch_size, ctx.src_len, 0))
-    casts = quant.cached_cast_bytes(infer, requires_grad=needs_reference_model(s), head=False)
+    grads = needs_reference_model(s) or (trained and s.technique in ("full", "freeze"))
+    casts = quant.cached_cast_bytes(infer, requires_grad=grads, head=False)
     return max(inf.prefill_working_bytes(infer), fused_head.reference_bytes(ctx)) + casts
 
 
@@ -81,13 +84,17 @@ def trl_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     if s.trainer == "grpo":
         resident = {k: phases["optimizer_step"][k] for k in _RESIDENT if k in phases["optimizer_step"]}
         resident["reference_model"] = ref
+        if generation_steps(s) < s.grad_accum:  # mid-window: the accumulated gradients are alive
+            resident["gradients"] = phases["optimizer_step"]["gradients"]
         if not s.use_vllm:
-            gen = resolve(ctx.spec, _no_grad_setup(s, s.batch_size * s.grad_accum, prompt_tokens(s),
+            gen = resolve(ctx.spec, _no_grad_setup(s, s.batch_size * generation_steps(s), prompt_tokens(s),
                                                    s.max_completion_length))
             for name, parts in inference_phases(gen).items():
                 phases[f"generation_{name}"] = {**resident, **{k: v for k, v in parts.items() if k not in _RESIDENT}}
         if s.beta > 0:
             phases["reference_forward"] = {**resident, "reference_forward": _no_grad_forward_bytes(ctx)}
+        if recomputes_old_logps(s):
+            phases["old_logps_forward"] = {**resident, "reference_forward": _no_grad_forward_bytes(ctx, trained=True)}
     return phases
 
 
@@ -121,7 +128,7 @@ def notes(ctx: Ctx, s: Setup) -> list[str]:
     if s.trainer == "grpo":
         gen = ("vLLM in another process (server)" if s.use_vllm and s.vllm_mode == "server" else
                f"vLLM colocated ({s.vllm_gpu_memory_utilization:.0%} of the card)" if s.use_vllm else
-               f"generate() of {s.batch_size * s.grad_accum} completions x ({prompt_tokens(s)} + "
+               f"generate() of {s.batch_size * generation_steps(s)} completions x ({prompt_tokens(s)} + "
                f"{s.max_completion_length}) tokens")
         out.append(f"GRPO: {gen}; reference: " + ("none (beta = 0)" if s.beta == 0 else
                                                  "a second copy" if reference_weight_bytes(ctx) else "adapter off"))

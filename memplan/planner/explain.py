@@ -22,6 +22,7 @@ def describe(s: Setup) -> str:
             parts.append("precomputed reference")
         if s.trainer == "grpo":
             parts.append(f"{s.num_generations} generations x {s.max_completion_length} tokens"
+                         + (f", {s.steps_per_generation} steps per generation" if s.steps_per_generation else "")
                          + (f", beta {s.beta:g}" if s.beta else "")
                          + (f", vLLM {s.vllm_mode}" + (f" {s.vllm_gpu_memory_utilization:.0%}"
                                                        if s.vllm_mode == "colocate" else "") if s.use_vllm else ""))

@@ -120,7 +120,8 @@ def trl_section(s: Setup) -> dict | None:
               "dpo": {"max_length": s.seq_len, "precompute_ref_log_probs": s.precompute_ref_log_probs},
               "grpo": {"num_generations": s.num_generations, "max_completion_length": s.max_completion_length,
                        "beta": s.beta, "use_vllm": s.use_vllm, "vllm_mode": s.vllm_mode,
-                       "vllm_gpu_memory_utilization": s.vllm_gpu_memory_utilization}}[s.trainer]
+                       "vllm_gpu_memory_utilization": s.vllm_gpu_memory_utilization,
+                       "steps_per_generation": s.steps_per_generation}}[s.trainer]
     return {"trainer_class": trainer, "config_class": config, "config": fields, "trl_version": "1.16"}
 
 

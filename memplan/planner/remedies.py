@@ -27,7 +27,7 @@ from memplan.errors import MemplanError
 from memplan.planner.fit_table import largest_fitting, max_batch_size
 from memplan.model.compat import LIGER_ESTIMATED, default_attn_impl, sdpa_supported
 from memplan.planner.candidates import speed_score, split_batch
-from memplan.setup import Setup, needs_reference_model
+from memplan.setup import Setup, generation_steps, needs_reference_model
 
 @dataclass(frozen=True, slots=True)
 class Remedy:
@@ -88,7 +88,7 @@ REMEDIES: tuple[tuple[str, int], ...] = (
     ("sdpa", 1), ("liger", 1), ("precompute-ref", 1), ("padding-free", 1), ("largest-micro-batch", 1),
     ("halve-batch", 1), ("grad-ckpt", 1), ("mixed-precision", 2), ("adamw-8bit", 2), ("paged-adamw-8bit", 2),
     ("plain-lora", 2), ("fewer-lora-targets", 2), ("smaller-lora-rank", 2), ("smaller-vllm-fraction", 2),
-    ("16-bit-weights", 2), ("adafactor", 2), ("lora", 3), ("freeze", 3), ("qlora", 4),
+    ("fewer-steps-per-generation", 2), ("16-bit-weights", 2), ("adafactor", 2), ("lora", 3), ("freeze", 3), ("qlora", 4),
     ("shorter-completions", 5), ("shorter-sequences", 5),
 )
 _DYNAMIC = {"largest-micro-batch", "shorter-sequences"}  # sized against the budget: applied last when combined
@@ -112,6 +112,12 @@ def _trl_change(name: str, s: Setup) -> tuple[Setup, str, str] | None:
         return (replace(s, vllm_gpu_memory_utilization=u), f"vllm_gpu_memory_utilization={u} (colocated vLLM takes "
                 f"{u:.0%} of the card instead of {s.vllm_gpu_memory_utilization:.0%})",
                 "speed: fewer KV-cache blocks for vLLM, so fewer completions generated at once")
+    if name == "fewer-steps-per-generation" and s.trainer == "grpo" and generation_steps(s) > 1:
+        k = generation_steps(s) // 2
+        return (replace(s, steps_per_generation=k), f"steps_per_generation={k}: generate {s.batch_size * k} "
+                f"completions at a time instead of {s.batch_size * generation_steps(s)}",
+                "speed: more, smaller generation rounds; below gradient_accumulation_steps each runs with the "
+                "accumulated gradients alive")
     if name == "shorter-completions" and s.trainer == "grpo" and s.max_completion_length > 16:
         n = s.max_completion_length // 2
         return (replace(s, max_completion_length=n), f"max_completion_length={n} instead of "

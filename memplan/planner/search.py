@@ -105,8 +105,8 @@ class Search:
         """The smallest accumulation >= `accum` at which a GRPO micro-batch's generation batch (batch x accum
         completions, TRL's steps_per_generation = gradient_accumulation_steps) divides by num_generations: the
         rule GRPOTrainer enforces. `accum` itself for the other trainers."""
-        if self.pinned.get("trainer") != "grpo":
-            return accum
+        if self.pinned.get("trainer") != "grpo" or self.pinned.get("steps_per_generation"):
+            return accum  # a pinned steps_per_generation sets the generation batch, whatever the accumulation
         step = self.pinned.get("num_generations", 8) // math.gcd(batch, self.pinned.get("num_generations", 8))
         return math.ceil(accum / step) * step
 

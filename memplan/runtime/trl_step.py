@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from memplan.runtime.steps import autocast_for, make_batch, materialize
 from memplan.runtime.trl import add_head, cuda_head, scored
-from memplan.setup import Setup, needs_reference_model, prompt_tokens
+from memplan.setup import Setup, generation_steps, needs_reference_model, prompt_tokens, recomputes_old_logps
 
 
 def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device: str,
@@ -27,10 +27,11 @@ def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device
     count = {"n": 0}
     # CUDA runs TRL's own path (compaction, Triton kernels); elsewhere the head is made to take it
     with cuda_head(lambda: count["n"]) if device != "cuda" else contextlib.nullcontext():
+        every = generation_steps(user)
         for _ in range(steps):
-            if user.trainer == "grpo":
-                _grpo_prepare(model, ref, spec, user, rows, device, enter_phase, count, autocast)
-            for _ in range(accum):
+            for micro in range(accum):
+                if user.trainer == "grpo" and micro % every == 0:  # mid-window when every < accumulation
+                    _grpo_prepare(model, ref, spec, user, rows, device, enter_phase, count, autocast)
                 batch = make_batch(spec, rows, vocab, device)
                 labels = batch.pop("labels")
                 if prompt:
@@ -95,7 +96,7 @@ def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phas
     import torch
 
     prompt = prompt_tokens(user)
-    gen_rows = user.batch_size * user.grad_accum
+    gen_rows = user.batch_size * generation_steps(user)
     ids = torch.randint(0, spec.arch.vocab_size, (gen_rows, prompt), device=device)
     mask = torch.ones(gen_rows, prompt, dtype=torch.long, device=device)
     peft_model = hasattr(model, "disable_adapter")
@@ -106,16 +107,25 @@ def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phas
                            min_new_tokens=user.max_completion_length, do_sample=False, use_cache=True,
                            pad_token_id=0)
     del ids, mask
-    if user.beta > 0:
-        enter_phase("reference_forward")
-        for _ in range(min(user.grad_accum, 2)):
+    passes = [("reference_forward", lambda b, lab: _reference(model, ref, b, lab))] if user.beta > 0 else []
+    if recomputes_old_logps(user):  # the policy's own log-probs of the generated batch, under no_grad
+        passes.append(("old_logps_forward", lambda b, lab: _policy_logps(model, b, lab)))
+    for phase, score in passes:
+        enter_phase(phase)
+        for _ in range(min(generation_steps(user), 2)):  # per_device_train_batch_size rows at a time
             batch = make_batch(spec, rows, spec.arch.vocab_size, device)
             labels = batch.pop("labels")
             labels[:, :prompt] = -100
             count["n"] = scored(rows.batch_size, rows.seq_len, prompt, rows.padded)
             with autocast:
-                _reference(model, ref, batch, labels)
+                score(batch, labels)
             del batch, labels
+
+
+def _policy_logps(model, batch, labels):
+    import torch
+    with torch.no_grad():
+        return model(**batch, labels=labels, fused_lm_head=True, use_cache=False).log_probs
 
 
 def reference_model(spec, user: Setup, layers, d: dict, build, device: str | None = None):

@@ -39,7 +39,7 @@ from memplan.model.compat import check_setup
 from memplan.tracer.inference import generation_answers, inference_trace
 
 #: the tracer's phases: TRL's generation and reference passes (memplan.runtime.trl), then the step's
-PHASES = ("generation", "reference_forward") + TRAIN_PHASES
+PHASES = ("generation", "reference_forward", "old_logps_forward") + TRAIN_PHASES
 
 
 @dataclass

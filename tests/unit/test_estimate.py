@@ -398,7 +398,7 @@ _VARIED = {
     "num_gpus": [2], "num_nodes": [2], "sharding": ["ddp", "zero3", "fsdp-full-shard"], "offload": ["optimizer"],
     "trainer": ["sft", "dpo", "grpo"], "packing": [True], "padding_free": [True], "precompute_ref_log_probs": [True],
     "num_generations": [4], "max_completion_length": [64], "beta": [0.04], "use_vllm": [True], "vllm_mode": ["server"],
-    "vllm_gpu_memory_utilization": [0.5],
+    "vllm_gpu_memory_utilization": [0.5], "steps_per_generation": [2],
 }
 
 

@@ -156,3 +156,22 @@ def test_plan_keeps_grpo_batches_divisible_and_searches_dpo_reference():
     p = plan("Qwen/Qwen2.5-1.5B", "rtx 3060", trainer="dpo", technique="full")
     assert p.fits and p.setup.precompute_ref_log_probs
     assert any(a.setup.precompute_ref_log_probs is False for a in p.alternatives) or p.evaluated > 1
+
+
+def test_steps_per_generation():
+    """GRPO's generation batch is batch x steps_per_generation; below grad_accum generate() runs mid-window with the
+    gradients alive; a count that does not divide grad_accum adds the old log-probs pass (grpo_trainer.py)."""
+    g = dict(TRL, trainer="grpo", technique="full", grad_accum=4, num_generations=4, max_completion_length=256)
+    default = estimate(QWEN, Setup(**g))
+    each = estimate(QWEN, Setup(**g, steps_per_generation=1))
+    assert "old_logps_forward" not in default.phases and "old_logps_forward" not in each.phases
+    # one micro-batch's completions in the KV cache instead of four (about 0.1 GiB less), but the full model's
+    # fp32 gradients (1.84 GiB) beside them
+    assert each.phases["generation_decode"] - default.phases["generation_decode"] > 1.5 * 2**30
+    odd = estimate(QWEN, Setup(**g, steps_per_generation=3))
+    assert "old_logps_forward" in odd.phases
+    with pytest.raises(SetupError, match=r"4 x 3 steps per generation x 1 GPUs = 12\) must be divisible by "
+                                         r"num_generations \(8\)"):
+        Setup(**{**g, "num_generations": 8}, steps_per_generation=3)
+    with pytest.raises(SetupError, match="steps_per_generation is a GRPOConfig field"):
+        Setup(trainer="sft", steps_per_generation=2)
