@@ -22,9 +22,15 @@ for dir in .whl .whl-trl; do  # whichever folder the call carries
     export PYTHONPATH=/tmp/site:$PWD
   fi
 done
+if [ -d /tmp/site/trl ] && ! python3 -c "import pandas" 2>/dev/null && ls .whl-trl/pandas/*.whl >/dev/null 2>&1; then
+  install .whl-trl/pandas /tmp/site || exit 1  # trl/trainer/utils.py imports pandas at the top
+fi
 if [ -d /tmp/site/trl ] && ! python3 -c "import datasets" 2>/dev/null; then
   # trl/trainer/utils.py imports datasets.IterableDataset at the top; the fused LM head never touches a dataset
   mkdir -p /tmp/site/datasets && echo "class IterableDataset: pass" > /tmp/site/datasets/__init__.py
+fi
+if [ -d /tmp/site/trl ]; then  # say now, not row by row, when TRL's head cannot be imported here
+  python3 -c "import trl.trainer.utils" || echo "TRL rows will fail: trl.trainer.utils does not import (see above)"
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"

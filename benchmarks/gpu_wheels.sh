@@ -27,5 +27,7 @@ get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_h
 get .whl-2026 liger-kernel==0.8.2 torchao==0.18.0 schedulefree==1.4.1
 get .whl-trl trl==1.16.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0
+# trl's trainer utilities import pandas at the top; gpu_session.sh installs these only where the image lacks it
+get .whl-trl/pandas pandas==2.3.3 python-dateutil==2.9.0.post0 pytz==2025.2 tzdata==2025.2 six==1.17.0
 cp .whl-2026/*.whl .whl/  # about 48 MiB in .whl with the tree's 15: carry [".whl"] alone
 du -sh .whl .whl-t523 .whl-t448 .whl-2026 .whl-trl
