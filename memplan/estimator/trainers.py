@@ -24,7 +24,7 @@ from memplan import libs
 from memplan.estimator.memory import fused_head, quant
 from memplan.estimator.memory import inference as inf
 from memplan.estimator.memory.context import Ctx, resolve
-from memplan.estimator.memory.weights import weights_bytes
+from memplan.estimator.memory.weights import total_numel, weights_bytes
 from memplan.estimator.phases import inference_phases, training_phases
 from memplan.model.compat import attn_impl
 from memplan.setup import (Setup, generation_steps, needs_reference_model, prompt_tokens, recomputes_old_logps,
@@ -100,7 +100,6 @@ def trl_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
 
 def vllm_weight_bytes(ctx: Ctx) -> int:
     """The weights vLLM loads in its own engine: every parameter in 16 bit (dtype "auto" from a 16-bit checkpoint)."""
-    from memplan.estimator.memory.weights import total_numel
     return 2 * total_numel(ctx)
 
 

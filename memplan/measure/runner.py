@@ -33,7 +33,7 @@ from memplan.measure.rows import environment
 from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.runtime.emulate.cuda import cuda_like
-from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, training_loop
+from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, no_eos, training_loop
 from memplan.runtime.trl_step import reference_model, trl_loop
 from memplan.setup import PREQUANTIZED, TRL_TRAINERS, trainer_rows
 from memplan.model.compat import attn_impl
@@ -115,7 +115,7 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
         if opt is None:
             inference_loop(model, spec, setup, "cuda", meter.enter)
         elif setup.trainer in TRL_TRAINERS:
-            _no_eos(model)
+            no_eos(model)
             trl_loop(model, ref, opt, spec, setup, rows, steps, "cuda", meter.enter)
         else:
             training_loop(model, opt, spec, setup, steps, "cuda", meter.enter)
@@ -126,8 +126,6 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
 
 def _measure_cpu(spec, setup, steps) -> Measurement:
     """The tracer's real-tensor accounting (storages rounded to 512 B like the CUDA allocator's smallest block)."""
-    import contextlib
-
     tracker = StorageTracker()
     rows = trainer_rows(setup, attn_impl(spec, setup))
     model = build_model(spec, rows, None, config_dict(spec))
@@ -143,23 +141,15 @@ def _measure_cpu(spec, setup, steps) -> Measurement:
         if setup.mode == "train":
             opt = make_optimizer(rows, model.parameters(), standin_tracker=tracker, model=model)
             if setup.trainer in TRL_TRAINERS:
-                _no_eos(model)
+                no_eos(model)
                 trl_loop(model, ref, opt, spec, setup, rows, steps, "cpu", enter)
             else:
                 training_loop(model, opt, spec, setup, steps, "cpu", enter)
         else:
-            with contextlib.suppress(AttributeError):
-                model.generation_config.eos_token_id = None
+            no_eos(model)
             inference_loop(model, spec, setup, "cpu", enter)
     return Measurement(status="ok", device="cpu", steps=steps, allocated_bytes=tracker.peak,
                        phase_allocated=dict(tracker.phase_peaks), peak_phase=tracker.peak_phase)
-
-
-def _no_eos(model) -> None:
-    """GRPO's generation runs to max_completion_length, as the estimate assumes: no end-of-sequence stop."""
-    import contextlib
-    with contextlib.suppress(AttributeError):
-        model.generation_config.eos_token_id = None
 
 
 # ---------------------------------------------------------------------------------------------------- isolation

@@ -320,12 +320,12 @@ class PlanFile(BaseModel):
     trl: _TrlSection | None = None
 
 
-def _arguments_class(doc: dict, planned: dict, overrides: dict):
-    """TrainingArguments, or the TRL config class a TRL plan names (its fields added to `planned`)."""
+def _arguments_class(doc: dict, planned: dict, overrides: dict) -> tuple[type, dict]:
+    """(TrainingArguments, `planned`), or the TRL config class a TRL plan names and `planned` with its fields."""
     import transformers
     section = doc.get("trl")
     if not section:
-        return transformers.TrainingArguments
+        return transformers.TrainingArguments, planned
     try:
         import trl
     except ImportError:
@@ -335,8 +335,7 @@ def _arguments_class(doc: dict, planned: dict, overrides: dict):
     if clash:
         raise BadInput(f"these {section['config_class']} fields are planned and set the memory budget: "
                        f"{', '.join(clash)}; re-plan with them pinned instead")
-    planned.update(section["config"])
-    return getattr(trl, section["config_class"])
+    return getattr(trl, section["config_class"]), {**planned, **section["config"]}
 
 
 def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
@@ -357,7 +356,8 @@ def load_plan(path: str | Path, **training_overrides) -> LoadedPlan:
     planned = {k: v for k, v in planned.items() if v is not None}
     if "use_cpu" not in training_overrides and not torch.cuda.is_available():
         training_overrides = {**training_overrides, "use_cpu": True}
-    args = _arguments_class(doc, planned, training_overrides)(**planned, **training_overrides)
+    cls, planned = _arguments_class(doc, planned, training_overrides)
+    args = cls(**planned, **training_overrides)
     m = doc["model"]
     qconf = None
     if m.get("quantization_config"):

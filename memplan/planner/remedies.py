@@ -121,7 +121,7 @@ def _trl_change(name: str, s: Setup) -> tuple[Setup, str, str] | None:
     if name == "shorter-completions" and s.trainer == "grpo" and s.max_completion_length > 16:
         n = s.max_completion_length // 2
         return (replace(s, max_completion_length=n), f"max_completion_length={n} instead of "
-                f"{s.max_completion_length}", "changes the task: completions cut at {n} tokens".format(n=n))
+                f"{s.max_completion_length}", f"changes the task: completions cut at {n} tokens")
     return None
 
 

@@ -316,17 +316,28 @@ def training_loop(model, opt, spec, setup: Setup, steps: int, device: str, enter
     alive across micro-steps the same way; more micro-steps change no memory). enter_phase(name) is called as
     each of TRAIN_PHASES starts and with "between" after zero_grad."""
     vocab = spec.arch.vocab_size  # token ids the batch draws from (peft's TrainableTokensWrapper has no num_embeddings)
-    accum = min(setup.grad_accum, 2)
     autocast = autocast_for(setup, device)
+
+    def forward(micro: int):
+        batch = make_batch(spec, setup, vocab, device)
+        enter_phase("forward")
+        with autocast, forward_ctx():
+            return model(**batch).loss, batch
+
+    run_steps(opt, steps, min(setup.grad_accum, 2), forward, enter_phase, after_backward, after_step)
+
+
+def run_steps(opt, steps: int, accum: int, forward: Callable, enter_phase: Callable[[str], None],
+              after_backward: Callable | None = None, after_step: Callable | None = None) -> None:
+    """`steps` optimizer steps of `accum` micro-steps each, the one loop of training_loop and TRL's (runtime.trl_step):
+    forward(micro) runs micro-step `micro`'s forward (entering its phases) and returns (loss, what stays referenced
+    until the backward is done: the batch); then backward, the optimizer step and zero_grad(set_to_none=True)."""
     for _ in range(steps):
-        for _ in range(accum):
-            batch = make_batch(spec, setup, vocab, device)
-            enter_phase("forward")
-            with autocast, forward_ctx():
-                loss = model(**batch).loss
+        for micro in range(accum):
+            loss, held = forward(micro)
             enter_phase("backward")
             loss.backward()
-            del loss, batch
+            del loss, held
             if after_backward is not None:
                 after_backward()
         enter_phase("optimizer")
@@ -336,6 +347,12 @@ def training_loop(model, opt, spec, setup: Setup, steps: int, device: str, enter
         enter_phase("between")
         if after_step is not None:
             after_step()
+
+
+def no_eos(model) -> None:
+    """generate() runs to its max length, as the estimate assumes: no end-of-sequence stop."""
+    with contextlib.suppress(AttributeError):
+        model.generation_config.eos_token_id = None
 
 
 def _takes(model, name: str) -> bool:

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
-from memplan.runtime.steps import autocast_for, make_batch, materialize
+from memplan.runtime.steps import autocast_for, make_batch, materialize, run_steps
 from memplan.runtime.trl import add_head, cuda_head, scored
 from memplan.setup import Setup, generation_steps, needs_reference_model, prompt_tokens, recomputes_old_logps
 
@@ -15,44 +15,31 @@ from memplan.setup import Setup, generation_steps, needs_reference_model, prompt
 def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device: str,
              enter_phase: Callable[[str], None], forward_ctx: Callable = contextlib.nullcontext,
              after_backward: Callable | None = None, after_step: Callable | None = None) -> None:
-    """`steps` optimizer steps of a TRL trainer (training_loop's contract): GRPO generates and scores the reference
-    first; each micro-batch runs the policy through the fused head (DPO: then the reference under no_grad)."""
-    import torch
-    import torch.nn.functional as F
-
+    """`steps` optimizer steps of a TRL trainer (training_loop's contract): GRPO generates (and scores the reference)
+    every steps_per_generation micro-steps; each micro-batch runs the policy through the fused head (DPO: then the
+    reference under no_grad)."""
     vocab = spec.arch.vocab_size
-    accum = min(user.grad_accum, 2)
     autocast = autocast_for(rows, device)
     prompt = prompt_tokens(user)
     count = {"n": 0}
+    every = generation_steps(user)
+
+    def forward(micro: int):
+        if user.trainer == "grpo" and micro % every == 0:  # mid-window when every < accumulation
+            _grpo_prepare(model, ref, spec, user, rows, device, enter_phase, count, autocast)
+        batch = make_batch(spec, rows, vocab, device)
+        labels = batch.pop("labels")
+        if prompt:
+            labels[:, :prompt] = -100
+        count["n"] = scored(rows.batch_size, rows.seq_len, prompt, rows.padded)
+        enter_phase("forward")
+        with autocast, forward_ctx():
+            out = model(**batch, labels=labels, fused_lm_head=True, use_cache=False)
+            return _loss(out, model, ref, batch, labels, user, enter_phase), (out, batch, labels)
+
     # CUDA runs TRL's own path (compaction, Triton kernels); elsewhere the head is made to take it
     with cuda_head(lambda: count["n"]) if device != "cuda" else contextlib.nullcontext():
-        every = generation_steps(user)
-        for _ in range(steps):
-            for micro in range(accum):
-                if user.trainer == "grpo" and micro % every == 0:  # mid-window when every < accumulation
-                    _grpo_prepare(model, ref, spec, user, rows, device, enter_phase, count, autocast)
-                batch = make_batch(spec, rows, vocab, device)
-                labels = batch.pop("labels")
-                if prompt:
-                    labels[:, :prompt] = -100
-                count["n"] = scored(rows.batch_size, rows.seq_len, prompt, rows.padded)
-                enter_phase("forward")
-                with autocast, forward_ctx():
-                    out = model(**batch, labels=labels, fused_lm_head=True, use_cache=False)
-                    loss = _loss(out, model, ref, batch, labels, user, enter_phase, F, torch)
-                enter_phase("backward")
-                loss.backward()
-                del loss, out, batch, labels
-                if after_backward is not None:
-                    after_backward()
-            enter_phase("optimizer")
-            opt.step()
-            enter_phase("zero_grad")
-            opt.zero_grad(set_to_none=True)
-            enter_phase("between")
-            if after_step is not None:
-                after_step()
+        run_steps(opt, steps, min(user.grad_accum, 2), forward, enter_phase, after_backward, after_step)
 
 
 def _reference(model, ref, batch, labels):
@@ -65,8 +52,11 @@ def _reference(model, ref, batch, labels):
             return model(**batch, labels=labels, fused_lm_head=True, use_cache=False).log_probs
 
 
-def _loss(out, model, ref, batch, labels, user: Setup, enter_phase, F, torch):
+def _loss(out, model, ref, batch, labels, user: Setup, enter_phase):
     """The trainer's loss from the head's outputs."""
+    import torch
+    import torch.nn.functional as F
+
     if user.trainer == "sft":
         return out.loss
     if user.trainer == "dpo":

@@ -18,7 +18,7 @@ from memplan.errors import TraceFailed
 from memplan.setup import Setup
 from memplan.model.catalog import config_dict
 from memplan.runtime.emulate.cuda import cuda_like
-from memplan.runtime.steps import library_failures, build_model, inference_loop, materialize
+from memplan.runtime.steps import library_failures, build_model, inference_loop, materialize, no_eos
 from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
 
@@ -56,8 +56,7 @@ def _traced(spec, setup: Setup):
         materialize(model, fake=True)
         for t in [*model.parameters(), *model.buffers()]:
             tracker.tag(t, "weights")
-        with contextlib.suppress(AttributeError):
-            model.generation_config.eos_token_id = None
+        no_eos(model)
         inference_loop(model, spec, setup, "cpu", enter)
     tracker.trainable, tracker.total = 0, sum(p.numel() for p in model.parameters())
     return tracker

@@ -33,7 +33,7 @@ from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.allocator import need_and_replay
 from memplan.runtime.tracker import CATEGORIES, StorageTracker, dispatch_mode, pack_hooks, watch_blocks
 from memplan.runtime.steps import (build_model, cut_config, library_failures, make_optimizer, materialize,  # noqa: F401
-                           training_loop, TRAIN_PHASES)
+                           no_eos, training_loop, TRAIN_PHASES)
 from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.tracer.inference import generation_answers, inference_trace
@@ -103,8 +103,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     answers = contextlib.nullcontext()
     if user.trainer == "grpo" and fake:
         answers = generation_answers(prompt_tokens(user) + user.max_completion_length)
-        with contextlib.suppress(AttributeError):
-            model.generation_config.eos_token_id = None
+        no_eos(model)
     with sharded, fake_mode, answers, dispatch_mode(tracker), \
             cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         if shard:
