@@ -61,7 +61,7 @@ BASE = dict(attn_impl="sdpa", grad_accum=1, grad_ckpt=False)
 def planned(model: str, card: str, pinned: dict):
     """The planner's Setup for this pair (its micro-batch is the one under test)."""
     from memplan.planner.search import plan
-    p = plan(model, card, effective_batch=EFFECTIVE, **{**BASE, **pinned})
+    p = plan(model, card, effective_batch=EFFECTIVE, replay=False, **{**BASE, **pinned})
     if p.setup is None:
         raise SystemExit(f"planner found nothing that fits for {model} on {card}")
     return p.setup
@@ -91,9 +91,14 @@ def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int |
 
 
 def replay_plans() -> None:
-    """`plan --replay` for every pair (CPU; minutes), into PLANS with the library versions it ran under."""
+    """`plan --replay` for every pair (CPU; minutes), into PLANS with the library versions it ran under; and the
+    default command (replay=None: the replay where it is cached) before and after it, with the seconds each took.
+    Runs on an empty replay cache of its own, so the first default is the closed form and --replay traces."""
     import csv
     import io
+    import os
+    import tempfile
+    import time
 
     import peft
     import torch
@@ -101,16 +106,28 @@ def replay_plans() -> None:
 
     from memplan.fileio import write_text_atomic
     from memplan.planner.search import plan
+    os.environ["MEMPLAN_CACHE"] = tempfile.mkdtemp(prefix="memplan-planner-check-")
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["model", "card", "estimate_batch", "replay_batch", "replayed", "transformers", "peft", "torch"])
+    w.writerow(["model", "card", "estimate_batch", "replay_batch", "replayed", "cold_default_batch",
+                "cold_default_s", "replay_s", "default_batch", "default_s", "transformers", "peft", "torch"])
+
+    def timed(**kw):
+        t = time.perf_counter()
+        p = plan(model, card, effective_batch=EFFECTIVE, **kw, **{**BASE, **pinned})
+        return p, time.perf_counter() - t
     for model, card, pinned in PAIRS:
-        p = plan(model, card, effective_batch=EFFECTIVE, replay=True, **{**BASE, **pinned})
+        cold, cold_s = timed(replay=None)
+        p, replay_s = timed(replay=True)
+        warm, warm_s = timed(replay=None)
         r = p.replay
         tried = " ".join(f"{b}:{'ok' if x['fits'] else 'oom'}" for b, x in r["replayed"].items())
-        w.writerow([model, card, r["estimate_batch_size"], p.setup.batch_size, tried, transformers.__version__,
-                    peft.__version__, torch.__version__])
-        print(model, card, r["estimate_batch_size"], "->", p.setup.batch_size, tried, flush=True)
+        w.writerow([model, card, r["estimate_batch_size"], p.setup.batch_size, tried, cold.setup.batch_size,
+                    f"{cold_s:.2f}", f"{replay_s:.1f}", warm.setup.batch_size, f"{warm_s:.2f}",
+                    transformers.__version__, peft.__version__, torch.__version__])
+        print(model, card, r["estimate_batch_size"], "->", p.setup.batch_size, tried,
+              f"default {cold.setup.batch_size} ({cold_s:.1f} s) -> {warm.setup.batch_size} ({warm_s:.2f} s), "
+              f"--replay {replay_s:.0f} s", flush=True)
     write_text_atomic(PLANS, buf.getvalue())
 
 
@@ -161,11 +178,24 @@ def verdict(b: int | None, status: dict[int, str]) -> tuple[str, str, bool]:
     return (str(largest) if exact else f"< {smallest_oom}"), f">= {ratio:.0%}", ratio >= 0.9
 
 
+#: the Setup fields a measured row must share with today's plan to count for it (the micro-batch aside)
+SAME = ("technique", "precision", "quant", "optimizer", "grad_ckpt", "seq_len", "padded")
+SAME_LORA = ("lora_r", "lora_targets")
+
+
+def same_setup(row: dict, setup) -> bool:
+    """Whether a measured row ran today's planned setup (the micro-batch aside): the planner's choice of rank,
+    optimizer or checkpointing moves with its releases, and a verdict needs rows of the setup it plans."""
+    def text(v) -> str:
+        return "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    fields = SAME + (SAME_LORA if setup.technique in ("lora", "qlora") else ())
+    return all(row.get(f, "") == text(getattr(setup, f)) for f in fields)
+
+
 def report() -> int:
-    """Markdown tables (closed-form planner, then `plan --replay`) from the measured rows; 1 when a planned batch
-    OOMed or a planner fell below 90%."""
+    """Markdown tables (the closed-form planner, `plan --replay`, the default command) from the measured rows of
+    today's planned setups; 1 when a planned batch OOMed or a planner fell below 90%."""
     import csv
-    import re
 
     from memplan.fileio import write_text_atomic
     from memplan.measure.rows import read_rows
@@ -174,29 +204,47 @@ def report() -> int:
     lines = ["# Planner check (issue 6)", "",
              "Planned micro-batch vs the largest that fits, on a GPU capped to each card's memory less the CUDA "
              "context (`python benchmarks/planner_check.py`; rows in data/measured/planner-check.csv). A verdict "
-             "reads every batch measured for the pair.", ""]
-    failed = {"estimate": 0, "replay": 0}
-    for mode in ("estimate", "replay"):
-        title = ("closed-form planner (`memplan plan`)" if mode == "estimate" else
-                 "`memplan plan --replay` (caching-allocator replay; plans in results/planner_replay_plans.csv)")
+             "reads every batch measured for the pair with today's planned setup (rank, targets, optimizer, "
+             "checkpointing: rows of another setup do not count). Planned batches from "
+             "results/planner_replay_plans.csv, made on the CPU under the GPU's transformers release "
+             "(`planner_check.py plans`).", ""]
+    modes = {"estimate": ("closed-form bound (`memplan plan --no-replay`; the default before `--replay` has run)",
+                          "cold_default_batch"),
+             "replay": ("`memplan plan --replay` (caching-allocator replay)", "replay_batch"),
+             "default": ("`memplan plan`, the default, once `--replay` has cached the setup's replays",
+                         "default_batch")}
+    failed = dict.fromkeys(modes, 0)
+    for mode, (title, column) in modes.items():
         lines += [f"## {title}", "", "| model | card | setup | planned b | measured (batch: status) | largest fitting | "
                   "planner / largest | verdict |", "|---|---|---|---|---|---|---|---|"]
         for model, card, pinned in PAIRS:
+            setup = planned(model, card, pinned)
             mine = [r for r in rows if r["model"] == model and f"emulating {card}" in r["notes"]
-                    and "planner check" in r["notes"]]
+                    and "planner check" in r["notes"] and same_setup(r, setup)]
             status = {int(r["batch_size"]): r["status"] for r in mine}
-            pattern = r"replay micro-batch (\d+)" if mode == "replay" else r"planned micro-batch (\d+)"
-            found = [int(m.group(1)) for r in mine if (m := re.search(pattern, r["notes"]))]
-            b = found[0] if found else (int(stored[model, card]["replay_batch"]) if mode == "replay" and
-                                        (model, card) in stored else None)
+            b = int(stored[model, card][column]) if stored.get((model, card), {}).get(column) else None
             largest, ratio, good = verdict(b, status)
             failed[mode] += not good
             seen = ", ".join(f"{x}: {st}" for x, st in sorted(status.items())) or "not measured"
             word = "pass" if good else ("FAIL" if ratio == "planned OOMed" or ratio.startswith(">=") else "open")
             desc = ", ".join(f"{k}={v}" for k, v in pinned.items())
+            if setup.technique in ("lora", "qlora"):
+                desc += f" (planned r={setup.lora_r} {setup.lora_targets})"
             lines.append(f"| {model} | {card} | {desc} | {b or ''} | {seen} | {largest} | {ratio} | {word} |")
         lines += ["", f"{len(PAIRS) - failed[mode]} of {len(PAIRS)} pairs pass (planned batch fits, planner >= 90% of "
                       "the largest fitting batch; open: the batches that decide it are not measured yet).", ""]
+    if stored:
+        lines += ["## What the default costs", "",
+                  "Seconds of `plan()` in one process on 2 CPU cores (the CLI adds ~0.35 s of start-up): the "
+                  "default on an empty cache (the closed form), `--replay` tracing, then the default again.", "",
+                  "| model | card | default, cold: b (s) | --replay: b (s) | default, cached: b (s) |",
+                  "|---|---|---|---|---|"]
+        for model, card, _ in PAIRS:
+            r = stored.get((model, card))
+            if r and r.get("default_s"):
+                lines.append(f"| {model} | {card} | {r['cold_default_batch']} ({r['cold_default_s']}) | "
+                             f"{r['replay_batch']} ({r['replay_s']}) | {r['default_batch']} ({r['default_s']}) |")
+        lines.append("")
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(REPORT, "\n".join(lines))
     print("\n".join(lines))
@@ -251,7 +299,7 @@ if __name__ == "__main__":
         run()
     elif cmd == "plans":
         replay_plans()
-    elif cmd == "plans":
+    elif cmd == "show":
         show_plans()
     elif cmd == "replay":
         sys.exit(replay(Path(sys.argv[2])))

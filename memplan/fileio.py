@@ -106,3 +106,57 @@ def check_writable(path: Path, option: str = "--out") -> None:
         blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
         why = f"{blocker} is a file, not a folder" if blocker else (e.strerror or str(e))
         raise BadInput(f"cannot write {option} {path}: {why}; choose a writable path") from None
+
+
+# ------------------------------------------------------------------------------------------- the on-disk cache
+
+def cache_dir() -> Path:
+    """Where memplan keeps what it computed between runs (local configs' inventories, allocator replays):
+    $MEMPLAN_CACHE, else $XDG_CACHE_HOME/memplan, else ~/.cache/memplan."""
+    if os.environ.get("MEMPLAN_CACHE"):
+        return Path(os.environ["MEMPLAN_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memplan"
+
+
+def source_digest(*parts: str) -> bytes:
+    """The hash of memplan's own source under `parts` (sub-packages or modules, e.g. "inventory", "setup.py"): an
+    edit to it, released or not, invalidates what was cached from it."""
+    import hashlib
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for part in parts:
+        path = root / part
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(f.read_bytes())
+    return h.digest()
+
+
+def content_key(parts: list[bytes], packages: tuple[str, ...]) -> str:
+    """The key a result is cached under: its inputs' bytes and the releases of the packages that computed it."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+    parts = list(parts)
+    for package in (*packages, "memplan"):
+        try:
+            parts.append(version(package).encode())
+        except PackageNotFoundError:
+            parts.append(b"")
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
+
+
+def read_cached(kind: str, key: str):
+    """The JSON cached under cache_dir()/kind/key.json, or None (not cached, unreadable, or another memplan's)."""
+    try:
+        return json.loads((cache_dir() / kind / (key + ".json")).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(kind: str, key: str, data) -> None:
+    """Cache `data` (JSON) under cache_dir()/kind/key.json, atomically; a read-only home caches nothing."""
+    try:
+        path = cache_dir() / kind / (key + ".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, data)
+    except OSError:
+        pass

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 INTEGRATION = Path(__file__).parent / "integration"
-# local configs' inventories are cached on disk (memplan.model.catalog.cache_dir): the tests keep theirs apart
+# local configs' inventories are cached on disk (memplan.fileio.cache_dir): the tests keep theirs apart
 os.environ.setdefault("MEMPLAN_CACHE", tempfile.mkdtemp(prefix="memplan-test-cache-"))
 
 

@@ -100,8 +100,9 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, task, trust_remote
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the plan file (YAML or JSON)")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), help="plan file format (default: by extension)")
 @click.option("--force", is_flag=True, help="-o: overwrite launcher files beside the plan that hold other content")
-@click.option("--replay", is_flag=True, help="set the micro-batch by replaying PyTorch's CUDA caching allocator over "
-              "traced steps of the whole model (single GPU; seconds to minutes on the CPU; docs/PLANNER.md)")
+@click.option("--replay/--no-replay", default=None, help="set the micro-batch by replaying PyTorch's CUDA caching "
+              "allocator over traced steps of the whole model (single GPU; seconds to a minute on the CPU the first "
+              "time, then cached; docs/PLANNER.md); default: the replay when it is cached, else the closed-form bound")
 @setup_options
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")

@@ -299,12 +299,12 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
                   f"memory outside the allocator) of the budget {_gib(plan.budget_bytes)} GiB = "
                   f"{_gib(g.memory_bytes)} GiB - headroom {_gib(plan.headroom_bytes)} GiB ({plan.headroom:.1%} of the "
                   f"{_gib(plan.usable_bytes)} GiB usable beyond the CUDA context); spare: {_gib(plan.spare_bytes)} GiB"
-                  + ("; the allocator replay below sets the micro-batch (the need is a bound)" if plan.replay else ""))
-    if plan.replay:
+                  + ("; the allocator replay below sets the micro-batch (the need is a bound)"
+                     if "replayed" in plan.replay else ""))
+    if "closed_form" in plan.replay:
+        console.print(f"[dim]micro-batch from the closed-form fit test, a bound: {plan.replay['closed_form']}[/]")
+    elif plan.replay:
         console.print(replay_line(plan.replay))
-    elif plan.setup.world_size == 1:
-        console.print("[dim]micro-batch from the closed-form fit test; --replay checks it against the caching allocator "
-                      "(fragmentation the bound misses: docs/PLANNER.md)[/]")
     if plan.alternatives:
         t = table("alternatives", "setup", ("fits", "center"), ("needs GiB", "right"), "why not chosen")
         for a in plan.alternatives:

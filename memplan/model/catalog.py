@@ -21,7 +21,7 @@ from memplan.model.config_rules import config_problems
 from memplan.model.hf import TASKS, config_from_dict
 from memplan.model.spec import ModelSpec
 from memplan.setup import PREQUANTIZED
-from memplan.fileio import write_json_atomic
+from memplan.fileio import content_key, read_cached, source_digest, write_cached, write_json_atomic
 
 DATA = Path(__file__).parents[1] / "data" / "models"
 CONFIGS = DATA / "configs"
@@ -133,7 +133,7 @@ def _quantized_spec(name: str, base: str, label: str, quant: str | None) -> Mode
 def load_spec(model, trust_remote_code: bool = False, task: str | None = None) -> ModelSpec:
     """A ModelSpec from a ModelSpec, a catalog id, a config.json path or model folder, or (online) a Hub id.
     task: the head a training script builds (memplan.model.hf.TASKS: seq-cls, token-cls, ...) instead of the
-    language-model head; built from the config (seconds, then cached: cache_dir)."""
+    language-model head; built from the config (seconds, then cached: memplan.fileio.cache_dir)."""
     if isinstance(model, ModelSpec):
         return model
     name = str(model).strip()
@@ -194,39 +194,16 @@ def variant_note(spec: ModelSpec) -> str:
             f"{catalog_index()[spec.model_id].get('source', 'see memplan models')})")
 
 
-def cache_dir() -> Path:
-    """Where inventories of local configs are kept between runs: $MEMPLAN_CACHE, else $XDG_CACHE_HOME/memplan, else
-    ~/.cache/memplan."""
-    if os.environ.get("MEMPLAN_CACHE"):
-        return Path(os.environ["MEMPLAN_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memplan"
-
-
 @functools.cache
 def _builder_digest() -> bytes:
-    """The source of the code that builds inventories (memplan/inventory, memplan/model): an edit to it, released or
-    not, builds cached inventories anew."""
-    import hashlib
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for f in sorted([*(root / "inventory").glob("*.py"), *(root / "model").glob("*.py")]):
-        h.update(f.read_bytes())
-    return h.digest()
+    """The source inventories are built with (memplan/inventory, memplan/model)."""
+    return source_digest("inventory", "model")
 
 
 def _inventory_key(text: bytes, trust_remote_code: bool) -> str:
     """The content hash an inventory is cached under: the config's bytes and everything the inventory is built
     with (the transformers, peft and memplan releases and builder source, remote code allowed)."""
-    import hashlib
-    from importlib.metadata import PackageNotFoundError, version
-    parts = [text, _builder_digest()]
-    for package in ("transformers", "peft", "memplan"):
-        try:
-            parts.append(version(package).encode())
-        except PackageNotFoundError:
-            parts.append(b"")
-    parts.append(b"remote" if trust_remote_code else b"")
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
+    return content_key([text, _builder_digest(), b"remote" if trust_remote_code else b""], ("transformers", "peft"))
 
 
 def spec_for_task(spec: ModelSpec, task: str | None) -> ModelSpec:
@@ -248,19 +225,15 @@ def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str |
     the real transformers class on the meta device), else built and cached."""
     config = read_config(path)
     key = _inventory_key(Path(path).read_bytes() + (task or "").encode(), trust_remote_code)
-    cached = cache_dir() / "inventories" / (key + ".json")
+    cached = read_cached("inventories", key)
     try:
-        return replace(ModelSpec.from_dict(json.loads(cached.read_text())), model_id=path, config_file=path)
-    except (OSError, ValueError, KeyError, TypeError):
+        return replace(ModelSpec.from_dict(cached), model_id=path, config_file=path)
+    except (ValueError, KeyError, TypeError, AttributeError):
         pass  # not cached yet, or written by another memplan: build it
     from memplan.inventory.build import build_spec
 
     spec = build_spec(config, model_id=path, config_file=path, trust_remote_code=trust_remote_code, task=task)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(cached, spec.to_dict())
-    except OSError:
-        pass  # a read-only home: the next run builds it again
+    write_cached("inventories", key, spec.to_dict())
     return spec
 
 

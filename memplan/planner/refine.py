@@ -31,12 +31,18 @@ def allocator_limit(plan: Plan) -> int:
     return plan.budget_bytes - (e.device_total_bytes - e.peak_reserved_bytes)
 
 
-def replay_need(spec, setup) -> tuple[int, int]:
-    """The replayed need of STEPS traced steps of `setup` (memplan.replay.need.replay_need).
+def replay_need(spec, setup, cached_only: bool = False) -> tuple[int, int]:
+    """The replayed need of STEPS traced steps of `setup` (memplan.replay.need.replay_need; cached on disk).
+    cached_only: raise memplan.replay.need.NotCached rather than trace.
 
     Returns:
         (need bytes, reserved bytes)."""
-    return traced(spec, setup, STEPS)
+    return traced(spec, setup, STEPS, cached_only)
+
+
+def cached_replay_need(spec, setup) -> tuple[int, int]:
+    """replay_need from the disk cache only (plan's default: the replay when it costs no trace)."""
+    return replay_need(spec, setup, cached_only=True)
 
 
 def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:

@@ -34,7 +34,8 @@ from memplan.estimator.breakdown import estimator_for
 from memplan.gpus import Gpu, load_gpus, resolve_gpu
 from memplan.model.catalog import load_spec
 from memplan.planner.fit_table import largest_fitting, GPU_COUNTS, gpu_layout
-from memplan.planner.refine import refine
+from memplan.planner.refine import cached_replay_need, refine
+from memplan.replay.need import NotCached
 from memplan.units import fmt_gib, parse_size
 
 PREFERENCES = ("quality", "speed", "memory")
@@ -158,7 +159,7 @@ class Search:
 def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch: int = DEFAULT_EFFECTIVE_BATCH,
          prefer: str = "quality", headroom: float | None = None, estimator: Callable | None = None,
          alternatives: int = 4, memory: int | str | None = None, host_memory: int | str | None = None,
-         replay: bool = False, **pinned) -> Plan:
+         replay: bool | None = None, **pinned) -> Plan:
     """Search the best training setup of `spec` that fits `gpu` with `headroom` of its usable memory spare.
 
     spec: a ModelSpec or anything load_spec takes (catalog id, config.json). gpu: a Gpu, a catalog name, or None
@@ -166,9 +167,11 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     (e.g. technique="lora", lora_r=16); pinning num_gpus (num_nodes, sharding, offload) searches sharding x
     offload on that many GPUs, and when nothing fits one GPU and none of them is pinned the plan is for the fewest
     GPUs that fit; padded defaults to True (the plan file's collator pads). host_memory: RAM per node for CPU
-    offload (a size; default this machine's RAM). replay: set the micro-batch of a single-GPU plan by replaying the
-    caching allocator over traced steps (memplan.planner.refine; seconds to minutes on the CPU). headroom: default
-    DEFAULT_HEADROOM, REPLAY_HEADROOM with replay (memplan.planner.budget). Raises BadInput
+    offload (a size; default this machine's RAM). replay: True sets the micro-batch of a single-GPU plan by
+    replaying the caching allocator over traced steps (memplan.planner.refine; seconds to minutes on the CPU the
+    first time, then cached); None (the CLI's default) does so when every replay it needs is cached, else plans
+    with the closed-form bound and says why in Plan.replay["closed_form"]; False: the closed-form bound. headroom:
+    default DEFAULT_HEADROOM, REPLAY_HEADROOM where the replay sets the plan (memplan.planner.budget). Raises BadInput
     for a bad preference, a pin that is not a Setup field, or pins that contradict each other.
     """
     if isinstance(spec, str):
@@ -178,8 +181,9 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
     if estimator is None:
         estimator = estimator_for(gpu)
 
+    given_headroom = headroom
     if headroom is None:
-        headroom = REPLAY_HEADROOM if replay else DEFAULT_HEADROOM
+        headroom = DEFAULT_HEADROOM if replay is False else REPLAY_HEADROOM
     problems = []
     if prefer not in PREFERENCES:
         problems.append(f"prefer={prefer!r} is not one of {', '.join(PREFERENCES)}")
@@ -210,11 +214,32 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
             raise BadInput(f"--host-memory: {e}") from None
     opts = dict(seq_len=seq_len, effective_batch=effective_batch, prefer=prefer, headroom=headroom,
                 estimator=estimator, alternatives=alternatives, host_budget=host_budget)
+    result = _closed_form(spec, gpu, pinned, opts)
+    if replay:
+        return refine(result, spec, estimator)
+    if replay is None:  # the replay where it is cached, else the closed form with its own headroom
+        try:
+            refined = refine(result, spec, estimator, cached_replay_need)
+            why = refined.replay.get("skipped")
+        except NotCached:
+            refined, why = None, ("the allocator replay of this setup is not cached yet; `--replay` traces it "
+                                  "once (seconds to a minute on the CPU), and later plans of it use it by default")
+        except MemplanError as e:  # a spec the tracer cannot build (no config.json behind it)
+            refined, why = None, f"no allocator replay: {e}"
+        if refined is not None and "replayed" in refined.replay:
+            return refined
+        if given_headroom is None:
+            result = _closed_form(spec, gpu, pinned, dict(opts, headroom=DEFAULT_HEADROOM))
+        return dataclasses.replace(result, replay={"closed_form": why} if why else {})
+    return result
+
+
+def _closed_form(spec, gpu: Gpu, pinned: dict, opts: dict) -> Plan:
+    """The plan by the closed-form fit test: on one GPU, else (nothing fits one and no GPU count, sharding or
+    offload is pinned) on the fewest GPUs that fit."""
     result = _plan_at(spec, gpu, pinned, opts)
     if not result.fits and not pinned.keys() & {"num_gpus", "num_nodes", "sharding", "offload"}:
         result = fewest_gpus(spec, gpu, pinned, result, opts)
-    if replay:
-        result = refine(result, spec, estimator)
     return result
 
 

@@ -1,8 +1,13 @@
 """The caching-allocator replay (memplan.runtime.allocator) over a training run's allocation events: the events of
 the whole model (traced, or synthesized from a cut trace: memplan.replay.synth), their replay with the cuBLAS
-workspaces, and the smallest allocator limit they fit under."""
+workspaces, and the smallest allocator limit they fit under. A replay's result is cached on disk by content
+(cache_dir()/replays): the model's config, the whole Setup, the source and releases that trace it."""
 from __future__ import annotations
 
+import functools
+import json
+
+from memplan.fileio import content_key, read_cached, source_digest, write_cached
 from memplan.runtime.allocator import need_and_replay, replayed
 from memplan.setup import Setup
 from memplan.model.catalog import config_dict, load_spec, spec_for_task
@@ -26,15 +31,48 @@ def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
         run_traced(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
 
 
-def replay_need(model, setup: Setup, steps: int = 3) -> tuple[int, int]:
+#: what a traced replay depends on besides the model and the Setup: memplan's code that traces and replays it, and
+#: the libraries whose code runs in the trace
+_SOURCE = ("runtime", "tracer", "replay", "model", "inventory", "setup.py", "libs.py")
+_PACKAGES = ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate")
+
+
+class NotCached(LookupError):
+    """replay_need(cached_only=True) found no cached replay of the setup."""
+
+
+@functools.cache
+def _source() -> bytes:
+    return source_digest(*_SOURCE)
+
+
+def replay_key(spec, setup: Setup, steps: int) -> str:
+    """The content key of a replay: the model's config.json content and task, the whole Setup, the step count, the
+    tracing source and the library releases (fileio.content_key)."""
+    what = {"config": config_dict(spec), "model": spec.model_id, "setup": setup.to_dict(), "steps": steps}
+    return content_key([json.dumps(what, sort_keys=True, default=str).encode(), _source()], _PACKAGES)
+
+
+def replay_need(model, setup: Setup, steps: int = 3, cached_only: bool = False) -> tuple[int, int]:
     """The smallest allocator limit `steps` traced steps of `model` fit under, and their uncapped reserved peak.
 
     One whole-model trace, the limit bisected over replays of it (memplan.runtime.allocator.min_limit; cuBLAS
-    workspaces included): the exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes.
+    workspaces included): the exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes. Cached
+    on disk (replay_key): a setup traced before answers in milliseconds. cached_only: raise NotCached rather than
+    trace (seconds to a minute on the CPU).
 
     Returns:
         (need bytes, reserved bytes)."""
-    need, free = need_and_replay(traced_events(model, setup, steps))
+    spec = spec_for_task(load_spec(model), setup.task)
+    key = replay_key(spec, setup, steps)
+    hit = read_cached("replays", key)
+    if isinstance(hit, dict) and isinstance(hit.get("need_bytes"), int) and isinstance(hit.get("reserved_bytes"), int):
+        return hit["need_bytes"], hit["reserved_bytes"]
+    if cached_only:
+        raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
+    need, free = need_and_replay(traced_events(spec, setup, steps))
+    write_cached("replays", key, {"need_bytes": need, "reserved_bytes": free.peak_reserved,
+                                  "model": spec.model_id, "setup": setup.to_dict(), "steps": steps})
     return need, free.peak_reserved
 
 

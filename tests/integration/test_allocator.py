@@ -235,7 +235,9 @@ def test_plan_cli_replay_flag(monkeypatch):
     limits: list = []
     real_refine = refine_mod.refine
 
-    def fake_refine(plan, spec, estimator):  # the CLI's path with the traces replaced by a linear need
+    def fake_refine(plan, spec, estimator, replay_fn=None):  # --replay's traces replaced by a linear need
+        if replay_fn is not None:  # the default: replays from the (empty) cache only
+            return real_refine(plan, spec, estimator, replay_fn)
         limits.append(refine_mod.allocator_limit(plan))
         return real_refine(plan, spec, estimator, _replay_fake(4, limits[0], calls))
     monkeypatch.setattr(search, "refine", fake_refine)  # where plan() calls it
@@ -247,10 +249,52 @@ def test_plan_cli_replay_flag(monkeypatch):
     assert out["setup"]["batch_size"] == 4 and out["replay"]["largest_batch_size"] == 4 and calls
     assert out["headroom"] == 0.01  # memplan.planner.budget.REPLAY_HEADROOM: --headroom not given
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--json"])
+    out = json.loads(r.output)  # the default, nothing cached: the closed form with its own headroom, and why
+    assert out["headroom"] == 0.035 and "not cached" in out["replay"]["closed_form"]
+    r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--no-replay", "--json"])
     assert json.loads(r.output)["headroom"] == 0.035 and json.loads(r.output)["replay"] is None
     r = CliRunner().invoke(main, ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--replay", "--headroom",
                                   "5%", "--technique", "full", "--grad-accum", "1", "--json"])
     assert json.loads(r.output)["headroom"] == 0.05
+
+
+def test_plan_default_uses_the_replays_cached_by_replay(monkeypatch, tmp_path):
+    # issue 42 item 9: `plan` is exact once `plan --replay` traced the setup: its replays are cached on disk by
+    # content, so the default reads them (no trace) and plans what --replay planned
+    from types import SimpleNamespace
+
+    from memplan.replay import need
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path))
+    traced: list = []
+    unit = 2 * 2**30
+
+    def fake_events(spec, setup, steps):
+        traced.append(setup.batch_size)
+        return setup.batch_size
+    monkeypatch.setattr(need, "traced_events", fake_events)
+    monkeypatch.setattr(need, "need_and_replay", lambda b: (b * unit, SimpleNamespace(peak_reserved=b * unit + 1)))
+    args = ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--technique", "full", "--precision", "bf16-mixed",
+            "--grad-accum", "1", "--effective-batch", "64", "--seq-len", "1024", "--json"]
+    cold = json.loads(CliRunner().invoke(main, args).output)
+    assert "not cached" in cold["replay"]["closed_form"] and not traced
+    r = CliRunner().invoke(main, args + ["--replay"])
+    replayed = json.loads(r.output)
+    assert replayed["setup"]["batch_size"] == 5 and traced  # 5 x 2 GiB within the RTX 3060's ~11.4 GiB limit
+    n = len(traced)
+    warm = json.loads(CliRunner().invoke(main, args).output)
+    assert len(traced) == n and warm["setup"] == replayed["setup"] and warm["replay"] == replayed["replay"]
+    assert warm["headroom"] == 0.01
+    assert len(list((tmp_path / "replays").glob("*.json"))) == n  # one cached replay per micro-batch traced
+
+
+def test_replay_key_names_the_model_setup_and_steps():
+    from memplan.model.catalog import load_spec
+    from memplan.replay.need import replay_key
+    from memplan.setup import Setup
+    gpt2, s = load_spec("openai-community/gpt2"), Setup(batch_size=4)
+    keys = {replay_key(gpt2, s, 3), replay_key(gpt2, Setup(batch_size=5), 3), replay_key(gpt2, s, 2),
+            replay_key(load_spec("openai-community/gpt2-medium"), s, 3)}
+    assert len(keys) == 4 and replay_key(gpt2, Setup(batch_size=4), 3) == replay_key(gpt2, s, 3)
 
 
 def test_inference_replays_prefill_and_generate_on_fake_tensors():

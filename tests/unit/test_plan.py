@@ -60,7 +60,7 @@ def test_probe_order_quality_first_then_binary_search():
     sec. 4; the memory goes to the micro-batch); the micro-batch is found by doubling then bisection."""
     calls: list = []
     gpu = Gpu("fake 24", 24 * GiB)
-    p = plan(_FakeSpec(), gpu, seq_len=512, estimator=_fake(calls))
+    p = plan(_FakeSpec(), gpu, seq_len=512, estimator=_fake(calls), replay=False)  # the closed form's probes
     assert p.setup.technique == "lora" and p.setup.lora_r == 16 and p.setup.lora_targets == "all-linear"
     assert p.setup.precision == "bf16-mixed" and p.setup.optimizer == "adamw-fused"
     full = [c for c in calls if c[0] == "full"]
