@@ -34,11 +34,17 @@ def _bool(v) -> bool:
     return str(v).strip().lower() in ("true", "1", "yes")
 
 
+#: what the reference marks outside memplan's vocabulary (its `unsupported` text, by prefix) that memplan now
+#: models, and the Setup fields that say it
+NOW_MODELLED = (("gptq (4-bit GPTQ base", {"quant": "gptq-int4"}),)
+
+
 def row_setup(row) -> tuple[dict | None, str]:
     """Setup fields for one CSV row, or (None, reason) when the row cannot be expressed in memplan's vocabulary."""
     if _val(row, "usable") != "yes":
         return None, "marked usable=no by the reference"
-    if _val(row, "unsupported"):
+    later = next((f for text, f in NOW_MODELLED if str(_val(row, "unsupported") or "").startswith(text)), None)
+    if _val(row, "unsupported") and later is None:
         return None, f"outside memplan's vocabulary: {row['unsupported']}"
     if int(row.get("num_gpus", 1)) != 1 or str(row.get("sharding", "none")) != "none":
         return None, "multi-GPU / sharded (issue 7)"
@@ -50,6 +56,7 @@ def row_setup(row) -> tuple[dict | None, str]:
         fields["task"] = "seq-cls"
     if quant and quant != "none":
         fields.update(quant=quant, double_quant=_bool(row.get("double_quant")))
+    fields.update(later or {})
     if mode == "infer":
         prompt = _val(row, "prompt_len", lambda x: int(float(x)))
         if prompt is None:
@@ -88,14 +95,14 @@ def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
     from memplan import libs
     from memplan.errors import MemplanError
     from memplan.estimator.breakdown import estimate
-    from memplan.model.catalog import catalog_id, load_spec
+    from memplan.model.catalog import catalog_id, load_spec, quantized_upload
     from memplan.setup import Setup
 
     done, skipped, rows = [], [], []
     for row in pd.read_csv(csv_path).to_dict("records"):
         base = {"id": row["source_id"], "model": row["model"], "trust": row["trust"]}
         fields, reason = row_setup(row)
-        if fields is not None and catalog_id(row["model"]) is None:
+        if fields is not None and catalog_id(row["model"]) is None and quantized_upload(row["model"]) is None:
             fields, reason = None, "model not in the built-in catalog"
         if fields is None:
             skipped.append({**base, "reason": reason})

@@ -46,6 +46,9 @@ NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
 TRAINERS: tuple[str, ...] = get_args(TrainerName)
 #: the stored-quantized formats: weight bits per element of each
 PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8": 8}
+#: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
+#: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
+GPTQ = ("gptq-int4", "gptq-int8")
 VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
 #: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
 TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")
@@ -344,9 +347,17 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.technique == "qlora" and s.quant not in ("nf4", "fp4"):
         p.append(f"technique qlora needs a 4-bit base (quant nf4 or fp4), got quant={s.quant!r}; "
                  "for LoRA on an 8-bit base use --technique lora --quant int8")
-    if s.quant in PREQUANTIZED and s.technique != "full":
-        p.append(f"training LoRA on a pre-quantized {s.quant} base is not modelled yet: estimate serving it with "
-                 "--mode infer, or LoRA on the 16-bit base quantized on load (--technique qlora)")
+    if s.quant in PREQUANTIZED and s.technique != "full" and not (s.technique == "lora" and s.quant in GPTQ):
+        p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet (LoRA on a GPTQ base "
+                 "is: --technique lora --quant gptq-int4): estimate serving it with --mode infer, or LoRA on the "
+                 "16-bit base quantized on load (--technique qlora)")
+    if s.quant in GPTQ and s.lora_targets == "all-linear" and s.mode == "train":
+        p.append("peft's all-linear finds no GPTQ layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
+                 "nn.Module: peft tuners_utils._maybe_include_all_linear_layers): name the modules, e.g. "
+                 "--lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    if s.quant in GPTQ and s.use_dora:
+        p.append("peft's GPTQ LoRA layer does not support DoRA (GPTQLoraLinear raises): drop --use-dora, or use "
+                 "--technique qlora on the 16-bit base")
     if s.technique in ("full", "freeze") and s.quant is not None:
         p.append(f"technique {s.technique} cannot train quantized weights (quant={s.quant}); "
                  "use --technique lora/qlora, or drop --quant")

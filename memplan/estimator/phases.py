@@ -76,7 +76,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     block_casts = {"autocast_weight_copies": back["autocast_weight_copies"] - quant.outside_cast_bytes(ctx)}
     freed = block_ends.attention_backward_freed_bytes(ctx, rows, recompute)
     recompute_side = {**back, **block_casts, **_mlp_moment(ctx, ends[1] if ends else None, in_blocks,
-                                                           block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps)}
+                                                           block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps),
+                      "dequant_temporaries": quant.gptq_recompute_unpack_bytes(ctx)}
     return {
         # a block's dequantized weight is freed before the head computes the logits: the larger of the two
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),

@@ -7,7 +7,7 @@ from memplan import libs
 from memplan.errors import BadInput
 from memplan.model import trainable as select
 from memplan.model.spec import ModelSpec
-from memplan.setup import PREQUANTIZED, Setup
+from memplan.setup import GPTQ, PREQUANTIZED, Setup
 
 
 #: Families whose transformers class gained sdpa after the oldest release memplan installs with (4.46): T5 and mT5
@@ -75,6 +75,10 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
         p.append(f"{spec.model_id} stores its weights as {stored}, which load as such: "
                  f"use --quant {spec.checkpoint_quant}" + (" (with --technique lora, qlora or an inference mode)"
                                                             if setup.technique in ("full", "freeze") else ""))
+    if setup.quant in GPTQ and setup.mode == "train" and a.norm == "layernorm":
+        p.append(f"LoRA on a GPTQ base of {a.model_type} is not modelled: under autocast its LayerNorms return fp32, "
+                 "which gptqmodel's kernel keeps (an fp32 projection and, from the MLP on, an fp32 residual stream); "
+                 "estimate QLoRA on the 16-bit base (--technique qlora) instead")
     if setup.attn_impl == "sdpa" and not sdpa_supported(spec):
         since = SDPA_SINCE.get(a.model_type) if a.supports_sdpa else None
         where = (f"before transformers {libs.dotted(since)} (estimating for "

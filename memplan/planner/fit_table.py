@@ -14,7 +14,7 @@ from memplan.planner import budget as _budget
 from memplan.planner.budget import DEFAULT_HEADROOM, fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.gpus import Gpu
-from memplan.setup import PREQUANTIZED, Setup
+from memplan.setup import GPTQ, PREQUANTIZED, Setup
 from memplan.estimator.breakdown import estimator_for
 
 #: option name -> (mode, Setup overrides). "{bf}" is bf16 on GPUs that support it, else fp16. The QLoRA row is
@@ -165,9 +165,14 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     bf = "bf16" if gpu.bf16 else "fp16"
     a = spec.arch
     if spec.checkpoint_quant in PREQUANTIZED and options is FIT_OPTIONS:
-        # a stored-quantized upload loads as stored: serving it is the one row memplan models (LoRA on it: issue 40)
-        options = ((f"inference {spec.checkpoint_quant} (as stored)", {"mode": "infer", "precision": "{bf}",
-                                                                        "quant": spec.checkpoint_quant}),)
+        # a stored-quantized upload loads as stored: served, and with a LoRA adapter where memplan models training
+        # on the format (GPTQ: peft's GPTQLoraLinear, checkpointing as prepare_model_for_kbit_training enables it)
+        q = spec.checkpoint_quant
+        options = ((f"inference {q} (as stored)", {"mode": "infer", "precision": "{bf}", "quant": q}),)
+        if q in GPTQ:
+            options += ((f"LoRA r=8 on the {q} base (checkpointing)", {"technique": "lora", "precision": "{bf}",
+                                                                       "quant": q, "grad_ckpt": True,
+                                                                       "optimizer": "adamw-fused"}),)
     new = 0 if a.kind == "encoder" or not a.has_lm_head else DEFAULT_NEW_TOKENS  # a classifier serves one forward
     if a.max_positions:
         new = max(0, min(new, a.max_positions - seq_len))

@@ -103,42 +103,90 @@ def standin_linear_classes():
 
 @functools.cache
 def prequantized_standin_class():
-    """An nn.Module holding a stored-quantized Linear as the default CUDA kernel keeps it for inference
-    (memplan.estimator.memory.weights.prequantized_state_bytes: GPTQ and AWQ after Marlin's repack, FP8's
-    FineGrainedFP8 layer); its forward allocates the output alone, as the fused kernels do (Marlin multiplies the
-    packed weight in its own tiles; the FP8 Triton kernel quantizes the activations inside its K loop)."""
+    """An nn.Module holding a stored-quantized Linear as its CUDA kernel keeps it
+    (memplan.estimator.memory.weights.prequantized_state_bytes).
+
+    Inference, the default kernel: GPTQ and AWQ after Marlin's repack, FP8's FineGrainedFP8 layer; the forward
+    allocates the output alone, as the fused kernels do (they multiply the packed weight in their own tiles).
+    Training (LoRA on a GPTQ base): gptqmodel's kernels train through TorchLinear (TritonV2Linear.forward defers to
+    it when self.training; `_can_use_triton_dequant` refuses training), which keeps the stored layout (qweight,
+    qzeros, scales, g_idx and two tiny shift tables) and in forward unpacks the whole weight with torch ops
+    (PackableQuantLinear.dequantize_weight: int32 shifts, int8 codes for 4-bit / int16 for 8-bit, the group's
+    scales and zeros gathered per row), casts it to the input's dtype and multiplies with torch.matmul, which saves
+    it for the input gradient. The same ops run here on the stand-in's buffers. peft wraps it in its GPTQLoraLinear
+    (lora_custom_modules)."""
     import torch
 
     group, workspace = 128, 132
 
     class StandInPrequantized(torch.nn.Module):
-        def __init__(self, src: torch.nn.Linear, quant: str):
+        def __init__(self, src: torch.nn.Linear, quant: str, training: bool = False):
             super().__init__()
             k, n, dev = src.in_features, src.out_features, src.weight.device
             self.in_features, self.out_features = k, n
+            self.infeatures, self.outfeatures = k, n  # the names peft reads off a GPTQ QuantLinear
+            self.training_kernel = training
             groups = math.ceil(k / group)
+            i32 = dict(dtype=torch.int32, device=dev)
             if quant.startswith("gptq"):
                 bits = 8 if quant.endswith("8") else 4
-                self.register_buffer("qweight", torch.empty(math.ceil(k * bits / 32), n, dtype=torch.int32, device=dev))
+                self.bits, self.group_size = bits, group
+                self.register_buffer("qweight", torch.empty(math.ceil(k * bits / 32), n, **i32))
+                if training:
+                    self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * bits / 32), **i32))
                 self.register_buffer("scales", torch.empty(groups, n, dtype=torch.float16, device=dev))
-                self.register_buffer("workspace", torch.empty(workspace, dtype=torch.int32, device=dev))
+                if training:
+                    self.register_buffer("g_idx", torch.empty(k, **i32))
+                    per = 32 // bits
+                    self.register_buffer("wf_unsqueeze_zero", torch.empty(1, 1, per, **i32), persistent=False)
+                    self.register_buffer("wf_unsqueeze_neg_one", torch.empty(1, per, 1, **i32), persistent=False)
+                else:
+                    self.register_buffer("workspace", torch.empty(workspace, **i32))
             elif quant == "awq":
-                self.register_buffer("qweight", torch.empty(k, math.ceil(n * 4 / 32), dtype=torch.int32, device=dev))
-                self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), dtype=torch.int32,
-                                                           device=dev))
+                self.register_buffer("qweight", torch.empty(k, math.ceil(n * 4 / 32), **i32))
+                self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), **i32))
                 self.register_buffer("scales", torch.empty(groups, n, dtype=torch.float16, device=dev))
-                self.register_buffer("workspace", torch.empty(workspace, dtype=torch.int32, device=dev))
+                self.register_buffer("workspace", torch.empty(workspace, **i32))
             else:  # fp8
                 self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev))
                 self.register_buffer("weight_scale_inv", torch.empty(math.ceil(n / group), groups,
                                                                      dtype=torch.float32, device=dev))
             self.bias = src.bias
 
+        def dequantize_weight(self):
+            """The [in, out] weight in the scales' dtype, unpacked as gptqmodel's torch path does."""
+            codes = torch.int16 if self.bits == 8 else torch.int8
+            per = 32 // self.bits
+            zeros = torch.bitwise_right_shift(self.qzeros.unsqueeze(2).expand(-1, -1, per), self.wf_unsqueeze_zero)
+            zeros = torch.bitwise_and(zeros.to(codes), 2 ** self.bits - 1).reshape(self.scales.shape)
+            weight = torch.bitwise_right_shift(self.qweight.unsqueeze(1).expand(-1, per, -1), self.wf_unsqueeze_neg_one)
+            weight = torch.bitwise_and(weight.to(codes), 2 ** self.bits - 1)
+            weight = weight.reshape(weight.shape[0] * weight.shape[1], weight.shape[2])
+            rows = self.g_idx.long()
+            return self.scales[rows] * (weight - zeros[rows])
+
         def forward(self, x):
-            out = x.new_empty(*x.shape[:-1], self.out_features)
-            return out + self.bias if self.bias is not None else out
+            shape = (*x.shape[:-1], self.out_features)
+            if not self.training_kernel:
+                out = x.new_empty(shape)
+                return out + self.bias if self.bias is not None else out
+            x = x.reshape(-1, x.shape[-1])
+            w = self.dequantize_weight()
+            if w.dtype != x.dtype:
+                w = w.to(x.dtype)
+            out = torch.matmul(x, w).reshape(shape)
+            if self.bias is not None:
+                out.add_(self.bias if self.bias.dtype == out.dtype else self.bias.to(out.dtype))
+            return out
 
     return StandInPrequantized
+
+
+def lora_custom_modules() -> dict:
+    """peft's LoRA layer for each stand-in peft cannot recognise by type (LoraConfig._register_custom_module): the
+    GPTQ stand-in gets peft's own GPTQLoraLinear, which peft picks for gptqmodel's QuantLinear."""
+    from peft.tuners.lora.gptq import GPTQLoraLinear
+    return {prequantized_standin_class(): GPTQLoraLinear}
 
 
 @functools.cache
@@ -179,7 +227,7 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
             lin.bias = src.bias
             src = lin
         if setup.quant in PREQUANTIZED:
-            new = prequantized_standin_class()(src, setup.quant)
+            new = prequantized_standin_class()(src, setup.quant, training=setup.mode == "train")
         elif setup.quant == "int8":
             new = StandIn8bit(src, compute_dtype)
         else:

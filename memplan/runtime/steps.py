@@ -17,14 +17,14 @@ from collections.abc import Callable
 
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
 from memplan.errors import BadInput, MemplanError, TraceFailed
-from memplan.setup import TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
+from memplan.setup import PREQUANTIZED, TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import CLASSIFIER_CLASSES, config_from_dict
 from memplan.runtime.trl import add_head
 from memplan.runtime.liger import apply_liger_kernels, apply_liger_standins
 from memplan.runtime.standins import (StandInBnbOptimizer, StandInScheduleFree, StandInTorchaoAdamW,
-                                      quantize_standins)
+                                      lora_custom_modules, quantize_standins)
 from memplan import libs
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
@@ -166,6 +166,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         # checkpointing on models flagged as loaded in k-bit
         model.is_loaded_in_4bit = setup.quant in ("nf4", "fp4")
         model.is_loaded_in_8bit = setup.quant == "int8"
+        if setup.quant.startswith("gptq"):  # what transformers' GptqHfQuantizer sets: peft's k-bit preparation then
+            model.quantization_method = "gptq"  # keeps the 16-bit weights (no fp32 upcast) and enables checkpointing
     if setup.mode != "train":
         model.eval()
         return model
@@ -189,6 +191,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         cfg = peft.LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                               target_modules=list(targets) if isinstance(targets, tuple) else targets,
                               use_dora=setup.use_dora, **select.new_token_kwargs(spec, setup))
+        if setup.quant in PREQUANTIZED:
+            cfg._register_custom_module(lora_custom_modules())
         model = peft.get_peft_model(model, cfg)
     model.train()
     if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base

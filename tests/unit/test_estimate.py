@@ -414,6 +414,7 @@ def test_memo_never_reuses_a_term_across_setups_it_depends_on(model):
     assert set(_VARIED) | set(SELECTION_FIELDS) == {f.name for f in dataclasses.fields(Setup)}
     bases = [dict(technique="full", precision="bf16-mixed"), dict(technique="lora", precision="bf16"),
              dict(technique="qlora", precision="bf16", quant="nf4"), dict(technique="freeze", precision="fp32"),
+             dict(technique="lora", precision="fp16", quant="gptq-int4"),
              dict(mode="infer", precision="bf16")]
     setups = []
     for base in bases:

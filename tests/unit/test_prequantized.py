@@ -5,6 +5,7 @@ benchmarks/matrices/trace_vs_estimate.yaml; here the closed forms by hand and th
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -58,11 +59,67 @@ def test_fp8_loads_dequantized_below_compute_capability_8_9():
     assert any("dequantized" in n for n in rtx3060.notes)
 
 
-def test_lora_on_a_stored_quantized_base_is_refused_until_modelled():
-    with pytest.raises(SetupError, match="not modelled yet"):
-        Setup(technique="lora", quant="gptq-int4")
+def test_lora_on_awq_and_fp8_bases_is_refused_until_modelled():
+    for quant in ("awq", "fp8"):
+        with pytest.raises(SetupError, match="not modelled yet"):
+            Setup(technique="lora", quant=quant)
     r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--technique", "lora"])
     assert r.exit_code == 2 and "--mode infer" in r.output
+
+
+def test_lora_on_gptq_names_what_peft_refuses():
+    with pytest.raises(SetupError, match="name the modules"):  # peft's all-linear matches no QuantLinear
+        Setup(technique="lora", quant="gptq-int4", lora_targets="all-linear")
+    with pytest.raises(SetupError, match="DoRA"):
+        Setup(technique="lora", quant="gptq-int4", use_dora=True)
+    r = CliRunner().invoke(main, ["estimate", "openai-community/gpt2", "--technique", "lora", "--quant", "gptq-int4"])
+    assert r.exit_code == 2 and "LayerNorm" in r.output  # the fp32 stream under autocast is not modelled
+
+
+def test_gptq_training_layout_by_hand():
+    """The trainable TritonV2 layout of a 4096 x 11008 Linear: int32 qzeros [32, 11008 x 4 / 32], fp16 scales
+    [32, 11008], int32 g_idx [4096]; no Marlin workspace."""
+    k, n = 4096, 11008
+    assert prequantized_state_bytes("gptq-int4", k, n, training=True) == \
+        alloc_bytes(32 * 1376 * 4) + alloc_bytes(32 * n * 2) + alloc_bytes(k * 4)
+    assert prequantized_state_bytes("gptq-int8", k, n, training=True) == \
+        alloc_bytes(32 * 2752 * 4) + alloc_bytes(32 * n * 2) + alloc_bytes(k * 4)
+
+
+def test_lora_on_gptq_keeps_the_16_bit_weights_and_dequantizes_one_layer_at_a_time():
+    # peft's prepare_model_for_kbit_training skips the fp32 upcast for quantization_method "gptq" (bitsandbytes
+    # bases are upcast); gptqmodel's training path unpacks the whole weight for each matmul (the largest:
+    # Llama-2-7B's MLP, 4096 x 11008): int32 codes, int8 codes, gathered scales, the fp16 product, 6 bytes per
+    # weight at most; the matmul saves the 2-byte product where a graph is recorded
+    def weights(technique, quant, mode):
+        train = dict(technique=technique, seq_len=512, grad_ckpt=True) if mode == "train" else {}
+        return estimate("meta-llama/Llama-2-7b-hf", Setup(mode=mode, quant=quant, precision="fp16", batch_size=1,
+                                                          **train))
+    gptq, served = weights("lora", "gptq-int4", "train"), weights("full", "gptq-int4", "infer")
+    assert gptq.components["weights"] == served.components["weights"]
+    assert weights("qlora", "nf4", "train").components["weights"] > weights("full", "nf4", "infer").components["weights"]
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.quant import dequant_temp_bytes
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+    assert dequant_temp_bytes(resolve(spec, gptq.setup)) == 4096 * 11008 * 6  # checkpointed: nothing saved
+    unsaved = dataclasses.replace(gptq.setup, grad_ckpt=False)
+    assert dequant_temp_bytes(resolve(spec, unsaved)) == 4096 * 11008 * 4  # the product is the saved copy
+    assert dequant_temp_bytes(resolve(spec, served.setup)) == 0  # Marlin multiplies the packed weight
+
+
+def test_fms_gptq_lora_row_is_estimated():
+    """fms-acceleration's GPTQ-LoRA on an A100-80GB (shared/reference F08: refs/a100_80gb.csv @24bdadb,
+    mem_peak_torch_mem_alloc_in_bytes 16,404,148,736 B; transformers 4.48.1): Mistral-7B GPTQ 4-bit, LoRA r=16 on
+    q/k/v/o with dropout 0.1, fp16, AdamW, batch 4 x 4096 tokens, checkpointing, flash attention 2. Within 3%
+    (estimated -0.5% on 2026-11-27); the plugin's AutoGPTQ Triton kernel dequantizes inside its tiles, where the
+    gptqmodel kernel memplan models holds one layer's fp16 weight (0.11 GiB) more."""
+    from memplan import libs
+    s = Setup(technique="lora", quant="gptq-int4", precision="fp16", lora_r=16, lora_alpha=16, lora_dropout=0.1,
+              lora_targets="q_proj,k_proj,v_proj,o_proj", optimizer="adamw", batch_size=4, seq_len=4096,
+              grad_ckpt=True, attn_impl="flash_attention_2")
+    with libs.assume(transformers="4.48.1"):
+        e = estimate("TheBloke/Mistral-7B-v0.1-GPTQ", s)
+    assert e.peak_allocated_bytes == pytest.approx(16_404_148_736, rel=0.03)
 
 
 def test_fit_serves_an_upload_as_stored():
@@ -70,5 +127,8 @@ def test_fit_serves_an_upload_as_stored():
     assert r.exit_code == 0, r.output
     import json
     d = json.loads(r.stdout)  # the upload's note goes to stderr
-    assert [o["option"] for o in d["options"]] == ["inference gptq-int4 (as stored)"]
-    assert d["options"][0]["fits"] and d["multi_gpu"] == []
+    assert [o["option"] for o in d["options"]] == ["inference gptq-int4 (as stored)",
+                                                    "LoRA r=8 on the gptq-int4 base (checkpointing)"]
+    assert all(o["fits"] for o in d["options"]) and d["multi_gpu"] == []
+    r = CliRunner().invoke(main, ["fit", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--gpu", "rtx 3060", "--json"])
+    assert [o["option"] for o in json.loads(r.stdout)["options"]] == ["inference awq (as stored)"]  # no AWQ LoRA yet

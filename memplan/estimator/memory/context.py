@@ -14,7 +14,7 @@ from memplan import libs
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, setup_problems
 from memplan.errors import BadInput
-from memplan.setup import Setup
+from memplan.setup import GPTQ, Setup
 from memplan.model.spec import Linear, ModelSpec
 from memplan.units import DTYPE_BYTES
 
@@ -67,9 +67,10 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     problems = setup_problems(spec, setup)
     if problems:
         raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
-    quant_train = setup.quant is not None and setup.mode == "train"
     # peft.prepare_model_for_kbit_training casts every non-quantized fp16/bf16 parameter to fp32
-    # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32.
+    # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32;
+    # not on a GPTQ base (quantization_method "gptq" skips the cast)
+    quant_train = setup.quant is not None and setup.mode == "train" and setup.quant not in GPTQ
     weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.weight_dtype])
     compute = int(DTYPE_BYTES[setup.compute_dtype])
     trainable, lora, quantized = _selection(spec, setup)

@@ -7,11 +7,17 @@ from types import MappingProxyType
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.recording import graph_blocks, gradless_linears
 from memplan.estimator.memory.fused_head import trl_head
-from memplan.setup import PREQUANTIZED
+from memplan.setup import GPTQ, PREQUANTIZED
 from memplan.estimator.memory.saves import liger_head
 
 
-@per_model()
+#: bytes per weight element live at once while gptqmodel's torch path dequantizes a GPTQ weight: 4-bit, the int32
+#: shifted codes (4) and their int8 cast (1); later the int8 codes (1), codes - zeros (1), the gathered fp16 scales
+#: (2) and the fp16 product (2) = 6. 8-bit: int16 codes, 2 each: 4 + 2, then 2 + 2 + 2 + 2 = 8
+GPTQ_UNPACK_BYTES = {4: 6, 8: 8}
+
+
+@per_model("grad_ckpt")
 def dequant_temp_bytes(ctx: Ctx) -> int:
     """Bytes of the largest quantized Linear's weight dequantized to the compute dtype.
 
@@ -20,9 +26,25 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
     largest quantized Linear exists once in compute dtype at a time. LLM.int8 (MatMul8bitLt) likewise materialises
     an fp16 weight for the input gradient in backward."""
     sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
+    if ctx.setup.quant in GPTQ and ctx.training and sizes:
+        # gptqmodel's training path (TorchLinear: PackableQuantLinear.dequantize_weight) unpacks the whole weight
+        # with torch ops: at most GPTQ_UNPACK_BYTES per weight, its fp16 result included. The result is the copy
+        # the matmul saves (_cast_weights) where a graph is recorded; in a checkpointed forward it is freed as well
+        bits = 8 if ctx.setup.quant.endswith("8") else 4
+        return max(sizes) * (GPTQ_UNPACK_BYTES[bits] - (0 if ctx.setup.grad_ckpt else 2))
     if not sizes or ctx.setup.quant in PREQUANTIZED:  # Marlin / FP8 kernels multiply the packed weight directly
         return 0
     return max(sizes) * ctx.compute_bytes
+
+
+def gptq_recompute_unpack_bytes(ctx: Ctx) -> int:
+    """Training on a GPTQ base with checkpointing: the unpacking of the largest weight while its block is recomputed
+    in backward, beyond the dequantized weight itself, which its matmul saves (_cast_weights); 0 otherwise."""
+    if not (ctx.setup.quant in GPTQ and ctx.training and ctx.setup.grad_ckpt):
+        return 0
+    sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
+    bits = 8 if ctx.setup.quant.endswith("8") else 4
+    return max(sizes, default=0) * (GPTQ_UNPACK_BYTES[bits] - 2)
 
 
 def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = None) -> int:
@@ -121,7 +143,7 @@ def cached_cast_bytes(ctx: Ctx, requires_grad: bool = True, head: bool = True) -
 def _cast_weights(ctx: Ctx):
     """Every weight a Linear's matmul casts under autocast.
 
-    The base weight unless bitsandbytes holds it, and the LoRA adapters on it: fp32 trainable leaves
+    The base weight unless a quantized layer holds it, and the LoRA adapters on it: fp32 trainable leaves
     (weights.lora_bytes), so autocast casts and caches lora_A and lora_B like any trainable weight.
 
     Yields:
@@ -129,13 +151,22 @@ def _cast_weights(ctx: Ctx):
     """
     lora = {m.name for m in ctx.lora}
     r = ctx.setup.lora_r
+    # a weight already in the compute dtype is used as is (autocast's cached_cast casts only other dtypes): the
+    # 16-bit weights of a GPTQ base, which k-bit preparation leaves unconverted
+    base_cast = ctx.weight_bytes != ctx.compute_bytes
+    # training on a GPTQ base, every quantized weight is dequantized to the input's dtype and saved by its matmul
+    # (gptqmodel TorchLinear._forward_eager: torch.matmul(x, weights)), as a cast is
+    gptq = ctx.setup.quant in GPTQ and ctx.training
     for m in ctx.spec.linears:
-        if m.name not in ctx.quantized:
+        if m.name in ctx.quantized:
+            if gptq:
+                yield m, m.in_features * m.out_features, False
+        elif base_cast:
             yield m, m.in_features * m.out_features, m.name + ".weight" in ctx.trainable
         if m.name in lora:
             yield m, r * m.rank_mult * (m.in_features + m.out_features), True
     if ctx.spec.arch.experts_dense:  # Llama-4's experts run torch.bmm on their [E, in, out] tensors: autocast casts
         # them like Linear weights (grouped_mm has no autocast kernel: the other families' experts are not cast)
         for p in ctx.spec.params:
-            if p.role == "expert" and len(p.shape) == 3:
+            if p.role == "expert" and len(p.shape) == 3 and base_cast:
                 yield p, p.numel, p.name in ctx.trainable

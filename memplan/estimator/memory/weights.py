@@ -145,7 +145,7 @@ def quant_state_bytes(ctx: Ctx) -> int:
         if m.name not in ctx.quantized:
             continue
         if s.quant in PREQUANTIZED:
-            total += prequantized_state_bytes(s.quant, m.in_features, m.out_features)
+            total += prequantized_state_bytes(s.quant, m.in_features, m.out_features, ctx.training)
         elif s.quant == "int8":
             total += alloc_bytes(m.out_features * INT8_ROW_SCALE_BYTES)
         else:
@@ -161,7 +161,7 @@ QUANT_GROUP = 128
 MARLIN_WORKSPACE_INTS = 132
 
 
-def prequantized_state_bytes(quant: str, k: int, n: int) -> int:
+def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False) -> int:
     """Bytes beside the packed weight of one stored-quantized Linear [k in, n out] as the default CUDA kernel holds
     it for inference (the packed weight itself: QUANT_WEIGHT_BYTES).
 
@@ -170,9 +170,13 @@ def prequantized_state_bytes(quant: str, k: int, n: int) -> int:
     size, empties qzeros and (without desc_act) g_idx, and adds a per-layer int32 workspace. AWQ (AwqMarlin): qweight
     int32 [k, n x 4 / 32], qzeros int32 [k / g, n x 4 / 32] and scales fp16 [k / g, n] kept, the same workspace. FP8
     (transformers integrations/finegrained_fp8.py FP8Linear): weight float8_e4m3 [n, k] and weight_scale_inv fp32
-    [ceil(n / 128), ceil(k / 128)]."""
+    [ceil(n / 128), ceil(k / 128)]. training (LoRA on a GPTQ base): the trainable TritonV2 kernel keeps the stored
+    layout, qzeros, scales and g_idx beside qweight, and no workspace."""
     groups = math.ceil(k / QUANT_GROUP)
     workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
+    if quant.startswith("gptq") and training:
+        bits = 8 if quant.endswith("8") else 4
+        return alloc_bytes(groups * math.ceil(n * bits / 32) * 4) + alloc_bytes(groups * n * 2) + alloc_bytes(k * 4)
     if quant.startswith("gptq"):
         return alloc_bytes(groups * n * 2) + workspace
     if quant == "awq":
