@@ -21,7 +21,7 @@ Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 #: bitsandbytes quantizes on load (int8, nf4, fp4); the others are checkpoints stored quantized (issue 40): GPTQ
 #: 4/8-bit and AWQ 4-bit with group size 128 (gptqmodel's QuantLinear layouts), FP8 with 128 x 128 block scales
 #: (transformers' FineGrainedFP8, quant_method "fp8")
-Quant = Literal["int8", "nf4", "fp4", "gptq-int4", "gptq-int8", "awq", "fp8"]
+Quant = Literal["int8", "nf4", "fp4", "gptq-int4", "gptq-int8", "awq", "fp8", "mxfp4"]
 NewTokens = Literal["modules-to-save", "token-indices"]
 Task = Literal["causal-lm", "seq2seq", "masked-lm", "seq-cls", "token-cls"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
@@ -45,7 +45,7 @@ OFFLOADS: tuple[str, ...] = get_args(Offload)
 NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
 TRAINERS: tuple[str, ...] = get_args(TrainerName)
 #: the stored-quantized formats: weight bits per element of each
-PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8": 8}
+PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8": 8, "mxfp4": 4}
 #: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
 #: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
 GPTQ = ("gptq-int4", "gptq-int8")
@@ -351,6 +351,9 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet (LoRA on a GPTQ base "
                  "is: --technique lora --quant gptq-int4): estimate serving it with --mode infer, or LoRA on the "
                  "16-bit base quantized on load (--technique qlora)")
+    if s.quant == "mxfp4" and s.mode == "train":
+        p.append("transformers does not train MXFP4 weights: fine-tuning loads them dequantized "
+                 "(Mxfp4Config(dequantize=True)), so estimate the 16-bit model: drop --quant mxfp4")
     if s.quant in GPTQ and s.lora_targets == "all-linear" and s.mode == "train":
         p.append("peft's all-linear finds no GPTQ layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
                  "nn.Module: peft tuners_utils._maybe_include_all_linear_layers): name the modules, e.g. "

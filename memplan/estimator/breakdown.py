@@ -13,7 +13,7 @@ from memplan.estimator.memory import distributed as dist
 from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory import optimizer as opt
 from memplan.estimator.memory import overhead, weights
-from memplan.estimator.memory.context import Ctx, resolve, reties_head
+from memplan.estimator.memory.context import Ctx, mxfp4_dequantized, resolve, reties_head
 from memplan.estimator.phases import inference_phases, sharded_phases, training_phases
 from memplan.estimator import trainers
 from memplan.setup import TRL_TRAINERS, Setup, sharding_label
@@ -192,6 +192,9 @@ def _notes(ctx: Ctx, setup: Setup) -> tuple[str, ...]:
         notes.append("resize_token_embeddings ties this checkpoint's own lm_head to the input embedding again "
                      "(transformers 5 forces T5's tie): one vocabulary table fewer, and the head's trained values "
                      "are replaced by the embedding's")
+    if ctx.setup.quant == "mxfp4" and mxfp4_dequantized():
+        notes.append("MXFP4 experts on a card below compute capability 7.5: transformers loads them dequantized to "
+                     "bf16 (quantizer_mxfp4.py), 2 bytes per weight")
     if ctx.setup.quant == "fp8" and not ctx.quantized:
         notes.append("FP8 weights on a card below compute capability 8.9: transformers loads them dequantized to "
                      "16 bit (quantizer_finegrained_fp8.py), 2 bytes per weight")

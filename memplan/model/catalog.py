@@ -169,7 +169,12 @@ def model_notes(spec: ModelSpec) -> list[str]:
     pre-quantized (estimated with 16-bit weights, as transformers dequantizes a format it has no kernels for)."""
     notes = [variant_note(spec)] if spec.variant_of else []
     row = catalog_index().get(spec.model_id, {})
-    if row.get("stored_as") and not spec.checkpoint_quant:
+    if row.get("stored_as") == "mxfp4":
+        notes.append(f"{spec.model_id}'s experts are stored as MXFP4 (its quantization_config): --quant mxfp4 "
+                     "serves them as stored (transformers with the `kernels` package, compute capability 7.5 or "
+                     "more); without --quant memplan estimates bf16 experts, as transformers dequantizes them to "
+                     "fine-tune (Mxfp4Config(dequantize=True)) or without the kernels")
+    elif row.get("stored_as") and not spec.checkpoint_quant:
         notes.append(f"{spec.model_id}'s checkpoint is stored as {row['stored_as']} (its quantization_config); "
                      f"memplan estimates 16-bit weights, what transformers holds where it dequantizes the format "
                      f"({row['stored_as']} over fused MoE experts is not modelled yet; --quant fp8 models dense "

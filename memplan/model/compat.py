@@ -75,6 +75,9 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
         p.append(f"{spec.model_id} stores its weights as {stored}, which load as such: "
                  f"use --quant {spec.checkpoint_quant}" + (" (with --technique lora, qlora or an inference mode)"
                                                             if setup.technique in ("full", "freeze") else ""))
+    if setup.quant == "mxfp4" and a.model_type != "gpt_oss":
+        p.append(f"MXFP4 (transformers' Mxfp4Config) converts gpt-oss's experts only; {a.model_type} has none it "
+                 "converts: drop --quant mxfp4")
     if setup.quant in GPTQ and setup.mode == "train" and a.norm == "layernorm":
         p.append(f"LoRA on a GPTQ base of {a.model_type} is not modelled: under autocast its LayerNorms return fp32, "
                  "which gptqmodel's kernel keeps (an fp32 projection and, from the MLP on, an fp32 residual stream); "

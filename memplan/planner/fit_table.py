@@ -173,6 +173,9 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
             options += ((f"LoRA r=8 on the {q} base (checkpointing)", {"technique": "lora", "precision": "{bf}",
                                                                        "quant": q, "grad_ckpt": True,
                                                                        "optimizer": "adamw-fused"}),)
+    if a.model_type == "gpt_oss" and options is FIT_OPTIONS:  # its checkpoint's experts are MXFP4: served as stored
+        options = options[:1] + (("inference mxfp4 (as stored)", {"mode": "infer", "precision": "{bf}",
+                                                                   "quant": "mxfp4"}),) + options[1:]
     new = 0 if a.kind == "encoder" or not a.has_lm_head else DEFAULT_NEW_TOKENS  # a classifier serves one forward
     if a.max_positions:
         new = max(0, min(new, a.max_positions - seq_len))

@@ -182,6 +182,61 @@ def prequantized_standin_class():
     return StandInPrequantized
 
 
+@functools.cache
+def mxfp4_standin_class():
+    """gpt-oss's MoE block as transformers runs it over MXFP4 experts with the Triton kernels (integrations/mxfp4.py
+    Mxfp4GptOssMLP, Mxfp4GptOssExperts): the router's logits, the routing metadata, then two matmul_ogs calls, the
+    first gathering each token's routes and fusing the SwiGLU ([tokens x top-k, intermediate]), the second scattering
+    them back weighted by the gates ([tokens, hidden]). The experts' storage: uint8 blocks (two E2M1 values per
+    byte) and uint8 E8M0 scales (one per 32 values) of gate_up [experts, 2 x intermediate, hidden] and down
+    [experts, hidden, intermediate], fp32 biases. Inference only (transformers dequantizes MXFP4 to train)."""
+    import torch
+
+    class StandInMxfp4MLP(torch.nn.Module):
+        def __init__(self, mlp, config):
+            super().__init__()
+            e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+            dev = mlp.router.weight.device
+            self.router, self.top_k, self.hidden, self.inter = mlp.router, config.num_experts_per_tok, h, i
+            u8 = dict(dtype=torch.uint8, device=dev)
+            self.register_buffer("gate_up_proj", torch.empty(e, 2 * i, h // 2, **u8))
+            self.register_buffer("gate_up_proj_scales", torch.empty(e, 2 * i, h // 32, **u8))
+            self.register_buffer("gate_up_proj_bias", torch.empty(e, 2 * i, dtype=torch.float32, device=dev))
+            self.register_buffer("down_proj", torch.empty(e, h, i // 2, **u8))
+            self.register_buffer("down_proj_scales", torch.empty(e, h, i // 32, **u8))
+            self.register_buffer("down_proj_bias", torch.empty(e, h, dtype=torch.float32, device=dev))
+
+        def forward(self, hidden_states):
+            batch = hidden_states.shape[0]
+            x = hidden_states.reshape(-1, self.hidden)
+            logits = torch.nn.functional.linear(x, self.router.weight, self.router.bias)
+            tokens = x.shape[0]
+            routes = tokens * self.top_k
+            i32 = dict(dtype=torch.int32)
+            # triton_kernels routing.routing (hub kernel, triton 7d0efaa): the gates, the gather / scatter indices
+            # (one int32 pair per route) and the per-tile map (4 x about routes / 16 int32)
+            routing = [logits.new_empty(routes), x.new_empty(2 * routes, **i32), x.new_empty(4, routes // 16, **i32)]
+            inter = x.new_empty(routes, self.inter)  # matmul_ogs with gather_indx, the SwiGLU fused: [routes, I]
+            # matmul_ogs with scatter_indx and the gates, fused scatter: one [tokens + routes, H] buffer whose first
+            # rows are the result (a view of it is returned), the rest the per-route scratchpad; two index tensors
+            # for the write-back while it runs
+            idx = [x.new_empty(routes, **i32), x.new_empty(tokens + routes + 1, **i32)]
+            out = x.new_empty(tokens + routes, self.hidden)
+            del inter, routing, idx
+            return out[:tokens].reshape(batch, -1, self.hidden), logits
+
+    return StandInMxfp4MLP
+
+
+def mxfp4_standins(model) -> None:
+    """Replace gpt-oss's MoE blocks by the MXFP4 stand-in, as transformers' replace_with_mxfp4_linear replaces
+    every GptOssMLP."""
+    cls = mxfp4_standin_class()
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "GptOssMLP":
+            model.set_submodule(name, cls(module, model.config))
+
+
 def lora_custom_modules() -> dict:
     """peft's LoRA layer for each stand-in peft cannot recognise by type (LoraConfig._register_custom_module): the
     GPTQ stand-in gets peft's own GPTQLoraLinear, which peft picks for gptqmodel's QuantLinear."""

@@ -24,7 +24,7 @@ from memplan.model.hf import CLASSIFIER_CLASSES, config_from_dict
 from memplan.runtime.trl import add_head
 from memplan.runtime.liger import apply_liger_kernels, apply_liger_standins
 from memplan.runtime.standins import (StandInBnbOptimizer, StandInScheduleFree, StandInTorchaoAdamW,
-                                      lora_custom_modules, quantize_standins)
+                                      lora_custom_modules, mxfp4_standins, quantize_standins)
 from memplan import libs
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "zero_grad")
@@ -159,7 +159,9 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         untie_like_checkpoint(model, spec)
         if setup.added_tokens:  # what a user adding tokens calls; mean_resizing samples from the old rows' statistics
             model.resize_token_embeddings(spec.arch.vocab_size + setup.added_tokens, mean_resizing=False)
-    if setup.quant:
+    if setup.quant == "mxfp4":  # gpt-oss's experts, served (setup validation refuses training)
+        mxfp4_standins(model)
+    elif setup.quant:
         names = [m.name for m in select.quantized_linears(spec) if _exists(model, m.name)]
         quantizer(model, names, setup, dtypes[setup.compute_dtype])
         # what transformers' bnb quantizer sets; peft's prepare_model_for_kbit_training only enables gradient

@@ -83,7 +83,8 @@ def test_variant_and_stored_format_notes():
 
     notes = model_notes(load_spec("meta-llama/Llama-3.1-8B-Instruct"))
     assert notes == [notes[0]] and "answered from meta-llama/Llama-3.1-8B's config.json" in notes[0]
-    assert any("stored as mxfp4" in n for n in model_notes(load_spec("openai/gpt-oss-20b")))
+    assert any("stored as MXFP4" in n and "--quant mxfp4" in n for n in model_notes(load_spec("openai/gpt-oss-20b")))
+    assert any("stored as fp8" in n for n in model_notes(load_spec("deepseek-ai/DeepSeek-V3")))
     assert model_notes(load_spec("gpt2")) == []
 
 

@@ -132,3 +132,37 @@ def test_fit_serves_an_upload_as_stored():
     assert all(o["fits"] for o in d["options"]) and d["multi_gpu"] == []
     r = CliRunner().invoke(main, ["fit", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--gpu", "rtx 3060", "--json"])
     assert [o["option"] for o in json.loads(r.stdout)["options"]] == ["inference awq (as stored)"]  # no AWQ LoRA yet
+
+
+def test_gpt_oss_serves_its_mxfp4_experts_as_stored():
+    """gpt-oss-20b (24 blocks of 32 experts, hidden 2880, intermediate 2880): the experts' weights at 4.25 bits
+    (two E2M1 values per byte, an E8M0 scale per 32: transformers Mxfp4GptOssExperts), their biases in fp32, the
+    rest bf16 - the 16 GB claim of OpenAI's model card."""
+    s = Setup(mode="infer", precision="bf16", quant="mxfp4", batch_size=1, prompt_len=512, new_tokens=16)
+    bf16 = estimate("openai/gpt-oss-20b", Setup(mode="infer", precision="bf16", batch_size=1, prompt_len=512,
+                                                new_tokens=16))
+    mx = estimate("openai/gpt-oss-20b", s)
+    spec = load_spec("openai/gpt-oss-20b")
+    w = sum(p.numel for p in spec.params if p.role == "expert" and len(p.shape) == 3)
+    b = sum(p.numel for p in spec.params if p.role == "expert" and len(p.shape) == 2)
+    assert w == 24 * 32 * 2880 * (5760 + 2880)
+    expected = bf16.components["weights"] - w * (2 - 0.5 - 1 / 32) + b * (4 - 2)
+    assert mx.components["weights"] == pytest.approx(expected, abs=2)
+    assert mx.peak_allocated_bytes < 14 * 2**30
+    r = CliRunner().invoke(main, ["fit", "openai/gpt-oss-20b", "--gpu", "RTX 4060 Ti 16GB", "--json"])
+    import json
+    rows = {o["option"]: o for o in json.loads(r.stdout)["options"]}
+    assert rows["inference mxfp4 (as stored)"]["fits"] and not rows["inference bf16"]["fits"]
+
+
+def test_mxfp4_is_served_only_and_only_on_gpt_oss_experts():
+    with pytest.raises(SetupError, match="dequantize=True"):
+        Setup(technique="lora", quant="mxfp4")
+    r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen3-8B", "--mode", "infer", "--quant", "mxfp4"])
+    assert r.exit_code == 2 and "gpt-oss" in r.output
+    # below compute capability 7.5 transformers dequantizes the experts to bf16
+    s = Setup(mode="infer", precision="fp16", quant="mxfp4", batch_size=1, new_tokens=1)
+    v100 = estimator_for(find_gpu("v100"))("openai/gpt-oss-20b", s)
+    t4 = estimator_for(find_gpu("t4"))("openai/gpt-oss-20b", s)
+    assert v100.components["weights"] > 2.5 * t4.components["weights"]
+    assert any("dequantized" in n for n in v100.notes)

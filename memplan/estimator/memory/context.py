@@ -174,9 +174,11 @@ def _releases() -> tuple:
     """The library releases a memoized term depends on, as installed or assumed (memplan.libs.assume).
 
     transformers decides code paths; peft decides LoRA targets on fused experts (select.PEFT_MOE_CONVERSION_SINCE);
-    memplan, for a measured row, what its runner did (optimizer.TRAINER_EMBEDDING_OVERRIDE_SINCE).
+    memplan, for a measured row, what its runner did (optimizer.TRAINER_EMBEDDING_OVERRIDE_SINCE); the card planned
+    for, whether stored-quantized weights load dequantized (fp8_dequantized, mxfp4_dequantized).
     """
-    return libs.version("transformers"), libs.version("peft"), libs.version("memplan")
+    return (libs.version("transformers"), libs.version("peft"), libs.version("memplan"),
+            libs.assumed("compute_capability"))  # the card decides whether FP8 / MXFP4 weights stay quantized
 
 
 #: the compute capability from which transformers keeps FP8 weights quantized (quantizer_finegrained_fp8.py
@@ -184,13 +186,28 @@ def _releases() -> tuple:
 FP8_KERNELS_FROM = (8, 9)
 
 
+#: the compute capability from which transformers keeps MXFP4 experts quantized (quantizer_mxfp4.py
+#: validate_environment: below 7.5, or without the `kernels` package, dequantize=True loads them in bf16)
+MXFP4_KERNELS_FROM = (7, 5)
+
+
 def fp8_dequantized() -> bool:
     """FP8 checkpoints load dequantized on the card planned for (known and below FP8_KERNELS_FROM)."""
+    return _card_below(FP8_KERNELS_FROM)
+
+
+def mxfp4_dequantized() -> bool:
+    """MXFP4 experts load dequantized to bf16 on the card planned for (known and below MXFP4_KERNELS_FROM); memplan
+    assumes the `kernels` package is installed, as transformers asks."""
+    return _card_below(MXFP4_KERNELS_FROM)
+
+
+def _card_below(capability: tuple[int, int]) -> bool:
     cc = libs.assumed("compute_capability")
     if not cc:
         return False
     major, _, minor = cc.partition(".")
-    return (int(major), int(minor or 0)) < FP8_KERNELS_FROM
+    return (int(major), int(minor or 0)) < capability
 
 
 def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Linear, ...], frozenset[str]]:
@@ -203,7 +220,9 @@ def _selection(spec: ModelSpec, setup: Setup) -> tuple[frozenset[str], tuple[Lin
         trainable = frozenset(p.name for p in select.trainable_params(spec, setup)) if setup.mode == "train" \
             else frozenset()
         lora = select.lora_linears(spec, setup.lora_targets) if setup.uses_lora else ()
-        quantized = frozenset(m.name for m in select.quantized_linears(spec)) if setup.quant else frozenset()
+        # MXFP4 converts gpt-oss's fused experts, no Linear (weights.stored_bytes)
+        quantized = frozenset(m.name for m in select.quantized_linears(spec)) \
+            if setup.quant and setup.quant != "mxfp4" else frozenset()
         return trainable, lora, quantized
     key = ("selection", id(spec), *_releases()) + tuple(getattr(setup, n) for n in SELECTION_FIELDS)
     return _memo_get(key, spec, compute)

@@ -8,6 +8,7 @@ from memplan.estimator.memory.position_bias import has_position_bias
 from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.context import Ctx
+from memplan.estimator.memory.weights import mxfp4_experts
 from memplan.estimator.memory.forward_block import MATH_QSIZED_FP32, mlp_live, score_bytes
 
 
@@ -183,9 +184,27 @@ def prefill_working_bytes(ctx: Ctx) -> int:
         masks = ctx.setup.batch_size * ctx.src_len * ctx.src_len
         attn += mask_block_bytes(ctx, ctx.setup.batch_size, ctx.src_len)
     hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
-    mlp = (hidden * a.hidden_size * c + mlp_live(a) * a.intermediate_size * c * k) * t + \
-        scores * returned * (2 if a.returns_attn_probs else 1)
+    experts = mxfp4_moe_bytes(ctx, t) if mxfp4_experts(ctx) else mlp_live(a) * a.intermediate_size * c * k * t
+    mlp = hidden * a.hidden_size * c * t + experts + scores * returned * (2 if a.returns_attn_probs else 1)
     return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
+
+
+def mxfp4_moe_bytes(ctx: Ctx, tokens: int) -> int:
+    """gpt-oss's MoE block over MXFP4 experts (transformers integrations/mxfp4.py Mxfp4GptOssMLP), beyond its input,
+    at its second matmul; from the hub kernel transformers loads (kernels-community gpt-oss-triton-kernels, triton
+    7d0efaa: routing.py, matmul_ogs.py init_allocation):
+    - the router's logits [tokens, experts];
+    - the routing metadata: the gates [routes], a gather and a scatter int32 index per route, the tile map (4 x
+      about routes / 16 int32);
+    - the first matmul's output, the routes' SwiGLU fused: [routes, intermediate];
+    - the second's, its scatter fused: one [tokens + routes, hidden] buffer (the result is a view of its first
+      rows, so all of it lives until the block's output is added to the residual), and two int32 write-back
+      indices (routes, tokens + routes + 1)."""
+    a, c = ctx.spec.arch, ctx.compute_bytes
+    routes = tokens * a.experts_per_token
+    compute = tokens * a.num_experts + routes * (1 + a.intermediate_size) + (tokens + routes) * a.hidden_size
+    ints = 2 * routes + 4 * (routes // 16) + routes + tokens + routes + 1
+    return compute * c + ints * 4
 
 
 def generate_position_bytes(ctx: Ctx) -> int:

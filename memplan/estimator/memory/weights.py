@@ -8,7 +8,7 @@ import math
 from memplan import libs
 from memplan.model import trainable as select
 from memplan.estimator.memory import new_tokens
-from memplan.estimator.memory.context import Ctx, per_model
+from memplan.estimator.memory.context import Ctx, mxfp4_dequantized, per_model
 from memplan.setup import PREQUANTIZED
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
@@ -52,11 +52,27 @@ def shape(ctx: Ctx, p) -> tuple[int, ...]:
 def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
     """Bytes of one base parameter stored at `bytes_per` per element.
 
-    A quantized Linear's weight is stored at 0.5 (4-bit) or 1 (int8) byte per element.
+    A quantized Linear's weight is stored at 0.5 (4-bit) or 1 (int8) byte per element; MXFP4 experts
+    (mxfp4_experts) at MXFP4_BYTES, their biases in fp32.
     """
     if p.name.endswith(".weight") and p.name[:-len(".weight")] in ctx.quantized:
         return p.numel * QUANT_WEIGHT_BYTES[ctx.setup.quant]
+    if p.role == "expert" and mxfp4_experts(ctx):
+        return p.numel * (MXFP4_BYTES if len(p.shape) == 3 else 4)
     return numel(ctx, p) * bytes_per
+
+
+#: bytes per weight of an MXFP4 tensor: two E2M1 values per byte and one E8M0 scale byte per 32 values (OCP
+#: Microscaling Formats spec v1.0; transformers integrations/mxfp4.py Mxfp4GptOssExperts: uint8 blocks
+#: [experts, out, in / 2] and scales [experts, out, in / 32]; the Triton layout the kernels swizzle them into holds
+#: the same bytes)
+MXFP4_BYTES = 0.5 + 1 / 32
+
+
+def mxfp4_experts(ctx: Ctx) -> bool:
+    """gpt-oss's experts are held in MXFP4 (Mxfp4GptOssExperts: --quant mxfp4 on a card with the kernels), with
+    fp32 biases; elsewhere (mxfp4_dequantized) transformers loads them in bf16."""
+    return ctx.setup.quant == "mxfp4" and not mxfp4_dequantized()
 
 
 def weights_bytes(ctx: Ctx) -> int:
