@@ -776,3 +776,17 @@ def test_train_new_tokens_needs_added_tokens_and_lora():
         Setup(technique="lora", train_new_tokens="token-indices")
     with pytest.raises(SetupError, match="train_new_tokens"):
         Setup(technique="full", added_tokens=2, train_new_tokens="modules-to-save")
+
+
+def test_moe_serving_working_set_by_hand():
+    """transformers 5 grouped_mm_experts_forward, per route in the weight dtype (bf16): gpt-oss-20b (H = I = 2880,
+    biased experts, its 5-tensor gate) peaks at the gate, 1 + 2 + 2 + 5 = 10 units of 2880; Qwen3-30B-A3B (H 2048,
+    expert width 768 from down_proj, not intermediate_size 6144) after the down projection, 4 x 2048."""
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.moe import inference_expert_bytes
+    from memplan.model.catalog import load_spec
+    s = Setup(mode="infer", precision="bf16", batch_size=1, new_tokens=1)
+    oss = resolve(load_spec("openai/gpt-oss-20b"), s)
+    assert inference_expert_bytes(oss, 100) == 100 * 4 * 10 * 2880 * 2
+    qwen = resolve(load_spec("Qwen/Qwen3-30B-A3B"), s)
+    assert inference_expert_bytes(qwen, 100) == 100 * 8 * 4 * 2048 * 2

@@ -166,3 +166,4 @@ def test_mxfp4_is_served_only_and_only_on_gpt_oss_experts():
     t4 = estimator_for(find_gpu("t4"))("openai/gpt-oss-20b", s)
     assert v100.components["weights"] > 2.5 * t4.components["weights"]
     assert any("dequantized" in n for n in v100.notes)
+

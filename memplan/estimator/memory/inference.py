@@ -9,6 +9,8 @@ from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.weights import mxfp4_experts
+from memplan.estimator.memory.moe import inference_expert_bytes
+from memplan import libs
 from memplan.estimator.memory.forward_block import MATH_QSIZED_FP32, mlp_live, score_bytes
 
 
@@ -184,7 +186,12 @@ def prefill_working_bytes(ctx: Ctx) -> int:
         masks = ctx.setup.batch_size * ctx.src_len * ctx.src_len
         attn += mask_block_bytes(ctx, ctx.setup.batch_size, ctx.src_len)
     hidden = PREFILL_HIDDEN + (a.model_type in HOLDS_ATTN_OUTPUT)
-    experts = mxfp4_moe_bytes(ctx, t) if mxfp4_experts(ctx) else mlp_live(a) * a.intermediate_size * c * k * t
+    if mxfp4_experts(ctx):
+        experts = mxfp4_moe_bytes(ctx, t)
+    elif a.num_experts and not a.experts_dense and not libs.older_than("transformers", (5, 0)):
+        experts = inference_expert_bytes(ctx, t)  # transformers 5's fused experts, grouped_mm
+    else:
+        experts = mlp_live(a) * a.intermediate_size * c * k * t
     mlp = hidden * a.hidden_size * c * t + experts + scores * returned * (2 if a.returns_attn_probs else 1)
     return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
 

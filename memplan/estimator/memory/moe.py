@@ -82,3 +82,31 @@ def largest_expert_lora_copy_bytes(ctx: Ctx) -> int:
     lora = {m.name for m in ctx.lora}
     return max((expert_lora_copy_bytes(ctx, [p], lora, casts=False) for p in ctx.spec.params if p.role == "expert"),
                default=0)
+
+
+#: act(gate) tensors of intermediate width alive at the gated product, by family: the default gate (transformers
+#: integrations/moe.py _default_apply_gate: act(gate), then act(gate) * up) keeps 2; gpt-oss's
+#: (GptOssExperts._apply_gate) the clamped gate and up, the GLU, up + 1 and their product: 5
+INFERENCE_GATE_LIVE = {"gpt_oss": 5}
+
+
+def inference_expert_bytes(ctx: Ctx, tokens: int) -> int:
+    """The most a block's fused experts hold at once in a no-grad forward of `tokens` tokens, beyond its input
+    (transformers 5 grouped_mm_experts_forward; integrations/moe.py), per route (token x expert visit), in the
+    experts' weight dtype:
+    - at the gate: the gathered input [H], the per-route gate_up biases [2I] where the experts have biases, the gate_up
+      output [2I] (kept until reassigned) and the gate's own tensors (INFERENCE_GATE_LIVE);
+    - after the down projection: the gathered input, the per-route down biases, the down output [H], its
+      routing-weight product [H] and that product put back in token order [H] (each held by a local until the
+      function returns or reassigns it)."""
+    a = ctx.spec.arch
+    h = a.hidden_size
+    first = min((p.block for p in ctx.spec.params if p.role == "expert"), default=None)  # DeepSeek: dense blocks first
+    experts = [p for p in ctx.spec.params if p.role == "expert" and p.block == first]
+    downs = [max(p.shape[1:], key=lambda d: d != h) for p in experts if p.name.endswith("down_proj")
+             and len(p.shape) == 3]
+    i = downs[0] if downs else a.intermediate_size
+    bias = any(p.name.endswith("gate_up_proj_bias") for p in experts)
+    gate = h + (2 * i if bias else 0) + 2 * i + INFERENCE_GATE_LIVE.get(a.model_type, 2) * i
+    down = h + (h if bias else 0) + 3 * h
+    return tokens * a.experts_per_token * max(gate, down) * ctx.weight_bytes
