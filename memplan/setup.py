@@ -139,6 +139,9 @@ class Setup:
     packing: bool = False  # sft: BFD packing, which makes batches padding-free
     padding_free: bool = False  # sft: the micro-batch as one row of batch_size x seq_len tokens, no padding
     precompute_ref_log_probs: bool = False  # dpo: reference log-probs computed before training: no reference model
+    #: sft, dpo: saved activations copied to host memory in the forward, brought back in the backward
+    #: (trl/models/activation_offloading.py; memplan.runtime.offload)
+    activation_offloading: bool = False
     num_generations: int = 8  # grpo: completions per prompt; batch_size counts completions
     max_completion_length: int = 512  # grpo: generated tokens per completion (the KV cache and the scored tokens)
     beta: float = 0.0  # grpo: KL coefficient; > 0 loads a reference model (full) or disables the adapter (LoRA)
@@ -257,6 +260,7 @@ def validate(s: Setup) -> list[str]:
 
 #: TRL fields -> the trainers they apply to, and their defaults are in Setup
 _TRL_FIELDS = {"packing": ("sft",), "padding_free": ("sft",), "precompute_ref_log_probs": ("dpo",),
+               "activation_offloading": ("sft", "dpo"),
                "num_generations": ("grpo",), "max_completion_length": ("grpo",), "beta": ("grpo",),
                "steps_per_generation": ("grpo",),
                "use_vllm": ("grpo",), "vllm_mode": ("grpo",), "vllm_gpu_memory_utilization": ("grpo",)}
@@ -272,6 +276,9 @@ def trainer_problems(s: Setup) -> list[str]:
         if getattr(s, name) != defaults[name] and s.trainer not in trainers:
             p.append(f"{name} is a {'/'.join(t.upper() for t in trainers)}Config field: add --trainer {trainers[0]}, "
                      f"or drop --{name.replace('_', '-')}")
+    if s.activation_offloading and not s.grad_ckpt and s.trainer in ("sft", "dpo"):
+        p.append("activation_offloading without checkpointing is not modelled yet (TRL keeps every tensor saved twice "
+                 "within its 5-tensor stash on the device): use --grad-ckpt, TRL's default")
     if s.trainer == "grpo":
         if isinstance(s.num_generations, int) and s.num_generations < 2:
             p.append("GRPO needs num_generations >= 2 (it compares completions of the same prompt): use "

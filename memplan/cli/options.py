@@ -34,6 +34,8 @@ _HELP = {
     "packing": "sft: BFD packing (SFTConfig.packing), which makes the batches padding-free",
     "padding_free": "sft: the micro-batch as one row of batch-size x seq-len tokens (SFTConfig.padding_free)",
     "precompute_ref_log_probs": "dpo: reference log-probs computed before training: no reference model or forward",
+    "activation_offloading": "sft, dpo: saved activations copied to pinned host memory in the forward and brought "
+                             "back in the backward (SFTConfig/DPOConfig.activation_offloading)",
     "num_generations": "grpo: completions per prompt (default 8); --batch-size counts completions",
     "max_completion_length": "grpo: tokens generated per completion (default 512); --prompt-len (else --seq-len) "
                              "is the prompt",

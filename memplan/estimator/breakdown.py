@@ -12,7 +12,7 @@ from memplan import libs
 from memplan.estimator.memory import distributed as dist
 from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory import optimizer as opt
-from memplan.estimator.memory import overhead, weights
+from memplan.estimator.memory import offload, overhead, weights
 from memplan.estimator.memory.context import Ctx, mxfp4_dequantized, resolve, reties_head
 from memplan.estimator.phases import inference_phases, sharded_phases, training_phases
 from memplan.estimator import trainers
@@ -165,7 +165,8 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
         components=components, phases={k: int(v) for k, v in totals.items()}, peak_phase=peak_phase,
         peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
         device_total_bytes=int(peak + reserve + vllm + paged + nccl + overhead.CUDA_CONTEXT_BYTES),
-        notes=_notes(ctx, setup), largest_block_bytes=lg.largest_block_bytes(ctx), host_bytes=rank.host_bytes if rank else 0)
+        notes=_notes(ctx, setup), largest_block_bytes=lg.largest_block_bytes(ctx),
+        host_bytes=(rank.host_bytes if rank else 0) + offload.host_bytes(ctx))
 
 
 def _notes(ctx: Ctx, setup: Setup) -> tuple[str, ...]:

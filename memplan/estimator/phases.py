@@ -13,7 +13,7 @@ from memplan.estimator.memory import distributed as dist
 from memplan.estimator.memory import inference as inf
 from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory import optimizer as opt
-from memplan.estimator.memory import block_ends, dora, forward_block, moe, quant, recording, weights
+from memplan.estimator.memory import block_ends, dora, forward_block, moe, offload, quant, recording, weights
 from memplan.gpus import cublas_workspace_bytes
 from memplan.model import layout
 from memplan.estimator.memory.context import Ctx
@@ -52,6 +52,8 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     rows = block_ends.recording(ctx, blocks)
     outside, after = act.outside_split(ctx)
     saved = sum(ck if s.grad_ckpt else full for full, ck in blocks) + outside
+    if offload.offloads(ctx):  # TRL's activation offloading: the blocks' inputs on the host but two
+        saved = offload.device_block_saves(ctx, [ck for _, ck in blocks]) + outside
     recompute = block_ends.largest_recompute_bytes(ctx, rows)
     casts = quant.autocast_copy_bytes(ctx)
     deq = quant.dequant_temp_bytes(ctx)

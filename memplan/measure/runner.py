@@ -17,6 +17,8 @@ StorageTracker, bnb stand-ins) - allocated only; never process RSS.
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import json
 import os
@@ -119,12 +121,22 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
             inference_loop(model, spec, setup, "cuda", meter.enter)
         elif setup.trainer in TRL_TRAINERS:
             no_eos(model)
-            trl_loop(model, ref, opt, spec, setup, rows, steps, "cuda", meter.enter)
+            with _trl_offloading(model, setup):
+                trl_loop(model, ref, opt, spec, setup, rows, steps, "cuda", meter.enter)
         else:
             training_loop(model, opt, spec, setup, steps, "cuda", meter.enter)
         return meter.result("ok", steps)
     except torch.OutOfMemoryError as e:
         return meter.result("oom", steps, str(e).splitlines()[0])
+
+
+def _trl_offloading(model, setup):
+    """TRL's own activation offloading (trl/models/activation_offloading.py) around the steps, as its trainers wrap
+    each training step; a null context without it."""
+    if not setup.activation_offloading:
+        return contextlib.nullcontext()
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+    return get_act_offloading_ctx_manager(model=model)
 
 
 def _measure_cpu(spec, setup, steps) -> Measurement:

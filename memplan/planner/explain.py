@@ -20,6 +20,8 @@ def describe(s: Setup) -> str:
             parts.append("packed" if s.packing else "padding-free")
         if s.precompute_ref_log_probs:
             parts.append("precomputed reference")
+        if s.activation_offloading:
+            parts.append("activation offloading")
         if s.trainer == "grpo":
             parts.append(f"{s.num_generations} generations x {s.max_completion_length} tokens"
                          + (f", {s.steps_per_generation} steps per generation" if s.steps_per_generation else "")

@@ -116,8 +116,10 @@ def trl_section(s: Setup) -> dict | None:
     if s.trainer not in TRL_CLASSES:
         return None
     trainer, config = TRL_CLASSES[s.trainer]
-    fields = {"sft": {"max_length": s.seq_len, "packing": s.packing, "padding_free": s.padding_free or s.packing},
-              "dpo": {"max_length": s.seq_len, "precompute_ref_log_probs": s.precompute_ref_log_probs},
+    fields = {"sft": {"max_length": s.seq_len, "packing": s.packing, "padding_free": s.padding_free or s.packing,
+                      "activation_offloading": s.activation_offloading},
+              "dpo": {"max_length": s.seq_len, "precompute_ref_log_probs": s.precompute_ref_log_probs,
+                      "activation_offloading": s.activation_offloading},
               "grpo": {"num_generations": s.num_generations, "max_completion_length": s.max_completion_length,
                        "beta": s.beta, "use_vllm": s.use_vllm, "vllm_mode": s.vllm_mode,
                        "vllm_gpu_memory_utilization": s.vllm_gpu_memory_utilization,

@@ -88,7 +88,8 @@ REMEDIES: tuple[tuple[str, int], ...] = (
     ("sdpa", 1), ("liger", 1), ("precompute-ref", 1), ("padding-free", 1), ("largest-micro-batch", 1),
     ("halve-batch", 1), ("grad-ckpt", 1), ("mixed-precision", 2), ("adamw-8bit", 2), ("paged-adamw-8bit", 2),
     ("plain-lora", 2), ("fewer-lora-targets", 2), ("smaller-lora-rank", 2), ("smaller-vllm-fraction", 2),
-    ("fewer-steps-per-generation", 2), ("16-bit-weights", 2), ("adafactor", 2), ("lora", 3), ("freeze", 3), ("qlora", 4),
+    ("fewer-steps-per-generation", 2), ("activation-offloading", 2), ("16-bit-weights", 2), ("adafactor", 2),
+    ("lora", 3), ("freeze", 3), ("qlora", 4),
     ("shorter-completions", 5), ("shorter-sequences", 5),
 )
 _DYNAMIC = {"largest-micro-batch", "shorter-sequences"}  # sized against the budget: applied last when combined
@@ -118,6 +119,11 @@ def _trl_change(name: str, s: Setup) -> tuple[Setup, str, str] | None:
                 f"completions at a time instead of {s.batch_size * generation_steps(s)}",
                 "speed: more, smaller generation rounds; below gradient_accumulation_steps each runs with the "
                 "accumulated gradients alive")
+    if name == "activation-offloading" and s.trainer in ("sft", "dpo") and s.grad_ckpt \
+            and not s.activation_offloading:
+        return (replace(s, activation_offloading=True), "activation_offloading=True (the checkpointed blocks' inputs "
+                "in pinned host memory)", "speed: a copy to the host and back per block, overlapped on a second "
+                "stream; needs host RAM for the inputs")
     if name == "shorter-completions" and s.trainer == "grpo" and s.max_completion_length > 16:
         n = s.max_completion_length // 2
         return (replace(s, max_completion_length=n), f"max_completion_length={n} instead of "

@@ -21,10 +21,12 @@ each emulation.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 from memplan.errors import BadInput
 from memplan.setup import TRL_TRAINERS, Setup, prompt_tokens, trainer_rows
+from memplan.runtime.offload import STASH, offloading
 from memplan.runtime.trl import add_head
 from memplan.runtime.trl_step import reference_model, trl_loop
 from memplan.model.compat import attn_impl
@@ -136,8 +138,9 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
             if on_step_end is not None:  # tests: compare the live bytes with the tensors really alive
                 on_step_end(model, opt, tracker)
 
-        hooks = dict(forward_ctx=lambda: torch.autograd.graph.saved_tensors_hooks(pack_hooks(tracker), lambda t: t),
-                     after_backward=tag_grads, after_step=tag_state)
+        saves = (functools.partial(offloading, model, tracker) if user.activation_offloading else
+                 lambda: torch.autograd.graph.saved_tensors_hooks(pack_hooks(tracker), lambda t: t))
+        hooks = dict(forward_ctx=saves, after_backward=tag_grads, after_step=tag_state)
         if user.trainer in TRL_TRAINERS:
             trl_loop(model, ref, opt, spec, user, setup, steps, "cpu", enter, **hooks)
         else:
@@ -181,7 +184,8 @@ def trace(model, setup: Setup | None = None, layers: int | None = None, steps: i
     if layers != asked:
         result.notes.append(f"--layers {asked} raised to {layers}: the traces need a block other than the first "
                             "(which may differ, as T5's computes the position bias) and past any that differ from the "
-                            "rest (DeepSeek-V3's dense first blocks), and with freeze a frozen block")
+                            "rest (DeepSeek-V3's dense first blocks), with freeze a frozen block, and with activation "
+                            "offloading more blocks than its 5-tensor stash")
     return result
 
 
@@ -226,10 +230,13 @@ def min_layers(setup: Setup, layers: int, spec=None) -> int:
     """The fewest blocks to extrapolate from: 2, so that a block other than the first exists (the first may differ:
     T5's computes the position bias the others reuse); with `spec`, one past the blocks that differ from the rest
     (leading_irregular_blocks: DeepSeek-V3's dense first blocks); with freeze of N blocks, N + 1, so that the traced
-    model has a frozen block (with fewer, every block it has trains)."""
+    model has a frozen block (with fewer, every block it has trains); with activation offloading, one past its
+    forward stash (memplan.runtime.offload.STASH), whose blocks' inputs stay on the device, so that each block more
+    adds what a block adds in the whole model."""
     frozen = setup.trainable + 1 if setup.technique == "freeze" and isinstance(setup.trainable, int) else 0
     irregular = 1 + leading_irregular_blocks(spec) if spec is not None else 0
-    return max(layers, 2, frozen, irregular)
+    stash = STASH + 1 if setup.activation_offloading else 0
+    return max(layers, 2, frozen, irregular, stash)
 
 
 def result_from(spec, setup, t: StorageTracker, traced, total) -> TraceResult:

@@ -397,6 +397,7 @@ _VARIED = {
     "attn_impl": ["eager"], "added_tokens": [100], "prompt_len": [300], "new_tokens": [40], "padded": [True],
     "num_gpus": [2], "num_nodes": [2], "sharding": ["ddp", "zero3", "fsdp-full-shard"], "offload": ["optimizer"],
     "trainer": ["sft", "dpo", "grpo"], "packing": [True], "padding_free": [True], "precompute_ref_log_probs": [True],
+    "activation_offloading": [True],
     "num_generations": [4], "max_completion_length": [64], "beta": [0.04], "use_vllm": [True], "vllm_mode": ["server"],
     "vllm_gpu_memory_utilization": [0.5], "steps_per_generation": [2],
 }
