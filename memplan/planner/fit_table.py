@@ -179,6 +179,10 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     if a.model_type == "gpt_oss" and options is FIT_OPTIONS:  # its checkpoint's experts are MXFP4: served as stored
         options = options[:1] + (("inference mxfp4 (as stored)", {"mode": "infer", "precision": "{bf}",
                                                                    "quant": "mxfp4"}),) + options[1:]
+    elif a.kind == "causal" and a.has_lm_head and options is FIT_OPTIONS and not spec.checkpoint_quant:
+        # what a 4-bit GPTQ upload of the model (…-GPTQ-Int4, as most families publish) would serve with
+        options = options[:3] + (("inference from a 4-bit GPTQ upload", {"mode": "infer", "precision": "{bf}",
+                                                                         "quant": "gptq-int4"}),) + options[3:]
     new = 0 if a.kind == "encoder" or not a.has_lm_head else DEFAULT_NEW_TOKENS  # a classifier serves one forward
     if a.max_positions:
         new = max(0, min(new, a.max_positions - seq_len))

@@ -39,7 +39,7 @@ def test_fit_json_contract(run):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["gpu"] == {"name": "GeForce RTX 3060 12GB", "memory_bytes": 12 * 2**30}
-    assert len(d["options"]) == 13  # with issue 39's DoRA, Liger and offloading rows, issue 38's SFT, DPO, GRPO
+    assert len(d["options"]) == 14  # issue 39: DoRA, Liger, offloading; 38: SFT, DPO, GRPO; 40: a GPTQ upload served
     for row in d["options"]:
         assert {"option", "mode", "setup", "fits", "max_batch_size", "need_bytes_at_batch_1",
                 "device_total_bytes_at_batch_1"} <= set(row)
