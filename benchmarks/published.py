@@ -1,6 +1,7 @@
 """Estimate every usable row of the published GPU peak measurements and report the relative error.
 
-Rows come from ../shared/reference/published_peaks_visible.csv (each with its source). A row is estimated when its
+Rows come from ../shared/reference/published_peaks_visible.csv and benchmarks/published_found.csv (measurements this
+project found itself, same columns plus use_dora; each with its source). A row is estimated when its
 setup maps onto memplan's Setup vocabulary and its model is in the catalog; every other row is listed with the
 reason. Nothing is tuned to rows: this script only reads the estimator.
 
@@ -20,6 +21,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "published_peaks_visible.csv"
+FOUND_CSV = ROOT / "benchmarks" / "published_found.csv"
 MEASURE_KEY = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserved_bytes", "device": "device_total_bytes"}
 
 
@@ -68,6 +70,8 @@ def row_setup(row) -> tuple[dict | None, str]:
                   seq_len=int(float(row["seq_len"])), grad_ckpt=_bool(row.get("grad_ckpt")),
                   grad_accum=int(float(_val(row, "grad_accum") or 1)))
     if row["technique"] in ("lora", "qlora"):
+        if _bool(row.get("use_dora")):
+            fields["use_dora"] = True
         targets = _val(row, "lora_targets")
         fields.update(lora_r=int(float(row["lora_r"])), lora_dropout=float(_val(row, "lora_dropout") or 0.0))
         if targets:
@@ -99,7 +103,8 @@ def evaluate(csv_path: Path) -> tuple[list[dict], list[dict]]:
     from memplan.setup import Setup
 
     done, skipped, rows = [], [], []
-    for row in pd.read_csv(csv_path).to_dict("records"):
+    frames = [pd.read_csv(p) for p in ([csv_path] if isinstance(csv_path, Path) else csv_path)]
+    for row in pd.concat(frames, ignore_index=True).to_dict("records"):
         base = {"id": row["source_id"], "model": row["model"], "trust": row["trust"]}
         fields, reason = row_setup(row)
         if fields is not None and catalog_id(row["model"]) is None and quantized_upload(row["model"]) is None:
@@ -181,7 +186,7 @@ def _measured_row(row, setup, versions: dict[str, str]) -> dict:
 def _summary(f: dict) -> str:
     if f["mode"] == "infer":
         return f"infer {f['precision']} {f.get('quant') or ''} b{f['batch_size']} p{f['prompt_len']}+{f['new_tokens']}"
-    parts = [f["technique"], f["precision"], f.get("quant") or "", f["optimizer"], f"b{f['batch_size']}",
+    parts = [f["technique"] + (" + DoRA" if f.get("use_dora") else ""), f["precision"], f.get("quant") or "", f["optimizer"], f"b{f['batch_size']}",
              f"s{f['seq_len']}", "ckpt" if f["grad_ckpt"] else "", f"ga{f['grad_accum']}" if f["grad_accum"] > 1 else "",
              f.get("attn_impl") or ""]
     return " ".join(p for p in parts if p)
@@ -244,7 +249,7 @@ def main(argv=None) -> int:
     if not args.csv.exists():
         print(f"error: {args.csv} not found (pass --csv)", file=sys.stderr)
         return 2
-    done, skipped, rows = evaluate(args.csv)
+    done, skipped, rows = evaluate([args.csv] + ([FOUND_CSV] if FOUND_CSV.exists() else []))
     summary = summarize(done)
     text = render(done, skipped, summary)
     sys.path.insert(0, str(ROOT))
