@@ -365,6 +365,9 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append("peft's all-linear finds no GPTQ layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
                  "nn.Module: peft tuners_utils._maybe_include_all_linear_layers): name the modules, e.g. "
                  "--lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    if s.quant in GPTQ and s.mode == "train" and s.compute_dtype == "fp32":
+        p.append("LoRA on a GPTQ base computes in 16 bit (its scales are fp16; peft keeps the base's dtype): use "
+                 "--precision fp16 or bf16")
     if s.quant in GPTQ and s.use_dora:
         p.append("peft's GPTQ LoRA layer does not support DoRA (GPTQLoraLinear raises): drop --use-dora, or use "
                  "--technique qlora on the 16-bit base")

@@ -169,6 +169,16 @@ def model_notes(spec: ModelSpec) -> list[str]:
     pre-quantized (estimated with 16-bit weights, as transformers dequantizes a format it has no kernels for)."""
     notes = [variant_note(spec)] if spec.variant_of else []
     row = catalog_index().get(spec.model_id, {})
+    if not row and spec.config_file and not spec.config_file.startswith("hub:"):  # a local config.json
+        try:
+            config = read_config(spec.config_file)
+        except BadInput:
+            config = {}
+        if spec.checkpoint_quant:
+            notes.append(f"{spec.model_id}: its quantization_config loads the weights as {spec.checkpoint_quant} "
+                         f"(--quant {spec.checkpoint_quant} by default)")
+        elif stored_format(config):
+            row = {"stored_as": stored_format(config)}
     if row.get("stored_as") == "mxfp4":
         notes.append(f"{spec.model_id}'s experts are stored as MXFP4 (its quantization_config): --quant mxfp4 "
                      "serves them as stored (transformers with the `kernels` package, compute capability 7.5 or "
@@ -232,15 +242,35 @@ def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str |
     config = read_config(path)
     key = _inventory_key(Path(path).read_bytes() + (task or "").encode(), trust_remote_code)
     cached = read_cached("inventories", key)
+    stored = {"checkpoint_quant": stored_quant(config)}  # a quantization_config names how the weights load
     try:
-        return replace(ModelSpec.from_dict(cached), model_id=path, config_file=path)
+        return replace(ModelSpec.from_dict(cached), model_id=path, config_file=path, **stored)
     except (ValueError, KeyError, TypeError, AttributeError):
         pass  # not cached yet, or written by another memplan: build it
     from memplan.inventory.build import build_spec
 
     spec = build_spec(config, model_id=path, config_file=path, trust_remote_code=trust_remote_code, task=task)
     write_cached("inventories", key, spec.to_dict())
-    return spec
+    return replace(spec, **stored)
+
+
+def stored_quant(config: dict) -> str | None:
+    """The Setup.quant a config.json's quantization_config loads its weights as (transformers' quantizers), None
+    for none or a format memplan does not model (model_notes says so): GPTQ 4 / 8 bits, AWQ, FP8 (fine-grained),
+    bitsandbytes 4-bit (its quant type) and 8-bit."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    if method == "gptq":
+        return {4: "gptq-int4", 8: "gptq-int8"}.get(q.get("bits", 4))
+    if method in ("awq", "fp8"):
+        return method if method == "fp8" or q.get("bits", 4) == 4 else None
+    if method == "bitsandbytes":
+        if q.get("load_in_4bit"):
+            return str(q.get("bnb_4bit_quant_type", "fp4")).lower()
+        return "int8" if q.get("load_in_8bit") else None
+    return None
 
 
 def read_config(path: str | Path) -> dict:

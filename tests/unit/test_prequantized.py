@@ -72,7 +72,8 @@ def test_lora_on_gptq_names_what_peft_refuses():
         Setup(technique="lora", quant="gptq-int4", lora_targets="all-linear")
     with pytest.raises(SetupError, match="DoRA"):
         Setup(technique="lora", quant="gptq-int4", use_dora=True)
-    r = CliRunner().invoke(main, ["estimate", "openai-community/gpt2", "--technique", "lora", "--quant", "gptq-int4"])
+    r = CliRunner().invoke(main, ["estimate", "openai-community/gpt2", "--technique", "lora", "--quant", "gptq-int4",
+                                  "--precision", "fp16"])
     assert r.exit_code == 2 and "LayerNorm" in r.output  # the fp32 stream under autocast is not modelled
 
 
@@ -167,3 +168,22 @@ def test_mxfp4_is_served_only_and_only_on_gpt_oss_experts():
     assert v100.components["weights"] > 2.5 * t4.components["weights"]
     assert any("dequantized" in n for n in v100.notes)
 
+
+
+def test_a_local_config_loads_as_its_quantization_config_says(tmp_path):
+    """transformers loads a config.json's quantization_config as that format: memplan uses it without --quant."""
+    import json
+
+    from memplan.model.catalog import DATA, stored_quant
+    config = json.loads((DATA / "configs" / "Qwen__Qwen2.5-0.5B.json").read_text())
+    assert stored_quant({**config, "quantization_config": {"quant_method": "gptq", "bits": 8}}) == "gptq-int8"
+    assert stored_quant({**config, "quantization_config": {"quant_method": "gptq", "bits": 3}}) is None
+    assert stored_quant({**config, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                                           "bnb_4bit_quant_type": "nf4"}}) == "nf4"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    r = CliRunner().invoke(main, ["estimate", str(path), "--mode", "infer", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["setup"]["quant"] == "gptq-int4"
+    r = CliRunner().invoke(main, ["estimate", str(path), "--technique", "lora"])
+    assert r.exit_code == 2 and "--precision fp16 or bf16" in r.output
