@@ -26,7 +26,7 @@ NewTokens = Literal["modules-to-save", "token-indices"]
 Task = Literal["causal-lm", "seq2seq", "masked-lm", "seq-cls", "token-cls"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
                     "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion-32bit", "adamw-torch-8bit",
-                    "adamw-torch-4bit", "schedule-free-adamw"]
+                    "adamw-torch-4bit", "schedule-free-adamw", "galore-adamw"]
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2"]
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp-shard-grad-op", "fsdp-full-shard"]
 Offload = Literal["none", "optimizer", "params+optimizer"]
@@ -358,6 +358,9 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet (LoRA on a GPTQ base "
                  "is: --technique lora --quant gptq-int4): estimate serving it with --mode infer, or LoRA on the "
                  "16-bit base quantized on load (--technique qlora)")
+    if s.optimizer == "galore-adamw" and s.mode == "train" and s.technique != "full":
+        p.append("galore-adamw projects the gradients of full-rank weights: it needs --technique full "
+                 "(with LoRA, train the adapters with adamw)")
     if s.quant == "mxfp4" and s.mode == "train":
         p.append("transformers does not train MXFP4 weights: fine-tuning loads them dequantized "
                  "(Mxfp4Config(dequantize=True)), so estimate the 16-bit model: drop --quant mxfp4")

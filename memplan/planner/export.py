@@ -44,7 +44,10 @@ OPTIM_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adam
                "paged-adamw-32bit": "paged_adamw_32bit", "lion-8bit": "lion_8bit", "lion-32bit": "lion_32bit",
                "paged-lion-8bit": "paged_lion_8bit", "paged-lion-32bit": "paged_lion_32bit",
                "adamw-torch-8bit": "adamw_torch_8bit", "adamw-torch-4bit": "adamw_torch_4bit",
-               "schedule-free-adamw": "schedule_free_adamw"}
+               "schedule-free-adamw": "schedule_free_adamw", "galore-adamw": "galore_adamw"}
+#: GaLore's target modules and projection rank as memplan estimates them (memory.optimizer.GALORE_RANK): every
+#: block's attention and MLP Linears, transformers' default rank
+GALORE_ARGS = {"optim_target_modules": ["attn", "mlp"], "optim_args": "rank=128, update_proj_gap=200, scale=0.25"}
 PLAN_FORMAT = 1
 
 
@@ -101,6 +104,7 @@ def training_arguments_section(s: Setup) -> dict:
         "gradient_checkpointing_kwargs": {"use_reentrant": False} if s.grad_ckpt else None,
         "optim": OPTIM_NAMES[s.optimizer],
         "use_liger_kernel": s.use_liger_kernel,
+        **(GALORE_ARGS if s.optimizer == "galore-adamw" else {}),
     }
 
 

@@ -105,7 +105,30 @@ def make_optimizer(setup: Setup, params, standin_tracker=None, model=None):
         return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
     if opt == "sgd":
         return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    if opt == "galore-adamw":
+        return galore_optimizer(model, params)
     raise BadInput(f"optimizer {opt!r} cannot be run")
+
+
+#: what memplan's plan files set for GaLore (planner.export.GALORE_ARGS): the attention and MLP Linears, rank 128
+GALORE_TARGETS = ("attn", "mlp")
+
+
+def galore_optimizer(model, params):
+    """galore_torch.GaLoreAdamW as Trainer builds it for optim="galore_adamw" (trainer.py
+    _get_optimizer_cls_and_kwargs): the weights of the nn.Linear modules whose name holds a target in one group with
+    rank 128, update_proj_gap 200, scale 0.25, proj_type "std"; every other trainable tensor in a plain group."""
+    import torch
+    try:
+        from galore_torch import GaLoreAdamW
+    except ImportError:
+        raise BadInput("--optimizer galore-adamw runs galore_torch.GaLoreAdamW: pip install galore-torch") from None
+    targets = {id(m.weight) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(t in name for t in GALORE_TARGETS) and m.weight.requires_grad}
+    projected = [p for p in params if id(p) in targets]
+    rest = [p for p in params if id(p) not in targets]
+    return GaLoreAdamW([{"params": rest}, {"params": projected, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
+                                           "proj_type": "std"}], lr=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------- model

@@ -791,3 +791,33 @@ def test_moe_serving_working_set_by_hand():
     assert inference_expert_bytes(oss, 100) == 100 * 4 * 10 * 2880 * 2
     qwen = resolve(load_spec("Qwen/Qwen3-30B-A3B"), s)
     assert inference_expert_bytes(qwen, 100) == 100 * 8 * 4 * 2048 * 2
+
+
+def test_galore_state_by_hand():
+    """galore_torch GaLoreAdamW (optim="galore_adamw", targets attn and mlp, rank 128): a projected [m, n] weight keeps
+    the orthogonal matrix ([128, n] when m >= n, else [m, 128]) and two moments of the projected gradient ([m, 128],
+    else [128, n]) in bf16; with fp32 weights the matrix is a slice of the SVD's Vh (U), which stays referenced whole
+    ([k, n], [m, k], k = min(m, n)). Untargeted tensors (SmolLM2-135M's tied embedding, the norms) keep two Adam
+    moments."""
+    from memplan.errors import SetupError
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.optimizer import galore_state_bytes, galore_targets
+    from memplan.model.catalog import load_spec
+    spec = load_spec("HuggingFaceTB/SmolLM2-135M")
+    for precision, b in (("bf16", 2), ("fp32", 4)):
+        ctx = resolve(spec, Setup(technique="full", precision=precision, optimizer="galore-adamw"))
+        targets = galore_targets(ctx)
+        assert "model.layers.0.self_attn.q_proj.weight" in targets and "model.embed_tokens.weight" not in targets
+        expected = 0
+        for p in spec.params:
+            if p.name not in targets:
+                expected += 2 * p.numel * b
+                continue
+            m, n = p.shape
+            r, k = min(128, m, n), min(m, n)
+            kept = k if b == 4 else r
+            expected += (kept * n + 2 * m * r) * b if m >= n else (m * kept + 2 * r * n) * b
+        assert galore_state_bytes(ctx) == expected
+        assert len(targets) == 7 * 30  # q, k, v, o, gate, up, down in each of 30 blocks
+    with pytest.raises(SetupError, match="technique full"):
+        Setup(technique="lora", optimizer="galore-adamw")

@@ -140,9 +140,72 @@ STATE_FN = {
 BNB_8BIT = {"adamw-8bit": 2, "paged-adamw-8bit": 2, "lion-8bit": 1, "paged-lion-8bit": 1}
 
 
+#: GaLore (galore_torch GaLoreAdamW, as transformers' optim="galore_adamw" builds it): the projection rank
+#: (transformers' default optim_args rank) and the targets, every block's attention and MLP Linear weights
+#: (optim_target_modules=["attn", "mlp"], what memplan's plan files write)
+GALORE_RANK = 128
+
+
+def galore_targets(ctx: Ctx) -> set[str]:
+    """The trainable weights GaLore projects: those of the Linears whose name holds "attn" or "mlp"."""
+    names = {m.name + ".weight" for m in ctx.spec.linears if "attn" in m.name or "mlp" in m.name}
+    return {p.name for p in ctx.spec.params if p.name in ctx.trainable and p.name in names and len(p.shape) == 2}
+
+
+def _galore_sides(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(m, n, r) of a projected [m, n] gradient: GaLoreProjector 'std' keeps the smaller side, rank r <= min."""
+    m, n = shape
+    return m, n, min(GALORE_RANK, m, n)
+
+
+def galore_state_bytes(ctx: Ctx) -> int:
+    """galore_torch GaLoreAdamW.step state (adamw.py, galore_projector.py, proj_type 'std'): for a projected [m, n]
+    weight the orthogonal matrix ([r, n] when m >= n, else [m, r]) and exp_avg / exp_avg_sq of the projected
+    gradient ([m, r], else [r, n]), all in the gradient's dtype; any other trainable tensor two Adam moments
+    zeros_like(grad). With fp32 weights get_orthogonal_matrix returns a slice of the SVD's Vh (else U) without
+    copying it, so the whole [k, n] (else [m, k]) factor stays referenced (k = min(m, n)); 16-bit weights get a
+    compact cast."""
+    targets, total = galore_targets(ctx), 0
+    b = ctx.weight_bytes
+    for p in ctx.spec.params:
+        if p.name not in ctx.trainable:
+            continue
+        if p.name in targets:
+            m, n, r = _galore_sides(p.shape)
+            kept = min(m, n) if b == 4 else r  # the factor's rows (columns) the orthogonal matrix holds
+            total += (kept * n * b + 2 * m * r * b) if m >= n else (m * kept * b + 2 * r * n * b)
+        else:
+            total += 2 * weights.numel(ctx, p) * ctx.weight_bytes
+    return total
+
+
+def galore_temp_bytes(ctx: Ctx) -> int:
+    """GaLoreAdamW.step's transients, one tensor at a time; the largest of:
+    - a projected weight's first step (and every update_proj_gap-th): get_orthogonal_matrix's fp32 copy of a 16-bit
+      gradient, torch.linalg.svd(full_matrices=False)'s U [m, k], S [k] and Vh [k, n] (k = min(m, n)), then the
+      [m, r] (or [r, n]) product it also forms; the SVD's own solver workspace is not counted;
+    - a projected weight's later steps: project_back's full [m, n] and its scaled copy;
+    - an unprojected tensor's step: exp_avg_sq.sqrt() and exp_avg / denom, two of its size."""
+    targets, b = galore_targets(ctx), ctx.weight_bytes
+    out = 0
+    for p in ctx.spec.params:
+        if p.name not in ctx.trainable:
+            continue
+        if p.name in targets:
+            m, n, r = _galore_sides(p.shape)
+            k = min(m, n)
+            svd = (m * n * 4 if b != 4 else 0) + 4 * (m * k + k + k * n) + 4 * max(m, n) * r
+            out = max(out, svd, 2 * m * n * b)
+        else:
+            out = max(out, 2 * weights.numel(ctx, p) * b)
+    return out
+
+
 @per_model("optimizer", "lora_r", "added_tokens")
 def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
+    if ctx.setup.optimizer == "galore-adamw":
+        return galore_state_bytes(ctx)
     fn = STATE_FN[ctx.setup.optimizer]
     states = BNB_8BIT.get(ctx.setup.optimizer)
     # Trainer registers every nn.Embedding weight for 32-bit state with bitsandbytes' GlobalOptimManager
@@ -183,6 +246,8 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
       (compat.TORCHAO_STEP_BYTES).
     """
     opt = ctx.setup.optimizer
+    if opt == "galore-adamw":
+        return galore_temp_bytes(ctx)
     if opt in ("adamw", "schedule-free-adamw"):  # foreach: one buffer the size of every trainable tensor
         return weights.trainable_bytes(ctx)
     if opt in ("adamw-torch-8bit", "adamw-torch-4bit"):
