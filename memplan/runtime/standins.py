@@ -129,7 +129,7 @@ def prequantized_standin_class():
             groups = math.ceil(k / group)
             i32 = dict(dtype=torch.int32, device=dev)
             if quant.startswith("gptq"):
-                bits = 8 if quant.endswith("8") else 4
+                bits = PREQUANTIZED[quant]
                 self.bits, self.group_size = bits, group
                 self.register_buffer("qweight", torch.empty(math.ceil(k * bits / 32), n, **i32))
                 if training:

@@ -15,6 +15,17 @@ from memplan.estimator.memory.saves import liger_head
 #: shifted codes (4) and their int8 cast (1); later the int8 codes (1), codes - zeros (1), the gathered fp16 scales
 #: (2) and the fp16 product (2) = 6. 8-bit: int16 codes, 2 each: 4 + 2, then 2 + 2 + 2 + 2 = 8
 GPTQ_UNPACK_BYTES = {4: 6, 8: 8}
+#: of which the dequantized weight itself (fp16, the scales' dtype)
+GPTQ_WEIGHT_BYTES = 2
+
+
+def _gptq_unpack_beyond_weight(ctx: Ctx) -> int:
+    """Training on a GPTQ base: the unpacking of the largest quantized weight beyond the dequantized weight it
+    yields; 0 otherwise."""
+    if not (ctx.setup.quant in GPTQ and ctx.training):
+        return 0
+    sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
+    return max(sizes, default=0) * (GPTQ_UNPACK_BYTES[PREQUANTIZED[ctx.setup.quant]] - GPTQ_WEIGHT_BYTES)
 
 
 @per_model("grad_ckpt")
@@ -30,8 +41,7 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
         # gptqmodel's training path (TorchLinear: PackableQuantLinear.dequantize_weight) unpacks the whole weight
         # with torch ops: at most GPTQ_UNPACK_BYTES per weight, its fp16 result included. The result is the copy
         # the matmul saves (_cast_weights) where a graph is recorded; in a checkpointed forward it is freed as well
-        bits = 8 if ctx.setup.quant.endswith("8") else 4
-        return max(sizes) * (GPTQ_UNPACK_BYTES[bits] - (0 if ctx.setup.grad_ckpt else 2))
+        return _gptq_unpack_beyond_weight(ctx) + (max(sizes) * GPTQ_WEIGHT_BYTES if ctx.setup.grad_ckpt else 0)
     if not sizes or ctx.setup.quant in PREQUANTIZED:  # Marlin / FP8 kernels multiply the packed weight directly
         return 0
     return max(sizes) * ctx.compute_bytes
@@ -40,11 +50,7 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
 def gptq_recompute_unpack_bytes(ctx: Ctx) -> int:
     """Training on a GPTQ base with checkpointing: the unpacking of the largest weight while its block is recomputed
     in backward, beyond the dequantized weight itself, which its matmul saves (_cast_weights); 0 otherwise."""
-    if not (ctx.setup.quant in GPTQ and ctx.training and ctx.setup.grad_ckpt):
-        return 0
-    sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
-    bits = 8 if ctx.setup.quant.endswith("8") else 4
-    return max(sizes, default=0) * (GPTQ_UNPACK_BYTES[bits] - 2)
+    return _gptq_unpack_beyond_weight(ctx) if ctx.setup.grad_ckpt else 0
 
 
 def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = None) -> int:

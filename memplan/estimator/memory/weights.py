@@ -191,7 +191,7 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
     groups = math.ceil(k / QUANT_GROUP)
     workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
     if quant.startswith("gptq") and training:
-        bits = 8 if quant.endswith("8") else 4
+        bits = PREQUANTIZED[quant]
         return alloc_bytes(groups * math.ceil(n * bits / 32) * 4) + alloc_bytes(groups * n * 2) + alloc_bytes(k * 4)
     if quant.startswith("gptq"):
         return alloc_bytes(groups * n * 2) + workspace
