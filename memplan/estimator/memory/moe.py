@@ -26,6 +26,15 @@ def routers(ctx: Ctx, blk: BlockLayout) -> list:
     return [r for r in found if r is not None]
 
 
+def expert_width(ctx: Ctx, experts: list) -> int:
+    """Each expert's intermediate width, from its down_proj, [E, H, I] or GPT-OSS's [E, I, H] (Qwen2-MoE's
+    moe_intermediate_size is not intermediate_size); intermediate_size where `experts` hold no down_proj."""
+    h = ctx.spec.arch.hidden_size
+    widths = [max(p.shape[1:], key=lambda d: d != h) for p in experts
+              if p.name.endswith("down_proj") and len(p.shape) == 3]
+    return widths[0] if widths else ctx.spec.arch.intermediate_size
+
+
 def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     """Bytes per token a block's fused experts save for backward.
 
@@ -36,13 +45,9 @@ def moe_bytes(ctx: Ctx, experts: list, lora_names: set[str]) -> float:
     routing-weight multiply); the gathered input [H] when gate_up needs one.
     """
     a = ctx.spec.arch
-    # each expert's width from its down_proj, [E, H, I] or GPT-OSS's [E, I, H] (Qwen2-MoE's moe_intermediate_size is
-    # not intermediate_size)
     h = a.hidden_size
-    widths = [max(p.shape[1:], key=lambda d: d != h) for p in experts
-              if p.name.endswith("down_proj") and len(p.shape) == 3]
     # Llama-4's dense experts run their own torch.bmm (no transformers experts-interface dispatch), which autocasts
-    e, i = ctx.act_bytes if a.experts_dense else ctx.weight_bytes, widths[0] if widths else a.intermediate_size
+    e, i = ctx.act_bytes if a.experts_dense else ctx.weight_bytes, expert_width(ctx, experts)
     # the gate_up output [2I] and act(gate) [I], or what the family's own gating keeps (Arch.expert_gate_saves)
     gating = a.expert_gate_saves[0 if e < 4 else 1] if a.expert_gate_saves else 3 * e
 
@@ -103,9 +108,7 @@ def inference_expert_bytes(ctx: Ctx, tokens: int) -> int:
     h = a.hidden_size
     first = min((p.block for p in ctx.spec.params if p.role == "expert"), default=None)  # DeepSeek: dense blocks first
     experts = [p for p in ctx.spec.params if p.role == "expert" and p.block == first]
-    downs = [max(p.shape[1:], key=lambda d: d != h) for p in experts if p.name.endswith("down_proj")
-             and len(p.shape) == 3]
-    i = downs[0] if downs else a.intermediate_size
+    i = expert_width(ctx, experts)
     bias = any(p.name.endswith("gate_up_proj_bias") for p in experts)
     gate = h + (2 * i if bias else 0) + 2 * i + INFERENCE_GATE_LIVE.get(a.model_type, 2) * i
     down = h + (h if bias else 0) + 3 * h
