@@ -49,6 +49,10 @@ PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8":
 #: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
 #: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
 GPTQ = ("gptq-int4", "gptq-int8")
+#: GaLore as memplan plans, traces and estimates it (optim="galore_adamw" with optim_target_modules and optim_args):
+#: the Linears whose name holds one of GALORE_TARGETS, transformers' default rank, projection gap and scale
+GALORE_TARGETS: tuple[str, ...] = ("attn", "mlp")
+GALORE_ARGS: dict[str, float] = {"rank": 128, "update_proj_gap": 200, "scale": 0.25}
 VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
 #: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
 TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")

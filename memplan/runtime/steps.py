@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
 from memplan.errors import BadInput, MemplanError, TraceFailed
-from memplan.setup import PREQUANTIZED, TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
+from memplan.setup import GALORE_ARGS, GALORE_TARGETS, PREQUANTIZED, TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import CLASSIFIER_CLASSES, config_from_dict
@@ -110,14 +110,10 @@ def make_optimizer(setup: Setup, params, standin_tracker=None, model=None):
     raise BadInput(f"optimizer {opt!r} cannot be run")
 
 
-#: what memplan's plan files set for GaLore (planner.export.GALORE_ARGS): the attention and MLP Linears, rank 128
-GALORE_TARGETS = ("attn", "mlp")
-
-
 def galore_optimizer(model, params):
     """galore_torch.GaLoreAdamW as Trainer builds it for optim="galore_adamw" (trainer.py
-    _get_optimizer_cls_and_kwargs): the weights of the nn.Linear modules whose name holds a target in one group with
-    rank 128, update_proj_gap 200, scale 0.25, proj_type "std"; every other trainable tensor in a plain group."""
+    _get_optimizer_cls_and_kwargs): the weights of the nn.Linear modules whose name holds one of setup.GALORE_TARGETS
+    in one group with setup.GALORE_ARGS and proj_type "std"; every other trainable tensor in a plain group."""
     import torch
     try:
         from galore_torch import GaLoreAdamW
@@ -127,8 +123,7 @@ def galore_optimizer(model, params):
                if isinstance(m, torch.nn.Linear) and any(t in name for t in GALORE_TARGETS) and m.weight.requires_grad}
     projected = [p for p in params if id(p) in targets]
     rest = [p for p in params if id(p) not in targets]
-    return GaLoreAdamW([{"params": rest}, {"params": projected, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
-                                           "proj_type": "std"}], lr=1e-4)
+    return GaLoreAdamW([{"params": rest}, {"params": projected, **GALORE_ARGS, "proj_type": "std"}], lr=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------- model

@@ -9,6 +9,7 @@ from memplan import libs
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory import new_tokens, weights
 from memplan.model.compat import TORCHAO_BLOCK, TORCHAO_STEP_BYTES, torchao_quantized
+from memplan.setup import GALORE_ARGS, GALORE_TARGETS
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8
 # state1/state2, one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements
@@ -140,15 +141,14 @@ STATE_FN = {
 BNB_8BIT = {"adamw-8bit": 2, "paged-adamw-8bit": 2, "lion-8bit": 1, "paged-lion-8bit": 1}
 
 
-#: GaLore (galore_torch GaLoreAdamW, as transformers' optim="galore_adamw" builds it): the projection rank
-#: (transformers' default optim_args rank) and the targets, every block's attention and MLP Linear weights
-#: (optim_target_modules=["attn", "mlp"], what memplan's plan files write)
-GALORE_RANK = 128
+#: GaLore's projection rank (galore_torch GaLoreAdamW, as transformers' optim="galore_adamw" builds it with the
+#: optim_args memplan's plan files write: setup.GALORE_ARGS)
+GALORE_RANK = GALORE_ARGS["rank"]
 
 
 def galore_targets(ctx: Ctx) -> set[str]:
-    """The trainable weights GaLore projects: those of the Linears whose name holds "attn" or "mlp"."""
-    names = {m.name + ".weight" for m in ctx.spec.linears if "attn" in m.name or "mlp" in m.name}
+    """The trainable weights GaLore projects: those of the Linears whose name holds one of setup.GALORE_TARGETS."""
+    names = {m.name + ".weight" for m in ctx.spec.linears if any(t in m.name for t in GALORE_TARGETS)}
     return {p.name for p in ctx.spec.params if p.name in ctx.trainable and p.name in names and len(p.shape) == 2}
 
 
