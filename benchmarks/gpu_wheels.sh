@@ -10,7 +10,9 @@
 #   .whl-2026   liger-kernel, torchao, schedulefree and galore-torch (issue 39's techniques: benchmarks/sweeps/gpu-2026-techniques.yaml;
 #               liger-kernel needs triton, which the device image's torch brings)
 # A checkout does not keep ignored folders between sessions; run this first in a session with a GPU (about a
-# minute), then: carry [".whl", ".whl-t523"] (about 50 MiB of the 64 MiB a call may carry) and so on.
+# minute), then: carry [".whl", ".whl-t523"] (about 30 MiB of the 64 MiB a call may carry) and so on.
+# Session 33 (H200, 2026-11-27) measured 176 rows in two calls of the whole 2026 pool with [".whl"] alone:
+#   bash benchmarks/gpu_session.sh 470 'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-*.yaml'  (then 250)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qsx '/.whl*/' .git/info/exclude || { mkdir -p .git/info; echo '/.whl*/' >> .git/info/exclude; }
@@ -29,5 +31,7 @@ get .whl-trl trl==1.16.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types=
   typing-extensions==4.16.0
 # trl's trainer utilities import pandas at the top; gpu_session.sh installs these only where the image lacks it
 get .whl-trl/pandas pandas==2.3.3 python-dateutil==2.9.0.post0 pytz==2025.2 tzdata==2025.2 six==1.17.0
-cp .whl-2026/*.whl .whl/  # about 48 MiB in .whl with the tree's 15: carry [".whl"] alone
+# bitsandbytes' native libraries for CUDA 13 only (the device image's torch is cu130): 43 MB -> 3 MB
+python3 benchmarks/slim_wheel.py .whl/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl 13
+cp .whl-2026/*.whl .whl-trl/trl-*.whl .whl/  # 15 MiB: one call carries [".whl"] for every 2026 sweep, TRL's too
 du -sh .whl .whl-t523 .whl-t448 .whl-2026 .whl-trl
