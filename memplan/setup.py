@@ -211,6 +211,8 @@ _INTEGERS = (("num_gpus", 1, 2**16, False), ("num_nodes", 1, 2**16, False), ("ba
              ("lora_r", 1, 2**16, False), ("added_tokens", 0, 2**24, False), ("prompt_len", 1, 2**24, True),
              ("new_tokens", 0, 2**24, True), ("num_generations", 1, 2**16, False),
              ("max_completion_length", 1, 2**24, False), ("steps_per_generation", 1, 2**20, True))
+#: The integer fields, optional ones included: what a CSV cell of a measured row parses as an int
+INTEGER_FIELDS = frozenset(name for name, *_ in _INTEGERS)
 
 
 def value_problems(fields: dict) -> list[str]:
@@ -288,8 +290,10 @@ def trainer_problems(s: Setup) -> list[str]:
             p.append("GRPO needs num_generations >= 2 (it compares completions of the same prompt): use "
                      "--num-generations 2 or more")
         steps = generation_steps(s)
-        generation_batch = s.batch_size * steps * s.world_size
-        if isinstance(s.num_generations, int) and s.num_generations >= 2 and generation_batch % s.num_generations:
+        counts = (s.batch_size, steps, s.num_gpus, s.num_nodes, s.num_generations)
+        sound = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in counts)  # else value_problems
+        generation_batch = s.batch_size * steps * s.world_size if sound else 0
+        if sound and s.num_generations >= 2 and generation_batch % s.num_generations:
             fits = [g for g in range(2, generation_batch + 1) if generation_batch % g == 0]
             what = "accumulation" if s.steps_per_generation is None else "steps per generation"
             p.append(f"generation_batch_size ({s.batch_size} x {steps} {what} x {s.world_size} GPUs = "

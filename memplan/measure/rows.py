@@ -27,7 +27,7 @@ from pathlib import Path
 
 from memplan.errors import BadInput
 from memplan.fileio import write_text_atomic
-from memplan.setup import DISTRIBUTED_FIELDS, Setup
+from memplan.setup import DISTRIBUTED_FIELDS, INTEGER_FIELDS, Setup
 from memplan import __version__
 
 SETUP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Setup))
@@ -80,7 +80,7 @@ def _parse_setup_value(name: str, text: str, default):
         return int(text) if text.isdigit() else tuple(text.split(","))
     if isinstance(default, float) or name == "lora_dropout":
         return float(text)
-    if isinstance(default, int) or name in ("target_len", "prompt_len", "new_tokens"):
+    if isinstance(default, int) or name in INTEGER_FIELDS:
         return int(text)
     return text
 

@@ -121,8 +121,8 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
             inference_loop(model, spec, setup, "cuda", meter.enter)
         elif setup.trainer in TRL_TRAINERS:
             no_eos(model)
-            with _trl_offloading(model, setup):
-                trl_loop(model, ref, opt, spec, setup, rows, steps, "cuda", meter.enter)
+            offload = _trl_offloading(model, setup)
+            trl_loop(model, ref, opt, spec, setup, rows, steps, "cuda", meter.enter, micro_ctx=lambda: offload)
         else:
             training_loop(model, opt, spec, setup, steps, "cuda", meter.enter)
         return meter.result("ok", steps)
@@ -131,8 +131,10 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
 
 
 def _trl_offloading(model, setup):
-    """TRL's own activation offloading (trl/models/activation_offloading.py) around the steps, as its trainers wrap
-    each training step; a null context without it."""
+    """TRL's own activation offloading (trl/models/activation_offloading.py): one manager, entered around each
+    micro-step's forward and backward as SFTTrainer.training_step / DPOTrainer.training_step enter it (trl 1.16;
+    the rows measured before 2026-11-27 entered it once around all steps: data/measured/gpu-h200-offload-loop.csv);
+    a null context without it."""
     if not setup.activation_offloading:
         return contextlib.nullcontext()
     from trl.models.activation_offloading import get_act_offloading_ctx_manager

@@ -352,16 +352,20 @@ def training_loop(model, opt, spec, setup: Setup, steps: int, device: str, enter
 
 
 def run_steps(opt, steps: int, accum: int, forward: Callable, enter_phase: Callable[[str], None],
-              after_backward: Callable | None = None, after_step: Callable | None = None) -> None:
+              after_backward: Callable | None = None, after_step: Callable | None = None,
+              micro_ctx: Callable = contextlib.nullcontext) -> None:
     """`steps` optimizer steps of `accum` micro-steps each, the one loop of training_loop and TRL's (runtime.trl_step):
     forward(micro) runs micro-step `micro`'s forward (entering its phases) and returns (loss, what stays referenced
-    until the backward is done: the batch); then backward, the optimizer step and zero_grad(set_to_none=True)."""
+    until the backward is done: the batch); then backward, the optimizer step and zero_grad(set_to_none=True).
+    micro_ctx: entered around each micro-step's forward and backward, as a TRL trainer's training_step wraps them
+    (its activation offloading, whose __enter__ drops what the last micro-step left behind)."""
     for _ in range(steps):
         for micro in range(accum):
-            loss, held = forward(micro)
-            enter_phase("backward")
-            loss.backward()
-            del loss, held
+            with micro_ctx():
+                loss, held = forward(micro)
+                enter_phase("backward")
+                loss.backward()
+                del loss, held
             if after_backward is not None:
                 after_backward()
         enter_phase("optimizer")

@@ -14,10 +14,11 @@ from memplan.setup import Setup, generation_steps, needs_reference_model, prompt
 
 def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device: str,
              enter_phase: Callable[[str], None], forward_ctx: Callable = contextlib.nullcontext,
-             after_backward: Callable | None = None, after_step: Callable | None = None) -> None:
+             after_backward: Callable | None = None, after_step: Callable | None = None,
+             micro_ctx: Callable = contextlib.nullcontext) -> None:
     """`steps` optimizer steps of a TRL trainer (training_loop's contract): GRPO generates (and scores the reference)
     every steps_per_generation micro-steps; each micro-batch runs the policy through the fused head (DPO: then the
-    reference under no_grad)."""
+    reference under no_grad). micro_ctx: what the trainer's training_step enters (run_steps)."""
     vocab = spec.arch.vocab_size
     autocast = autocast_for(rows, device)
     prompt = prompt_tokens(user)
@@ -39,7 +40,7 @@ def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device
 
     # CUDA runs TRL's own path (compaction, Triton kernels); elsewhere the head is made to take it
     with cuda_head(lambda: count["n"]) if device != "cuda" else contextlib.nullcontext():
-        run_steps(opt, steps, min(user.grad_accum, 2), forward, enter_phase, after_backward, after_step)
+        run_steps(opt, steps, min(user.grad_accum, 2), forward, enter_phase, after_backward, after_step, micro_ctx)
 
 
 def _reference(model, ref, batch, labels):

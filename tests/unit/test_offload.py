@@ -44,3 +44,31 @@ def test_offloading_through_the_cli_and_the_plan_file(tmp_path):
     assert r.exit_code == 0, r.output
     import yaml
     assert yaml.safe_load((tmp_path / "p.yaml").read_text())["trl"]["config"]["activation_offloading"] is True
+
+
+def test_the_offloading_manager_wraps_each_micro_step_as_trl_does():
+    """SFTTrainer.training_step enters TRL's manager around one micro-step's forward and backward (trl 1.16
+    sft_trainer.py), so its __enter__ drops what the last micro-step left; the CUDA validator's loop does the same
+    (memplan.runtime.steps.run_steps micro_ctx), never once around the optimizer steps."""
+    import contextlib
+
+    import torch
+
+    from memplan.runtime.steps import run_steps
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    events, inside = [], {"now": False}
+
+    @contextlib.contextmanager
+    def micro():
+        inside["now"] = True
+        events.append("enter")
+        yield
+        inside["now"] = False
+        events.append("exit")
+
+    run_steps(opt, 2, 2, lambda m: ((w * 2).sum(), None),
+              lambda phase: events.append(f"{phase}{'*' if inside['now'] else ''}"), micro_ctx=micro)
+    step = ["enter", "backward*", "exit"] * 2 + ["optimizer", "zero_grad", "between"]
+    assert events == step * 2

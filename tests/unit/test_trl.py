@@ -175,3 +175,17 @@ def test_steps_per_generation():
         Setup(**{**g, "num_generations": 8}, steps_per_generation=3)
     with pytest.raises(SetupError, match="steps_per_generation is a GRPOConfig field"):
         Setup(trainer="sft", steps_per_generation=2)
+
+
+def test_a_measured_grpo_row_reads_back():
+    """A stored row's optional integer (steps_per_generation, '' when unset) reads back as an int: read as text, the
+    GPU rows of 2026-11-27 stopped `memplan check` with a TypeError. A value of the wrong type is a SetupError that
+    names the field (the GRPO batch rule skips what it cannot multiply)."""
+    from memplan.measure.rows import make_row, setup_from_row
+    s = Setup(trainer="grpo", technique="lora", batch_size=4, grad_accum=2, num_generations=4, steps_per_generation=3,
+              max_completion_length=256, seq_len=128)
+    assert setup_from_row(make_row(QWEN, s)) == s
+    plain = Setup(trainer="grpo", batch_size=4, num_generations=4)
+    assert setup_from_row(make_row(QWEN, plain)).steps_per_generation is None
+    with pytest.raises(SetupError, match=r"steps_per_generation must be an integer from 1 to 1,048,576, got '3'"):
+        Setup(trainer="grpo", batch_size=4, num_generations=4, steps_per_generation="3")
