@@ -7,7 +7,8 @@
 #   .whl-trl    trl 1.16.0 and pydantic's set, without bitsandbytes: issue 38's TRL sweep (benchmarks/sweeps/
 #               gpu-2026-trl.yaml) carried alone, [".whl-trl"]; gpu_session.sh stubs the `datasets` import trl's
 #               trainer utilities make (pyarrow alone is 55 MB; nothing on the memory path reads a dataset)
-#   .whl-2026   liger-kernel, torchao, schedulefree and galore-torch (issue 39's techniques: benchmarks/sweeps/gpu-2026-techniques.yaml;
+#   .whl-2026   liger-kernel, torchao, schedulefree, galore-torch and apollo-torch (issue 39's techniques:
+#               benchmarks/sweeps/gpu-2026-techniques.yaml;
 #               liger-kernel needs triton, which the device image's torch brings)
 # A checkout does not keep ignored folders between sessions; run this first in a session with a GPU (about a
 # minute), then: carry [".whl", ".whl-t523"] (about 30 MiB of the 64 MiB a call may carry) and so on.
@@ -26,7 +27,7 @@ get .whl bitsandbytes==0.50.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-t
   typing-extensions==4.16.0
 get .whl-t523 transformers==5.23.0
 get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_hub==0.36.2
-get .whl-2026 liger-kernel==0.8.2 torchao==0.18.0 schedulefree==1.4.1 galore-torch==1.0
+get .whl-2026 liger-kernel==0.8.2 torchao==0.18.0 schedulefree==1.4.1 galore-torch==1.0 apollo-torch==1.0.3
 get .whl-trl trl==1.16.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0
 # trl's trainer utilities import pandas at the top; gpu_session.sh installs these only where the image lacks it

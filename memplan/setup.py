@@ -26,7 +26,8 @@ NewTokens = Literal["modules-to-save", "token-indices"]
 Task = Literal["causal-lm", "seq2seq", "masked-lm", "seq-cls", "token-cls"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
                     "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion-32bit", "adamw-torch-8bit",
-                    "adamw-torch-4bit", "schedule-free-adamw", "galore-adamw"]
+                    "adamw-torch-4bit", "schedule-free-adamw", "galore-adamw",
+                    "apollo-adamw"]
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2"]
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp-shard-grad-op", "fsdp-full-shard"]
 Offload = Literal["none", "optimizer", "params+optimizer"]
@@ -49,10 +50,15 @@ PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8":
 #: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
 #: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
 GPTQ = ("gptq-int4", "gptq-int8")
-#: GaLore as memplan plans, traces and estimates it (optim="galore_adamw" with optim_target_modules and optim_args):
-#: the Linears whose name holds one of GALORE_TARGETS, transformers' default rank, projection gap and scale
-GALORE_TARGETS: tuple[str, ...] = ("attn", "mlp")
-GALORE_ARGS: dict[str, float] = {"rank": 128, "update_proj_gap": 200, "scale": 0.25}
+#: The low-rank gradient optimizers as memplan plans, traces and estimates them (optim="galore_adamw" /
+#: "apollo_adamw" with optim_target_modules and optim_args): they project the gradients of the Linears whose name
+#: holds one of LOW_RANK_TARGETS, with transformers' defaults (trainer_optimizer.py _get_galore_optimizer,
+#: _get_apollo_optimizer; proj_type "std" for both)
+LOW_RANK_TARGETS: tuple[str, ...] = ("attn", "mlp")
+LOW_RANK_ARGS: dict[str, dict[str, object]] = {
+    "galore-adamw": {"rank": 128, "update_proj_gap": 200, "scale": 0.25},
+    "apollo-adamw": {"rank": 128, "proj": "random", "scale_type": "channel", "update_proj_gap": 200, "scale": 1.0},
+}
 VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
 #: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
 TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")
@@ -366,8 +372,8 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet (LoRA on a GPTQ base "
                  "is: --technique lora --quant gptq-int4): estimate serving it with --mode infer, or LoRA on the "
                  "16-bit base quantized on load (--technique qlora)")
-    if s.optimizer == "galore-adamw" and s.mode == "train" and s.technique != "full":
-        p.append("galore-adamw projects the gradients of full-rank weights: it needs --technique full "
+    if s.optimizer in LOW_RANK_ARGS and s.mode == "train" and s.technique != "full":
+        p.append(f"{s.optimizer} projects the gradients of full-rank weights: it needs --technique full "
                  "(with LoRA, train the adapters with adamw)")
     if s.quant == "mxfp4" and s.mode == "train":
         p.append("transformers does not train MXFP4 weights: fine-tuning loads them dequantized "

@@ -31,7 +31,7 @@ from memplan.errors import BadInput, schema_problems
 from memplan.fileio import write_text_atomic
 from memplan.model.compat import default_attn_impl
 from memplan.model.hf import CLASSIFIER_CLASSES
-from memplan.setup import GALORE_ARGS, GALORE_TARGETS, TORCH_DTYPE_NAMES, Setup
+from memplan.setup import LOW_RANK_ARGS, LOW_RANK_TARGETS, TORCH_DTYPE_NAMES, Setup
 from memplan.units import GiB
 from memplan.estimator.launch import accelerate_config, deepspeed_config
 from memplan.model.trainable import new_token_kwargs, trainable_params
@@ -44,10 +44,19 @@ OPTIM_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adam
                "paged-adamw-32bit": "paged_adamw_32bit", "lion-8bit": "lion_8bit", "lion-32bit": "lion_32bit",
                "paged-lion-8bit": "paged_lion_8bit", "paged-lion-32bit": "paged_lion_32bit",
                "adamw-torch-8bit": "adamw_torch_8bit", "adamw-torch-4bit": "adamw_torch_4bit",
-               "schedule-free-adamw": "schedule_free_adamw", "galore-adamw": "galore_adamw"}
-#: GaLore's TrainingArguments as memplan estimates and traces them (setup.GALORE_TARGETS, setup.GALORE_ARGS)
-GALORE_TRAINING_ARGS = {"optim_target_modules": list(GALORE_TARGETS),
-                        "optim_args": ", ".join(f"{k}={v}" for k, v in GALORE_ARGS.items())}
+               "schedule-free-adamw": "schedule_free_adamw", "galore-adamw": "galore_adamw",
+               "apollo-adamw": "apollo_adamw"}
+
+
+def low_rank_training_args(optimizer: str) -> dict:
+    """GaLore's / APOLLO's TrainingArguments as memplan estimates and traces them (setup.LOW_RANK_TARGETS,
+    setup.LOW_RANK_ARGS); nothing for another optimizer."""
+    if optimizer not in LOW_RANK_ARGS:
+        return {}
+    return {"optim_target_modules": list(LOW_RANK_TARGETS),
+            "optim_args": ", ".join(f"{k}={v}" for k, v in LOW_RANK_ARGS[optimizer].items())}
+
+
 PLAN_FORMAT = 1
 
 
@@ -104,7 +113,7 @@ def training_arguments_section(s: Setup) -> dict:
         "gradient_checkpointing_kwargs": {"use_reentrant": False} if s.grad_ckpt else None,
         "optim": OPTIM_NAMES[s.optimizer],
         "use_liger_kernel": s.use_liger_kernel,
-        **(GALORE_TRAINING_ARGS if s.optimizer == "galore-adamw" else {}),
+        **low_rank_training_args(s.optimizer),
     }
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from memplan.runtime.emulate.autocast import checkpoint_kwargs
 from memplan.errors import BadInput, MemplanError, TraceFailed
-from memplan.setup import GALORE_ARGS, GALORE_TARGETS, PREQUANTIZED, TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
+from memplan.setup import LOW_RANK_ARGS, LOW_RANK_TARGETS, PREQUANTIZED, TORCH_DTYPE_NAMES, TRL_TRAINERS, Setup
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, check_setup
 from memplan.model.hf import CLASSIFIER_CLASSES, config_from_dict
@@ -105,25 +105,34 @@ def make_optimizer(setup: Setup, params, standin_tracker=None, model=None):
         return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
     if opt == "sgd":
         return torch.optim.SGD(params, lr=1e-4, foreach=True)
-    if opt == "galore-adamw":
-        return galore_optimizer(model, params)
+    if opt in LOW_RANK_ARGS:
+        return low_rank_optimizer(model, params, opt)
     raise BadInput(f"optimizer {opt!r} cannot be run")
 
 
-def galore_optimizer(model, params):
-    """galore_torch.GaLoreAdamW as Trainer builds it for optim="galore_adamw" (trainer.py
-    _get_optimizer_cls_and_kwargs): the weights of the nn.Linear modules whose name holds one of setup.GALORE_TARGETS
-    in one group with setup.GALORE_ARGS and proj_type "std"; every other trainable tensor in a plain group."""
+#: the low-rank optimizers' classes: (module, class, package to install)
+LOW_RANK_CLASSES = {"galore-adamw": ("galore_torch", "GaLoreAdamW", "galore-torch"),
+                    "apollo-adamw": ("apollo_torch", "APOLLOAdamW", "apollo-torch")}
+
+
+def low_rank_optimizer(model, params, opt: str):
+    """galore_torch.GaLoreAdamW / apollo_torch.APOLLOAdamW as Trainer builds them for optim="galore_adamw" /
+    "apollo_adamw" (trainer_optimizer.py _setup_low_rank_optimizer): the weights of the nn.Linear modules whose name
+    holds one of setup.LOW_RANK_TARGETS in one group with setup.LOW_RANK_ARGS and proj_type "std"; every other
+    trainable tensor in a plain group."""
+    import importlib
+
     import torch
+    module, name, package = LOW_RANK_CLASSES[opt]
     try:
-        from galore_torch import GaLoreAdamW
+        cls = getattr(importlib.import_module(module), name)
     except ImportError:
-        raise BadInput("--optimizer galore-adamw runs galore_torch.GaLoreAdamW: pip install galore-torch") from None
-    targets = {id(m.weight) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(t in name for t in GALORE_TARGETS) and m.weight.requires_grad}
+        raise BadInput(f"--optimizer {opt} runs {module}.{name}: pip install {package}") from None
+    targets = {id(m.weight) for mname, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and any(t in mname for t in LOW_RANK_TARGETS) and m.weight.requires_grad}
     projected = [p for p in params if id(p) in targets]
     rest = [p for p in params if id(p) not in targets]
-    return GaLoreAdamW([{"params": rest}, {"params": projected, **GALORE_ARGS, "proj_type": "std"}], lr=1e-4)
+    return cls([{"params": rest}, {"params": projected, **LOW_RANK_ARGS[opt], "proj_type": "std"}], lr=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------- model

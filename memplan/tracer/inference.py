@@ -12,9 +12,9 @@ Any other read of a device value still raises (TraceFailed names the tracer's li
 from __future__ import annotations
 
 import contextlib
-import traceback
 
 from memplan.errors import TraceFailed
+from memplan.tracer.host_reads import answered_reads, called_from
 from memplan.setup import Setup
 from memplan.model.catalog import config_dict
 from memplan.runtime.emulate.cuda import cuda_like
@@ -82,20 +82,6 @@ def _stop_at(stop_check, length: int):
         stop_check.__call__ = original
 
 
-def _generate_frame() -> bool:
-    return any(f.name == "generate" and f.filename.replace("\\", "/").endswith("generation/utils.py")
-               for f in traceback.extract_stack(limit=30))
-
-
 def _host_reads():
-    from torch.utils._python_dispatch import TorchDispatchMode
-    import torch
-
-    class HostReads(TorchDispatchMode):
-        """generate()'s own scalar reads (the right-padding check): False, what validate's batches hold."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default and _generate_frame():
-                return False
-            return func(*args, **(kwargs or {}))
-    return HostReads()
+    """generate()'s own scalar reads (the right-padding check): False, what validate's batches hold."""
+    return answered_reads(False, lambda: called_from("generation/utils.py", "generate"))

@@ -38,6 +38,7 @@ from memplan.runtime.steps import (build_model, cut_config, library_failures, ma
                            no_eos, training_loop, TRAIN_PHASES)
 from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
+from memplan.tracer.apollo import apollo_answers
 from memplan.tracer.inference import generation_answers, inference_trace
 
 #: the tracer's phases: TRL's generation and reference passes (memplan.runtime.trl), then the step's
@@ -106,6 +107,8 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     if user.trainer == "grpo" and fake:
         answers = generation_answers(prompt_tokens(user) + user.max_completion_length)
         no_eos(model)
+    elif user.optimizer == "apollo-adamw" and fake:
+        answers = apollo_answers()
     with sharded, fake_mode, answers, dispatch_mode(tracker), \
             cuda_like(setup.padded, spec.arch.kind == "seq2seq"):
         if shard:

@@ -801,12 +801,12 @@ def test_galore_state_by_hand():
     moments."""
     from memplan.errors import SetupError
     from memplan.estimator.memory.context import resolve
-    from memplan.estimator.memory.optimizer import galore_state_bytes, galore_targets
+    from memplan.estimator.memory.optimizer import galore_state_bytes, low_rank_targets
     from memplan.model.catalog import load_spec
     spec = load_spec("HuggingFaceTB/SmolLM2-135M")
     for precision, b in (("bf16", 2), ("fp32", 4)):
         ctx = resolve(spec, Setup(technique="full", precision=precision, optimizer="galore-adamw"))
-        targets = galore_targets(ctx)
+        targets = low_rank_targets(ctx)
         assert "model.layers.0.self_attn.q_proj.weight" in targets and "model.embed_tokens.weight" not in targets
         expected = 0
         for p in spec.params:
@@ -821,3 +821,29 @@ def test_galore_state_by_hand():
         assert len(targets) == 7 * 30  # q, k, v, o, gate, up, down in each of 30 blocks
     with pytest.raises(SetupError, match="technique full"):
         Setup(technique="lora", optimizer="galore-adamw")
+
+
+def test_apollo_state_and_step_by_hand():
+    """apollo_torch APOLLOAdamW (optim="apollo_adamw", targets attn and mlp, rank 128, random projection): a projected
+    [m, n] weight keeps the [128, min(m, n)] random matrix and two moments of the [128, max(m, n)] projected gradient,
+    in the weights' dtype; untargeted tensors two Adam moments. Its later steps hold the projected gradient, denom,
+    exp_avg / denom and two [m, n] scaled gradients (the norm-growth limiter's division) at once. The traced
+    optimizer step agrees to the byte but the cuBLAS workspace (benchmarks/matrices/trace_vs_estimate.yaml)."""
+    from memplan.errors import BadInput, SetupError
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.optimizer import apollo_state_bytes, apollo_temp_bytes, low_rank_targets
+    from memplan.model.catalog import load_spec
+    spec = load_spec("HuggingFaceTB/SmolLM2-135M")  # hidden 576, MLP 1536, K/V 192
+    for precision, b in (("bf16", 2), ("fp32", 4)):
+        ctx = resolve(spec, Setup(technique="full", precision=precision, optimizer="apollo-adamw"))
+        targets = low_rank_targets(ctx)
+        expected = sum(128 * (min(p.shape) + 2 * max(p.shape)) * b if p.name in targets else 2 * p.numel * b
+                       for p in spec.params)
+        assert apollo_state_bytes(ctx) == expected
+        # the tied [49152, 576] embedding's two Adam buffers outweigh any projected weight's step (gate/up/down
+        # [1536, 576]: 3 x 128 x 1536 + 2 x 1536 x 576 elements), as in every catalog model trained in full
+        assert apollo_temp_bytes(ctx) == max(2 * 49152 * 576 * b, (3 * 128 * 1536 + 2 * 1536 * 576) * b)
+    with pytest.raises(SetupError, match="apollo-adamw projects the gradients of full-rank weights"):
+        Setup(technique="lora", optimizer="apollo-adamw")
+    with pytest.raises(BadInput, match="No target modules found"):  # GPT-2's Conv1D: transformers stops too
+        estimate("gpt2", Setup(technique="full", optimizer="apollo-adamw"))

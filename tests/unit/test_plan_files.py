@@ -103,3 +103,30 @@ def test_a_classification_plan_names_its_head_and_peft_task(tmp_path):
     run = memplan.load_plan(out, output_dir=str(tmp_path / "o"))
     assert run.auto_class == "AutoModelForSequenceClassification" and run.setup.task == "seq-cls"
     assert run.lora_config.task_type == "SEQ_CLS"
+
+
+def test_an_apollo_plan_writes_what_transformers_builds_apollo_from(tmp_path):
+    """issue 39: --optimizer apollo-adamw writes optim="apollo_adamw" with the targets and optim_args memplan
+    estimates (setup.LOW_RANK_ARGS); transformers' own optimizer factory reads them back into APOLLOAdamW's group."""
+    import torch
+    from transformers import Trainer
+
+    out = tmp_path / "apollo.yaml"
+    r = CliRunner().invoke(main, ["plan", "HuggingFaceTB/SmolLM2-135M", "--gpu", "RTX 4090", "--technique", "full",
+                                  "--optimizer", "apollo-adamw", "--precision", "bf16", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    run = load_plan(out, output_dir=str(tmp_path / "o"), use_cpu=True)
+    args = run.training_arguments
+    assert args.optim == "apollo_adamw" and list(args.optim_target_modules) == ["attn", "mlp"]
+
+    class Tiny(torch.nn.Module):  # names as a decoder block's
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.LayerNorm(8)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, Tiny())
+    assert cls.__name__ == "AdamW" and cls.__module__ == "apollo_torch.apollo"
+    group = kwargs["params"][1]
+    assert {k: group[k] for k in ("rank", "proj", "scale_type", "update_proj_gap", "scale", "proj_type")} == \
+        {"rank": 128, "proj": "random", "scale_type": "channel", "update_proj_gap": 200, "scale": 1.0,
+         "proj_type": "std"}

@@ -6,10 +6,11 @@ from collections import Counter
 from collections.abc import Iterator
 
 from memplan import libs
+from memplan.errors import BadInput
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory import new_tokens, weights
 from memplan.model.compat import TORCHAO_BLOCK, TORCHAO_STEP_BYTES, torchao_quantized
-from memplan.setup import GALORE_ARGS, GALORE_TARGETS
+from memplan.setup import LOW_RANK_ARGS, LOW_RANK_TARGETS
 
 # bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State.init_state, v0.50): uint8
 # state1/state2, one fp32 absmax per 256-element block for each; tensors with fewer than min_8bit_size=4096 elements
@@ -142,14 +143,26 @@ BNB_8BIT = {"adamw-8bit": 2, "paged-adamw-8bit": 2, "lion-8bit": 1, "paged-lion-
 
 
 #: GaLore's projection rank (galore_torch GaLoreAdamW, as transformers' optim="galore_adamw" builds it with the
-#: optim_args memplan's plan files write: setup.GALORE_ARGS)
-GALORE_RANK = GALORE_ARGS["rank"]
+#: optim_args memplan's plan files write: setup.LOW_RANK_ARGS)
+GALORE_RANK = LOW_RANK_ARGS["galore-adamw"]["rank"]
+#: APOLLO's (apollo_torch APOLLOAdamW for optim="apollo_adamw"): its random projection is [rank, side] whatever
+#: the side, so no min() with the weight's sides as GaLore's SVD has
+APOLLO_RANK = LOW_RANK_ARGS["apollo-adamw"]["rank"]
 
 
-def galore_targets(ctx: Ctx) -> set[str]:
-    """The trainable weights GaLore projects: those of the Linears whose name holds one of setup.GALORE_TARGETS."""
-    names = {m.name + ".weight" for m in ctx.spec.linears if any(t in m.name for t in GALORE_TARGETS)}
-    return {p.name for p in ctx.spec.params if p.name in ctx.trainable and p.name in names and len(p.shape) == 2}
+def low_rank_targets(ctx: Ctx) -> set[str]:
+    """The trainable weights GaLore and APOLLO project: those of the nn.Linear modules whose name holds one of
+    setup.LOW_RANK_TARGETS (transformers' _setup_low_rank_optimizer skips every other module type, GPT-2's Conv1D
+    among them, and stops when none is left: BadInput here)."""
+    names = {m.name + ".weight" for m in ctx.spec.linears
+             if m.kind == "linear" and any(t in m.name for t in LOW_RANK_TARGETS)}
+    found = {p.name for p in ctx.spec.params if p.name in ctx.trainable and p.name in names and len(p.shape) == 2}
+    if not found:
+        raise BadInput(f"{ctx.setup.optimizer} projects the nn.Linear weights whose name holds "
+                       f"{' or '.join(LOW_RANK_TARGETS)} (transformers' optim_target_modules), and {ctx.spec.model_id} "
+                       "has none (GPT-2-style models use Conv1D): transformers would stop with 'No target modules "
+                       "found'. Use --optimizer adamw-fused or adamw-8bit")
+    return found
 
 
 def _galore_sides(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -165,7 +178,7 @@ def galore_state_bytes(ctx: Ctx) -> int:
     zeros_like(grad). With fp32 weights get_orthogonal_matrix returns a slice of the SVD's Vh (else U) without
     copying it, so the whole [k, n] (else [m, k]) factor stays referenced (k = min(m, n)); 16-bit weights get a
     compact cast."""
-    targets, total = galore_targets(ctx), 0
+    targets, total = low_rank_targets(ctx), 0
     b = ctx.weight_bytes
     for p in ctx.spec.params:
         if p.name not in ctx.trainable:
@@ -186,7 +199,7 @@ def galore_temp_bytes(ctx: Ctx) -> int:
       [m, r] (or [r, n]) product it also forms; the SVD's own solver workspace is not counted;
     - a projected weight's later steps: project_back's full [m, n] and its scaled copy;
     - an unprojected tensor's step: exp_avg_sq.sqrt() and exp_avg / denom, two of its size."""
-    targets, b = galore_targets(ctx), ctx.weight_bytes
+    targets, b = low_rank_targets(ctx), ctx.weight_bytes
     out = 0
     for p in ctx.spec.params:
         if p.name not in ctx.trainable:
@@ -201,11 +214,55 @@ def galore_temp_bytes(ctx: Ctx) -> int:
     return out
 
 
+def apollo_state_bytes(ctx: Ctx) -> int:
+    """apollo_torch APOLLOAdamW.step state (apollo.py, random_projector.py; proj "random", proj_type "std"): for a
+    projected [m, n] weight the random matrix ([r, n] when m >= n, else [m, r]: r x the smaller side) and exp_avg /
+    exp_avg_sq of the projected gradient (r x the larger side), all in the gradient's dtype (get_orthogonal_matrix
+    draws it in fp32 and casts it back); any other trainable tensor two Adam moments zeros_like(grad). The 0-d
+    norm it keeps per weight (state["scaled_grad"]) is not counted."""
+    targets, b, total = low_rank_targets(ctx), ctx.weight_bytes, 0
+    for p in ctx.spec.params:
+        if p.name not in ctx.trainable:
+            continue
+        if p.name in targets:
+            total += APOLLO_RANK * (min(p.shape) + 2 * max(p.shape)) * b
+        else:
+            total += 2 * weights.numel(ctx, p) * b
+    return total
+
+
+def apollo_temp_bytes(ctx: Ctx) -> int:
+    """APOLLOAdamW.step's transients, one weight at a time; the largest of:
+    - a projected weight's first step (and every update_proj_gap-th): get_orthogonal_matrix's fp32 copy of a 16-bit
+      gradient (`data.float()`, alive to its return) beside the fp32 draw and its scaled copy ([r, side] each);
+    - a projected weight's later steps: the projected gradient, denom and exp_avg / denom (r x the larger side
+      each), beside `p.grad * grad_scaling_factor` and the norm-growth limiter's `scaled_grad / limiter` ([m, n]
+      each: the first step has no limiter yet);
+    - an unprojected tensor's step: exp_avg_sq.sqrt() and exp_avg / denom, two of its size."""
+    targets, b, out = low_rank_targets(ctx), ctx.weight_bytes, 0
+    for p in ctx.spec.params:
+        if p.name not in ctx.trainable:
+            continue
+        if p.name in targets:
+            m, n = p.shape
+            side, low = min(m, n), APOLLO_RANK * max(m, n)
+            draw = (m * n * 4 if b != 4 else 0) + 2 * APOLLO_RANK * side * 4
+            out = max(out, draw, 3 * low * b + 2 * m * n * b)
+        else:
+            out = max(out, 2 * weights.numel(ctx, p) * b)
+    return out
+
+
+#: the low-rank optimizers' own state and step functions (the others: STATE_FN, optimizer_temp_bytes)
+LOW_RANK_STATE = {"galore-adamw": galore_state_bytes, "apollo-adamw": apollo_state_bytes}
+LOW_RANK_TEMP = {"galore-adamw": galore_temp_bytes, "apollo-adamw": apollo_temp_bytes}
+
+
 @per_model("optimizer", "lora_r", "added_tokens")
 def optimizer_state_bytes(ctx: Ctx) -> int:
     """Sum of the optimizer's state over trainable tensors (STATE_FN per optimizer)."""
-    if ctx.setup.optimizer == "galore-adamw":
-        return galore_state_bytes(ctx)
+    if ctx.setup.optimizer in LOW_RANK_STATE:
+        return LOW_RANK_STATE[ctx.setup.optimizer](ctx)
     fn = STATE_FN[ctx.setup.optimizer]
     states = BNB_8BIT.get(ctx.setup.optimizer)
     # Trainer registers every nn.Embedding weight for 32-bit state with bitsandbytes' GlobalOptimManager
@@ -246,8 +303,8 @@ def optimizer_temp_bytes(ctx: Ctx) -> int:
       (compat.TORCHAO_STEP_BYTES).
     """
     opt = ctx.setup.optimizer
-    if opt == "galore-adamw":
-        return galore_temp_bytes(ctx)
+    if opt in LOW_RANK_TEMP:
+        return LOW_RANK_TEMP[opt](ctx)
     if opt in ("adamw", "schedule-free-adamw"):  # foreach: one buffer the size of every trainable tensor
         return weights.trainable_bytes(ctx)
     if opt in ("adamw-torch-8bit", "adamw-torch-4bit"):
