@@ -54,6 +54,17 @@ PAIRS: list[tuple[str, str, dict]] = [
                                                     seq_len=2048)),
     ("meta-llama/Meta-Llama-3-8B", "RTX 4090", dict(technique="qlora", precision="bf16", grad_ckpt=True,
                                                     seq_len=1024)),
+    # TRL's trainers (issue 43 item 7): DPO with its reference (peft's disabled adapter; a second model in full),
+    # GRPO with generate() (the micro-batch in whole groups of num_generations)
+    ("Qwen/Qwen2.5-0.5B", "RTX 3060", dict(trainer="dpo", technique="lora", precision="bf16-mixed", grad_ckpt=True,
+                                           seq_len=1024)),
+    ("meta-llama/Llama-3.2-1B", "A10", dict(trainer="dpo", technique="full", precision="bf16", grad_ckpt=True,
+                                            seq_len=1024)),
+    ("Qwen/Qwen2.5-0.5B", "RTX 4060 Ti 16GB", dict(trainer="grpo", technique="lora", precision="bf16-mixed",
+                                                   grad_ckpt=True, seq_len=256, max_completion_length=256,
+                                                   num_generations=4)),
+    ("meta-llama/Llama-3.2-1B", "L4", dict(trainer="grpo", technique="lora", precision="bf16-mixed", grad_ckpt=True,
+                                           seq_len=256, max_completion_length=512, num_generations=8)),
 ]
 BASE = dict(attn_impl="sdpa", grad_accum=1, grad_ckpt=False)
 
@@ -72,6 +83,31 @@ def bound_batch(b: int) -> int:
     return max(b + 2, math.floor(b / 0.9) + 1)
 
 
+def runnable_batch(setup, b: int) -> int:
+    """The smallest micro-batch from b up that the setup can run: GRPO's generation batch must hold whole groups of
+    num_generations (setup.trainer_problems), so its next batch is the next multiple, not b + 1."""
+    from memplan.errors import SetupError
+    for batch in range(b, b + 4096):
+        try:
+            dataclasses.replace(setup, batch_size=batch)
+            return batch
+        except SetupError:
+            continue
+    raise SystemExit(f"no runnable micro-batch from {b} up for {setup}")
+
+
+def runnable_below(setup, n: int) -> int:
+    """The largest micro-batch under n that the setup can run (n - 1 but for GRPO's whole groups)."""
+    from memplan.errors import SetupError
+    for batch in range(n - 1, 0, -1):
+        try:
+            dataclasses.replace(setup, batch_size=batch)
+            return batch
+        except SetupError:
+            continue
+    return n - 1
+
+
 def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int | None = None) -> dict[str, str]:
     """Run the planned batch, the next one, and the 90% bound when the next one fits. measure(job, notes) runs one
     Job (emulating `card`) and returns its status. replay_batch: check `plan --replay`'s micro-batch instead of the
@@ -81,7 +117,9 @@ def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int |
     b = replay_batch or setup.batch_size
     label = "replay " if replay_batch else ""
     tried: dict[str, str] = {}
-    for role, batch in (("planned", b), ("next", b + 1), ("bound", bound_batch(b))):
+    following = runnable_batch(setup, b + 1)
+    for role, batch in (("planned", b), ("next", following),
+                        ("bound", runnable_batch(setup, max(bound_batch(b), following + 1)))):
         if role == "bound" and tried.get("next") != "ok":
             break
         job = Job(model, dataclasses.replace(setup, batch_size=batch), card)
@@ -160,10 +198,10 @@ def run() -> None:
             check_pair(model, card, pinned, measure, replays[model, card])
 
 
-def verdict(b: int | None, status: dict[int, str]) -> tuple[str, str, bool]:
+def verdict(b: int | None, status: dict[int, str], below=lambda n: n - 1) -> tuple[str, str, bool]:
     """(largest fitting, planner / largest, pass) for planned micro-batch b given the statuses measured per batch:
     b must fit and an OOM above it must bound the largest fitting batch to within b / 0.9 (memory is monotone in
-    the batch)."""
+    the batch). below(n): the largest batch under n the setup can run (GRPO: whole groups; runnable_below)."""
     if b is None or b not in status:
         return "", "", False
     if status[b] != "ok":
@@ -173,13 +211,14 @@ def verdict(b: int | None, status: dict[int, str]) -> tuple[str, str, bool]:
         return f">= {max(x for x, st in status.items() if st == 'ok')}", "", False
     smallest_oom = min(above)
     largest = max(x for x, st in status.items() if st == "ok" and x < smallest_oom)
-    ratio = b / (smallest_oom - 1)
-    exact = largest == smallest_oom - 1
+    ratio = b / below(smallest_oom)
+    exact = largest == below(smallest_oom)
     return (str(largest) if exact else f"< {smallest_oom}"), f">= {ratio:.0%}", ratio >= 0.9
 
 
 #: the Setup fields a measured row must share with today's plan to count for it (the micro-batch aside)
-SAME = ("technique", "precision", "quant", "optimizer", "grad_ckpt", "seq_len", "padded")
+SAME = ("technique", "precision", "quant", "optimizer", "grad_ckpt", "seq_len", "padded", "trainer",
+        "num_generations", "max_completion_length")
 SAME_LORA = ("lora_r", "lora_targets")
 
 
@@ -223,7 +262,7 @@ def report() -> int:
                     and "planner check" in r["notes"] and same_setup(r, setup)]
             status = {int(r["batch_size"]): r["status"] for r in mine}
             b = int(stored[model, card][column]) if stored.get((model, card), {}).get(column) else None
-            largest, ratio, good = verdict(b, status)
+            largest, ratio, good = verdict(b, status, lambda n, setup=setup: runnable_below(setup, n))
             failed[mode] += not good
             seen = ", ".join(f"{x}: {st}" for x, st in sorted(status.items())) or "not measured"
             word = "pass" if good else ("FAIL" if ratio == "planned OOMed" or ratio.startswith(">=") else "open")

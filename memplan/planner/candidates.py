@@ -125,6 +125,17 @@ _BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable"
               "num_gpus", "num_nodes", "padded", "use_dora")
 
 
+def grpo_batch_unit(pinned: Mapping) -> int:
+    """The micro-batches a search may try come in multiples of this: 1, but for GRPO with the accumulation pinned
+    (TRL's steps_per_generation = gradient_accumulation_steps) the smallest micro-batch whose generation batch
+    (micro-batch x accumulation) divides by num_generations, as GRPOTrainer requires. A pinned
+    steps_per_generation sets the generation batch itself: 1."""
+    if pinned.get("trainer") != "grpo" or not pinned.get("grad_accum") or pinned.get("steps_per_generation"):
+        return 1
+    n = pinned.get("num_generations", 8)
+    return n // math.gcd(n, pinned["grad_accum"])
+
+
 class Pool:
     """The candidates of one search, micro-batch 1 unless pinned, in quality order: their fields (enough to rank
     them: quality_key) and their Setups, each built and validated on first use (a search ranks far more candidates
@@ -132,9 +143,11 @@ class Pool:
 
     def __init__(self, seq_len: int, bf16: bool, pinned: dict, keep: Callable[[dict], bool] | None = None):
         base = {k: v for k, v in pinned.items() if k in _BASE_PINS}
-        # GRPO's micro-batch 1 accumulates num_generations steps: its generation batch must divide into prompts
+        # GRPO's micro-batch 1 accumulates num_generations steps: its generation batch must divide into prompts;
+        # with the accumulation pinned, the micro-batch holds whole groups instead
         ga = pinned.get("num_generations", 8) if pinned.get("trainer") == "grpo" else 1
-        base.update(mode="train", batch_size=pinned.get("batch_size", 1), grad_accum=pinned.get("grad_accum", ga))
+        base.update(mode="train", batch_size=pinned.get("batch_size", grpo_batch_unit(pinned)),
+                    grad_accum=pinned.get("grad_accum", ga))
         base.setdefault("seq_len", seq_len)
         world = world_size(pinned)
         self.fields: list[dict] = []

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 
 from memplan.errors import BadInput, MemplanError
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, fits, need_bytes, split
-from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, quality_key, speed_score, split_batch,
-                                        world_size)
+from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, grpo_batch_unit, quality_key, speed_score,
+                                        split_batch, world_size)
 from memplan.planner.explain import describe, lost_reason
 from memplan.planner.types import Alternative, Candidate, Plan
 from memplan.setup import Setup, value_problems
@@ -128,7 +128,8 @@ class Search:
             return self.need(est(b, self.accum_for(b))) <= self.budget
 
         pinned_b, pinned_ga = self.pinned.get("batch_size"), self.pinned.get("grad_accum")
-        low_b = pinned_b or 1
+        unit = grpo_batch_unit(self.pinned)  # GRPO with the accumulation pinned: whole groups per micro-batch
+        low_b = pinned_b or unit
         low_ga = pinned_ga or self.prompts_accum(low_b)
         smallest = est(low_b, low_ga)  # the least memory this candidate can take
         if self.need(smallest) > self.budget:
@@ -136,10 +137,10 @@ class Search:
         if pinned_b:
             b, ga = pinned_b, self.accum_for(pinned_b)
         elif self.prefer == "memory":
-            b, ga = 1, self.accum_for(1)
+            b, ga = unit, self.accum_for(unit)
         elif pinned_ga:
-            b = largest_fitting(fits, math.ceil(self.effective / pinned_ga)) or 1
-            ga = pinned_ga
+            groups = largest_fitting(lambda k: fits(k * unit), max(1, math.ceil(self.effective / pinned_ga / unit)))
+            b, ga = unit * (groups or 1), pinned_ga
         else:
             b, ga = split_batch(self.effective, largest_fitting(fits, self.effective - 1) or 1)
             ga = self.prompts_accum(b, ga)
@@ -148,7 +149,7 @@ class Search:
                 if self.need(est(self.effective, whole)) <= self.budget:
                     b, ga = self.effective, whole
         e = est(b, ga)
-        first = est(1, self.accum_for(1)) if not pinned_b else e
+        first = est(unit, self.accum_for(unit)) if not pinned_b else e
         chosen = dataclasses.replace(setup, batch_size=b, grad_accum=ga)
         if self.need(e) > self.budget:
             return Candidate(chosen, e, False, 0, ())

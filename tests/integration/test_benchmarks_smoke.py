@@ -75,6 +75,10 @@ def test_planner_check_verdict_reads_every_measured_batch():
     assert mod.verdict(8, {8: "oom"}) == ("", "planned OOMed", False)
     assert mod.verdict(27, {21: "ok", 24: "ok"}) == ("", "", False)  # the plan's batch not measured
     assert mod.verdict(20, {20: "ok", 25: "oom"}) == ("< 25", ">= 83%", False)  # 21-24 unmeasured: a lower bound
+    # GRPO in whole groups of 4 (runnable_below): 12 OOMs, so 8 is the largest that can run at all
+    groups = lambda n: (n - 1) // 4 * 4  # noqa: E731
+    assert mod.verdict(8, {8: "ok", 12: "oom"}, groups) == ("8", ">= 100%", True)
+    assert mod.verdict(8, {8: "ok", 12: "ok", 16: "oom"}, groups) == ("12", ">= 67%", False)
 
 
 def test_accuracy_replay_tier_and_requested_bytes():

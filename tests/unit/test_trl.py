@@ -151,6 +151,12 @@ def test_plan_keeps_grpo_batches_divisible_and_searches_dpo_reference():
         p = plan("Qwen/Qwen2.5-1.5B", "rtx 4090", trainer="grpo", technique="lora", num_generations=g,
                  max_completion_length=256)
         assert p.fits and (p.setup.batch_size * p.setup.grad_accum) % g == 0
+    # the accumulation pinned (the planner check pins 1): the micro-batch itself holds whole groups; this stopped
+    # with "generation_batch_size (1 x 1 ...) must be divisible" before the search stepped in groups
+    for ga, unit in ((1, 4), (2, 2)):
+        p = plan("Qwen/Qwen2.5-0.5B", "rtx 3060", trainer="grpo", technique="lora", num_generations=4, grad_accum=ga,
+                 max_completion_length=256, seq_len=256, replay=False)
+        assert p.fits and p.setup.grad_accum == ga and p.setup.batch_size % unit == 0 and p.setup.batch_size > unit
     # full-fine-tuning DPO on a 12 GB card: a second copy of the weights does not fit beside the policy; the
     # precomputed reference (the same loss) does
     p = plan("Qwen/Qwen2.5-1.5B", "rtx 3060", trainer="dpo", technique="full")
