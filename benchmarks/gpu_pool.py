@@ -73,9 +73,11 @@ class Pool:
               f"s{job.setup.seq_len} {m.error[:120] if m.error else ''}", flush=True)
         return m.status
 
-    def run(self, tasks: list[tuple[int, object]]) -> None:
-        """tasks: (bytes needed, fn). Largest first; a task starts when its bytes fit beside those in flight."""
-        pending = sorted(tasks, key=lambda t: -t[0])
+    def run(self, tasks: list[tuple[int, object]], first: int = 0) -> None:
+        """tasks: (bytes needed, fn). The `first` tasks before the others (the planner pairs: session 33's pool left
+        two of them unstarted at its deadline), then largest first; a task starts when its bytes fit beside those in
+        flight."""
+        pending = tasks[:first] + sorted(tasks[first:], key=lambda t: -t[0])
         threads = []
         with self.cond:
             while pending:
@@ -173,9 +175,10 @@ def main() -> None:
     require_cuda()
     device = gpu_total_bytes()
     pool = Pool(Path(a.out), int(device * 0.92), a.workers, time.time() + a.seconds, device)
-    tasks = (planner_tasks(pool) if a.planner else []) + sweep_tasks(pool, a.sweeps)
+    planner = planner_tasks(pool) if a.planner else []
+    tasks = planner + sweep_tasks(pool, a.sweeps)
     print(f"{len(tasks)} task(s), {a.workers} at a time, {pool.total / 2**30:.1f} GiB shared", flush=True)
-    pool.run(tasks)
+    pool.run(tasks, first=len(planner))
     print("counts:", pool.counts, flush=True)
 
 
