@@ -50,7 +50,8 @@ def measured_errors(data: Path) -> list[dict]:
                 continue
             setup = setup_from_row(row)
             est = estimate_row(row)
-            rec = {"model": row["model"], "label": row_label(row), "group": group_of(setup),
+            rec = {"model": row["model"], "label": row_label(row), "group": group_of(setup), "file": path.name,
+                   "trainer": setup.trainer,
                    "gated": (row.get("gate") or "yes").lower() not in ("no", "false", "0")}
             for name, attr in QUANTITIES:
                 measured = int_or_none(row.get(f"measured_{name}_bytes"))

@@ -19,7 +19,7 @@ on the CPU, with the transformers release the GPU machine runs, and stored in be
 the GPU run measures their batches too. A verdict reads every batch measured for the pair, whichever planner's
 run measured it.
 
-    python benchmarks/planner_check.py plans    # here, under the device's transformers: the replay plans
+    python benchmarks/planner_check.py plans [REGEX]   # here, under the device's transformers: the replay plans
     python benchmarks/planner_check.py run      # on the GPU machine
     python benchmarks/planner_check.py report   # anywhere: benchmarks/results/planner_check.md, exit 1 on failure
     python benchmarks/planner_check.py replay data/measured/planner-check-run1.csv   # today's plans, earlier rows
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -128,10 +129,12 @@ def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int |
     return tried
 
 
-def replay_plans() -> None:
+def replay_plans(only: str | None = None) -> None:
     """`plan --replay` for every pair (CPU; minutes), into PLANS with the library versions it ran under; and the
     default command (replay=None: the replay where it is cached) before and after it, with the seconds each took.
-    Runs on an empty replay cache of its own, so the first default is the closed form and --replay traces."""
+    Runs on an empty replay cache of its own, so the first default is the closed form and --replay traces.
+    only: a regex over "model card"; the other pairs keep their stored rows. Each pair's row is written as it is
+    made (a GRPO pair's replays take many minutes: see docs/PLANNER.md)."""
     import csv
     import io
     import os
@@ -145,28 +148,37 @@ def replay_plans() -> None:
     from memplan.fileio import write_text_atomic
     from memplan.planner.search import plan
     os.environ["MEMPLAN_CACHE"] = tempfile.mkdtemp(prefix="memplan-planner-check-")
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["model", "card", "estimate_batch", "replay_batch", "replayed", "cold_default_batch",
-                "cold_default_s", "replay_s", "default_batch", "default_s", "transformers", "peft", "torch"])
+    header = ["model", "card", "estimate_batch", "replay_batch", "replayed", "cold_default_batch", "cold_default_s",
+              "replay_s", "default_batch", "default_s", "transformers", "peft", "torch"]
+    stored = {(r["model"], r["card"]): r for r in csv.DictReader(open(PLANS))} if PLANS.exists() else {}
+
+    def save() -> None:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, header, lineterminator="\n")
+        w.writeheader()
+        w.writerows(stored[m, c] for m, c, _ in PAIRS if (m, c) in stored)
+        write_text_atomic(PLANS, buf.getvalue())
 
     def timed(**kw):
         t = time.perf_counter()
         p = plan(model, card, effective_batch=EFFECTIVE, **kw, **{**BASE, **pinned})
         return p, time.perf_counter() - t
     for model, card, pinned in PAIRS:
+        if only and not re.search(only, f"{model} {card}"):
+            continue
         cold, cold_s = timed(replay=None)
         p, replay_s = timed(replay=True)
         warm, warm_s = timed(replay=None)
         r = p.replay
         tried = " ".join(f"{b}:{'ok' if x['fits'] else 'oom'}" for b, x in r["replayed"].items())
-        w.writerow([model, card, r["estimate_batch_size"], p.setup.batch_size, tried, cold.setup.batch_size,
-                    f"{cold_s:.2f}", f"{replay_s:.1f}", warm.setup.batch_size, f"{warm_s:.2f}",
-                    transformers.__version__, peft.__version__, torch.__version__])
+        stored[model, card] = dict(zip(header, [
+            model, card, r["estimate_batch_size"], p.setup.batch_size, tried, cold.setup.batch_size, f"{cold_s:.2f}",
+            f"{replay_s:.1f}", warm.setup.batch_size, f"{warm_s:.2f}", transformers.__version__, peft.__version__,
+            torch.__version__]))
+        save()
         print(model, card, r["estimate_batch_size"], "->", p.setup.batch_size, tried,
               f"default {cold.setup.batch_size} ({cold_s:.1f} s) -> {warm.setup.batch_size} ({warm_s:.2f} s), "
               f"--replay {replay_s:.0f} s", flush=True)
-    write_text_atomic(PLANS, buf.getvalue())
 
 
 def stored_replay_batches() -> dict[tuple[str, str], int]:
@@ -227,8 +239,10 @@ def same_setup(row: dict, setup) -> bool:
     optimizer or checkpointing moves with its releases, and a verdict needs rows of the setup it plans."""
     def text(v) -> str:
         return "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    defaults = {f.name: f.default for f in dataclasses.fields(setup)}
     fields = SAME + (SAME_LORA if setup.technique in ("lora", "qlora") else ())
-    return all(row.get(f, "") == text(getattr(setup, f)) for f in fields)
+    # a row written before a field existed (or left empty) ran its default
+    return all((row.get(f) or text(defaults[f])) == text(getattr(setup, f)) for f in fields)
 
 
 def report() -> int:
@@ -337,7 +351,7 @@ if __name__ == "__main__":
     if cmd == "run":
         run()
     elif cmd == "plans":
-        replay_plans()
+        replay_plans(sys.argv[2] if len(sys.argv) > 2 else None)
     elif cmd == "show":
         show_plans()
     elif cmd == "replay":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import json
 
 from memplan.errors import MemplanError
 from memplan.model.catalog import config_dict
@@ -207,7 +208,9 @@ def events(spec, setup, steps: int) -> list | None:
     d = config_dict(spec)
     types = getattr(config_from_dict(d), "layer_types", None)
     depths = [n for n in (spec.arch.num_encoder_layers, spec.arch.num_decoder_layers) if n]
-    key = (spec.model_id, dataclasses.replace(setup, batch_size=1, grad_accum=min(setup.grad_accum, 2)), steps)
+    # the setup whatever its micro-batch (as text: micro-batch 1 is no valid GRPO Setup when it must hold groups)
+    shape = {**setup.to_dict(), "batch_size": 1, "grad_accum": min(setup.grad_accum, 2)}
+    key = (spec.model_id, json.dumps(shape, sort_keys=True, default=str), steps)
     if (not depths or min(depths) <= VERIFY or (types and len(set(types)) > 1) or _verified.get(key) is False
             or any(p[-1:].isdigit() for p in spec.arch.media_parts)):
         return None
@@ -221,7 +224,7 @@ def events(spec, setup, steps: int) -> list | None:
                 synthesize(cut, optimizer_run(spec, setup, d, VERIFY, steps)))) == canonical(
                 _through_last_step([e[:3] for e in whole.events]))
         return synthesize(cut, _optimizer_runs[key]) if _verified[key] else None
-    except (_Mismatch, MemplanError, RuntimeError, ValueError, KeyError):
+    except (_Mismatch, MemplanError, RuntimeError, ValueError, KeyError, IndexError):
         _verified[key] = False
         return None
 

@@ -39,7 +39,9 @@ def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device
             return _loss(out, model, ref, batch, labels, user, enter_phase), (out, batch, labels)
 
     # CUDA runs TRL's own path (compaction, Triton kernels); elsewhere the head is made to take it
-    with cuda_head(lambda: count["n"]) if device != "cuda" else contextlib.nullcontext():
+    embedding = model.get_input_embeddings().weight
+    tied = embedding if embedding is getattr(model.get_output_embeddings(), "weight", None) else None
+    with cuda_head(lambda: count["n"], tied) if device != "cuda" else contextlib.nullcontext():
         run_steps(opt, steps, min(user.grad_accum, 2), forward, enter_phase, after_backward, after_step, micro_ctx)
 
 
