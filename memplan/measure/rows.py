@@ -33,7 +33,10 @@ from memplan import __version__
 SETUP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Setup))
 QUANTITIES = ("allocated", "reserved", "device")
 ENV_FIELDS = ("gpu", "gpu_memory_bytes", "driver", "cuda", "torch", "transformers", "peft", "bitsandbytes",
-              "memplan", "python")
+              "memplan", "python", "libraries")
+#: the other packages whose code a measured step can run, recorded as "name version; ..." where installed
+STEP_LIBRARIES = ("accelerate", "trl", "liger-kernel", "torchao", "schedulefree", "galore-torch", "apollo-torch",
+                  "gptqmodel", "triton")
 COLUMNS: tuple[str, ...] = (
     "key", "model", *SETUP_FIELDS, "status", "error", "device", "steps",
     "measured_allocated_bytes", "measured_requested_bytes", "measured_reserved_bytes", "measured_device_bytes",
@@ -250,7 +253,8 @@ def int_or_none(text: str) -> int | None:
 
 def environment(device: str = "cuda") -> dict[str, str]:
     """Versions and the GPU a measurement ran with: GPU name and memory, NVIDIA driver, CUDA (torch's build),
-    torch, transformers, peft, bitsandbytes, memplan, Python. Missing packages read as empty."""
+    torch, transformers, peft, bitsandbytes, memplan, Python, and the STEP_LIBRARIES installed (`libraries`).
+    Missing packages read as empty."""
     import platform
     from importlib import metadata
 
@@ -262,6 +266,13 @@ def environment(device: str = "cuda") -> dict[str, str]:
             pass
     env["memplan"] = __version__
     env["python"] = platform.python_version()
+    found = []
+    for pkg in STEP_LIBRARIES:
+        try:
+            found.append(f"{pkg} {metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            pass
+    env["libraries"] = "; ".join(found)
     if device == "cpu":
         env["gpu"] = "cpu"
         return env

@@ -56,6 +56,9 @@ def test_cpu_validate_equals_the_trace(tiny_model):
     assert abs(m.allocated_bytes - fake) / fake < 0.03  # fake tensors: same within 3% (1.7% on this tiny model)
     assert {"forward", "backward", "optimizer"} <= set(m.phase_allocated)
     assert m.environment["torch"] and m.environment["transformers"]
+    # the other libraries a step can run, with their versions (trl is in the test extras)
+    from importlib import metadata
+    assert f"trl {metadata.version('trl')}" in m.environment["libraries"].split("; ")
 
 
 def test_cpu_validate_inference_runs_prefill_and_decode(tiny_model):
