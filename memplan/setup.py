@@ -369,9 +369,12 @@ def _training_combinations(s: Setup) -> list[str]:
         p.append(f"technique qlora needs a 4-bit base (quant nf4 or fp4), got quant={s.quant!r}; "
                  "for LoRA on an 8-bit base use --technique lora --quant int8")
     if s.quant in PREQUANTIZED and s.technique != "full" and not (s.technique == "lora" and s.quant in GPTQ):
-        p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet (LoRA on a GPTQ base "
-                 "is: --technique lora --quant gptq-int4): estimate serving it with --mode infer, or LoRA on the "
-                 "16-bit base quantized on load (--technique qlora)")
+        # gptqmodel's AUTO backend picks Machete/Marlin there, whose SUPPORTS_TRAINING is False (qlinear/__init__.py)
+        awq = ("; transformers' default AWQ kernels on Ampere and Hopper cannot train either (a run needs "
+               "AwqConfig(backend=\"auto_trainable\"))" if s.quant == "awq" else "")
+        p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet{awq}. Estimate "
+                 "serving it with --mode infer, LoRA on a GPTQ upload (--technique lora --quant gptq-int4), or LoRA "
+                 "on the 16-bit base quantized on load (--technique qlora)")
     if s.optimizer in LOW_RANK_ARGS and s.mode == "train" and s.technique != "full":
         p.append(f"{s.optimizer} projects the gradients of full-rank weights: it needs --technique full "
                  "(with LoRA, train the adapters with adamw)")

@@ -65,6 +65,8 @@ def test_lora_on_awq_and_fp8_bases_is_refused_until_modelled():
             Setup(technique="lora", quant=quant)
     r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--technique", "lora"])
     assert r.exit_code == 2 and "--mode infer" in r.output
+    # gptqmodel's AUTO backend picks Machete/Marlin on Ampere and Hopper, neither of which trains
+    assert 'AwqConfig(backend="auto_trainable")' in " ".join(r.output.split())
 
 
 def test_lora_on_gptq_names_what_peft_refuses():
