@@ -86,6 +86,14 @@ def row_label(row: dict) -> str:
         parts.append(f"+{s.added_tokens} tokens" + (f" ({s.train_new_tokens})" if s.train_new_tokens else ""))
     if s.uses_lora:
         parts.insert(2, f"r{s.lora_r}" + (" all-linear" if s.lora_targets == "all-linear" else ""))
+    if s.trainer != "hf":  # TRL's trainer and what changes its step (two rows differing only there read apart)
+        parts.insert(1, s.trainer)
+        parts += [word for on, word in ((s.packing, "packed"), (s.padding_free, "padding-free"),
+                                        (s.activation_offloading, "offloading"),
+                                        (s.precompute_ref_log_probs, "precomputed reference"),
+                                        (s.grad_accum > 1, f"accumulation {s.grad_accum}")) if on]
+        if s.trainer == "grpo":
+            parts.append(f"{s.num_generations} generations x {s.max_completion_length}")
     return " ".join(parts)
 
 
