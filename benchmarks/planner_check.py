@@ -84,29 +84,28 @@ def bound_batch(b: int) -> int:
     return max(b + 2, math.floor(b / 0.9) + 1)
 
 
-def runnable_batch(setup, b: int) -> int:
-    """The smallest micro-batch from b up that the setup can run: GRPO's generation batch must hold whole groups of
-    num_generations (setup.trainer_problems), so its next batch is the next multiple, not b + 1."""
+def _runs(setup, batch: int) -> bool:
+    """Whether the setup is valid at this micro-batch: GRPO's generation batch must hold whole groups of
+    num_generations (setup.trainer_problems)."""
     from memplan.errors import SetupError
-    for batch in range(b, b + 4096):
-        try:
-            dataclasses.replace(setup, batch_size=batch)
-            return batch
-        except SetupError:
-            continue
-    raise SystemExit(f"no runnable micro-batch from {b} up for {setup}")
+    try:
+        dataclasses.replace(setup, batch_size=batch)
+        return True
+    except SetupError:
+        return False
+
+
+def runnable_batch(setup, b: int) -> int:
+    """The smallest micro-batch from b up that the setup can run (for GRPO the next whole group, not b + 1)."""
+    found = next((batch for batch in range(b, b + 4096) if _runs(setup, batch)), None)
+    if found is None:
+        raise SystemExit(f"no runnable micro-batch from {b} up for {setup}")
+    return found
 
 
 def runnable_below(setup, n: int) -> int:
     """The largest micro-batch under n that the setup can run (n - 1 but for GRPO's whole groups)."""
-    from memplan.errors import SetupError
-    for batch in range(n - 1, 0, -1):
-        try:
-            dataclasses.replace(setup, batch_size=batch)
-            return batch
-        except SetupError:
-            continue
-    return n - 1
+    return next((batch for batch in range(n - 1, 0, -1) if _runs(setup, batch)), n - 1)
 
 
 def check_pair(model: str, card: str, pinned: dict, measure, replay_batch: int | None = None) -> dict[str, str]:

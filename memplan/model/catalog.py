@@ -177,8 +177,8 @@ def model_notes(spec: ModelSpec) -> list[str]:
         if spec.checkpoint_quant:
             notes.append(f"{spec.model_id}: its quantization_config loads the weights as {spec.checkpoint_quant} "
                          f"(--quant {spec.checkpoint_quant} by default)")
-        elif stored_format(config):
-            row = {"stored_as": stored_format(config)}
+        elif stored := stored_format(config):
+            row = {"stored_as": stored}
     if row.get("stored_as") == "mxfp4":
         notes.append(f"{spec.model_id}'s experts are stored as MXFP4 (its quantization_config): --quant mxfp4 "
                      "serves them as stored (transformers with the `kernels` package, compute capability 7.5 or "

@@ -125,15 +125,20 @@ _BASE_PINS = ("seq_len", "target_len", "lora_alpha", "lora_dropout", "trainable"
               "num_gpus", "num_nodes", "padded", "use_dora")
 
 
-def grpo_batch_unit(pinned: Mapping) -> int:
-    """The micro-batches a search may try come in multiples of this: 1, but for GRPO with the accumulation pinned
-    (TRL's steps_per_generation = gradient_accumulation_steps) the smallest micro-batch whose generation batch
-    (micro-batch x accumulation) divides by num_generations, as GRPOTrainer requires. A pinned
-    steps_per_generation sets the generation batch itself: 1."""
-    if pinned.get("trainer") != "grpo" or not pinned.get("grad_accum") or pinned.get("steps_per_generation"):
+def grpo_group_step(pinned: Mapping, other: int) -> int:
+    """GRPO's generation batch (micro-batch x accumulation, TRL's steps_per_generation = gradient_accumulation_steps)
+    must divide by num_generations, as GRPOTrainer requires: with one factor `other`, the other comes in multiples
+    of this. 1 for the other trainers, and where a pinned steps_per_generation sets the generation batch itself."""
+    if pinned.get("trainer") != "grpo" or pinned.get("steps_per_generation"):
         return 1
     n = pinned.get("num_generations", 8)
-    return n // math.gcd(n, pinned["grad_accum"])
+    return n // math.gcd(n, other)
+
+
+def grpo_batch_unit(pinned: Mapping) -> int:
+    """The micro-batches a search may try come in multiples of this: 1, but for GRPO with the accumulation pinned
+    the smallest micro-batch that holds whole groups (grpo_group_step)."""
+    return grpo_group_step(pinned, pinned["grad_accum"]) if pinned.get("grad_accum") else 1
 
 
 class Pool:

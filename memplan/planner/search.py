@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 
 from memplan.errors import BadInput, MemplanError
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, fits, need_bytes, split
-from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, grpo_batch_unit, quality_key, speed_score,
-                                        split_batch, world_size)
+from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, grpo_batch_unit, grpo_group_step, quality_key,
+                                        speed_score, split_batch, world_size)
 from memplan.planner.explain import describe, lost_reason
 from memplan.planner.types import Alternative, Candidate, Plan
 from memplan.setup import Setup, value_problems
@@ -106,9 +106,7 @@ class Search:
         """The smallest accumulation >= `accum` at which a GRPO micro-batch's generation batch (batch x accum
         completions, TRL's steps_per_generation = gradient_accumulation_steps) divides by num_generations: the
         rule GRPOTrainer enforces. `accum` itself for the other trainers."""
-        if self.pinned.get("trainer") != "grpo" or self.pinned.get("steps_per_generation"):
-            return accum  # a pinned steps_per_generation sets the generation batch, whatever the accumulation
-        step = self.pinned.get("num_generations", 8) // math.gcd(batch, self.pinned.get("num_generations", 8))
+        step = grpo_group_step(self.pinned, batch)
         return math.ceil(accum / step) * step
 
     def evaluate(self, setup: Setup) -> Candidate:

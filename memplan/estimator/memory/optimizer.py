@@ -165,30 +165,32 @@ def low_rank_targets(ctx: Ctx) -> set[str]:
     return found
 
 
-def _galore_sides(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(m, n, r) of a projected [m, n] gradient: GaLoreProjector 'std' keeps the smaller side, rank r <= min."""
-    m, n = shape
-    return m, n, min(GALORE_RANK, m, n)
+def _low_rank_split(ctx: Ctx) -> tuple[list[tuple[int, int]], list[int]]:
+    """The trainable tensors of a low-rank optimizer's step: the [m, n] shapes it projects (low_rank_targets) and
+    the element counts of the others, which keep two Adam moments zeros_like(grad) and step with two temporaries
+    of their size (exp_avg_sq.sqrt(), exp_avg / denom)."""
+    targets = low_rank_targets(ctx)
+    projected, plain = [], []
+    for p in ctx.spec.params:
+        if p.name in targets:
+            projected.append(tuple(p.shape))
+        elif p.name in ctx.trainable:
+            plain.append(weights.numel(ctx, p))
+    return projected, plain
 
 
 def galore_state_bytes(ctx: Ctx) -> int:
     """galore_torch GaLoreAdamW.step state (adamw.py, galore_projector.py, proj_type 'std'): for a projected [m, n]
-    weight the orthogonal matrix ([r, n] when m >= n, else [m, r]) and exp_avg / exp_avg_sq of the projected
-    gradient ([m, r], else [r, n]), all in the gradient's dtype; any other trainable tensor two Adam moments
-    zeros_like(grad). With fp32 weights get_orthogonal_matrix returns a slice of the SVD's Vh (else U) without
-    copying it, so the whole [k, n] (else [m, k]) factor stays referenced (k = min(m, n)); 16-bit weights get a
-    compact cast."""
-    targets, total = low_rank_targets(ctx), 0
-    b = ctx.weight_bytes
-    for p in ctx.spec.params:
-        if p.name not in ctx.trainable:
-            continue
-        if p.name in targets:
-            m, n, r = _galore_sides(p.shape)
-            kept = min(m, n) if b == 4 else r  # the factor's rows (columns) the orthogonal matrix holds
-            total += (kept * n * b + 2 * m * r * b) if m >= n else (m * kept * b + 2 * r * n * b)
-        else:
-            total += 2 * weights.numel(ctx, p) * ctx.weight_bytes
+    weight the orthogonal matrix ([r, n] when m >= n, else [m, r]; rank r <= min(m, n)) and exp_avg / exp_avg_sq of
+    the projected gradient ([m, r], else [r, n]), all in the gradient's dtype; any other trainable tensor two Adam
+    moments. With fp32 weights get_orthogonal_matrix returns a slice of the SVD's Vh (else U) without copying it,
+    so the whole [k, n] (else [m, k]) factor stays referenced (k = min(m, n)); 16-bit weights get a compact cast."""
+    projected, plain = _low_rank_split(ctx)
+    b, total = ctx.weight_bytes, 2 * sum(plain) * ctx.weight_bytes
+    for m, n in projected:
+        r = min(GALORE_RANK, m, n)
+        kept = min(m, n) if b == 4 else r  # the factor's rows (columns) the orthogonal matrix holds
+        total += (kept * n * b + 2 * m * r * b) if m >= n else (m * kept * b + 2 * r * n * b)
     return total
 
 
@@ -198,19 +200,14 @@ def galore_temp_bytes(ctx: Ctx) -> int:
       gradient, torch.linalg.svd(full_matrices=False)'s U [m, k], S [k] and Vh [k, n] (k = min(m, n)), then the
       [m, r] (or [r, n]) product it also forms; the SVD's own solver workspace is not counted;
     - a projected weight's later steps: project_back's full [m, n] and its scaled copy;
-    - an unprojected tensor's step: exp_avg_sq.sqrt() and exp_avg / denom, two of its size."""
-    targets, b = low_rank_targets(ctx), ctx.weight_bytes
-    out = 0
-    for p in ctx.spec.params:
-        if p.name not in ctx.trainable:
-            continue
-        if p.name in targets:
-            m, n, r = _galore_sides(p.shape)
-            k = min(m, n)
-            svd = (m * n * 4 if b != 4 else 0) + 4 * (m * k + k + k * n) + 4 * max(m, n) * r
-            out = max(out, svd, 2 * m * n * b)
-        else:
-            out = max(out, 2 * weights.numel(ctx, p) * b)
+    - an unprojected tensor's step: two of its size."""
+    projected, plain = _low_rank_split(ctx)
+    b = ctx.weight_bytes
+    out = 2 * max(plain, default=0) * b
+    for m, n in projected:
+        r, k = min(GALORE_RANK, m, n), min(m, n)
+        svd = (m * n * 4 if b != 4 else 0) + 4 * (m * k + k + k * n) + 4 * max(m, n) * r
+        out = max(out, svd, 2 * m * n * b)
     return out
 
 
@@ -218,17 +215,11 @@ def apollo_state_bytes(ctx: Ctx) -> int:
     """apollo_torch APOLLOAdamW.step state (apollo.py, random_projector.py; proj "random", proj_type "std"): for a
     projected [m, n] weight the random matrix ([r, n] when m >= n, else [m, r]: r x the smaller side) and exp_avg /
     exp_avg_sq of the projected gradient (r x the larger side), all in the gradient's dtype (get_orthogonal_matrix
-    draws it in fp32 and casts it back); any other trainable tensor two Adam moments zeros_like(grad). The 0-d
-    norm it keeps per weight (state["scaled_grad"]) is not counted."""
-    targets, b, total = low_rank_targets(ctx), ctx.weight_bytes, 0
-    for p in ctx.spec.params:
-        if p.name not in ctx.trainable:
-            continue
-        if p.name in targets:
-            total += APOLLO_RANK * (min(p.shape) + 2 * max(p.shape)) * b
-        else:
-            total += 2 * weights.numel(ctx, p) * b
-    return total
+    draws it in fp32 and casts it back); any other trainable tensor two Adam moments. The 0-d norm it keeps per
+    weight (state["scaled_grad"]) is not counted."""
+    projected, plain = _low_rank_split(ctx)
+    b = ctx.weight_bytes
+    return 2 * sum(plain) * b + sum(APOLLO_RANK * (min(m, n) + 2 * max(m, n)) * b for m, n in projected)
 
 
 def apollo_temp_bytes(ctx: Ctx) -> int:
@@ -238,18 +229,13 @@ def apollo_temp_bytes(ctx: Ctx) -> int:
     - a projected weight's later steps: the projected gradient, denom and exp_avg / denom (r x the larger side
       each), beside `p.grad * grad_scaling_factor` and the norm-growth limiter's `scaled_grad / limiter` ([m, n]
       each: the first step has no limiter yet);
-    - an unprojected tensor's step: exp_avg_sq.sqrt() and exp_avg / denom, two of its size."""
-    targets, b, out = low_rank_targets(ctx), ctx.weight_bytes, 0
-    for p in ctx.spec.params:
-        if p.name not in ctx.trainable:
-            continue
-        if p.name in targets:
-            m, n = p.shape
-            side, low = min(m, n), APOLLO_RANK * max(m, n)
-            draw = (m * n * 4 if b != 4 else 0) + 2 * APOLLO_RANK * side * 4
-            out = max(out, draw, 3 * low * b + 2 * m * n * b)
-        else:
-            out = max(out, 2 * weights.numel(ctx, p) * b)
+    - an unprojected tensor's step: two of its size."""
+    projected, plain = _low_rank_split(ctx)
+    b = ctx.weight_bytes
+    out = 2 * max(plain, default=0) * b
+    for m, n in projected:
+        draw = (m * n * 4 if b != 4 else 0) + 2 * APOLLO_RANK * min(m, n) * 4
+        out = max(out, draw, 3 * APOLLO_RANK * max(m, n) * b + 2 * m * n * b)
     return out
 
 
