@@ -50,6 +50,10 @@ PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8":
 #: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
 #: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
 GPTQ = ("gptq-int4", "gptq-int8")
+#: the stored formats LoRA trains on: GPTQ, and AWQ through gptqmodel's trainable kernel (AwqConfig(backend=
+#: "auto_trainable"): AwqGEMMLinear, peft AwqLoraLinear). peft's k-bit preparation upcasts an AWQ model's other
+#: weights to fp32, as it does bitsandbytes'
+LORA_PREQUANTIZED = (*GPTQ, "awq")
 #: The low-rank gradient optimizers as memplan plans, traces and estimates them (optim="galore_adamw" /
 #: "apollo_adamw" with optim_target_modules and optim_args): they project the gradients of the Linears whose name
 #: holds one of LOW_RANK_TARGETS, with transformers' defaults (trainer_optimizer.py _get_galore_optimizer,
@@ -368,29 +372,34 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.technique == "qlora" and s.quant not in ("nf4", "fp4"):
         p.append(f"technique qlora needs a 4-bit base (quant nf4 or fp4), got quant={s.quant!r}; "
                  "for LoRA on an 8-bit base use --technique lora --quant int8")
-    if s.quant in PREQUANTIZED and s.technique != "full" and not (s.technique == "lora" and s.quant in GPTQ):
+    lora_base = s.technique == "lora" and s.quant in LORA_PREQUANTIZED
+    if s.quant in PREQUANTIZED and s.technique != "full" and not lora_base:
         # gptqmodel's AUTO backend picks Machete/Marlin there, whose SUPPORTS_TRAINING is False (qlinear/__init__.py)
-        awq = ("; transformers' default AWQ kernels on Ampere and Hopper cannot train either (a run needs "
-               "AwqConfig(backend=\"auto_trainable\"))" if s.quant == "awq" else "")
-        p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet{awq}. Estimate "
-                 "serving it with --mode infer, LoRA on a GPTQ upload (--technique lora --quant gptq-int4), or LoRA "
-                 "on the 16-bit base quantized on load (--technique qlora)")
+        p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet. Estimate "
+                 "serving it with --mode infer, LoRA on a GPTQ or AWQ upload (--technique lora --quant gptq-int4 "
+                 "or awq), or LoRA on the 16-bit base quantized on load (--technique qlora)")
     if s.optimizer in LOW_RANK_ARGS and s.mode == "train" and s.technique != "full":
         p.append(f"{s.optimizer} projects the gradients of full-rank weights: it needs --technique full "
                  "(with LoRA, train the adapters with adamw)")
     if s.quant == "mxfp4" and s.mode == "train":
         p.append("transformers does not train MXFP4 weights: fine-tuning loads them dequantized "
                  "(Mxfp4Config(dequantize=True)), so estimate the 16-bit model: drop --quant mxfp4")
-    if s.quant in GPTQ and s.lora_targets == "all-linear" and s.mode == "train":
-        p.append("peft's all-linear finds no GPTQ layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
+    fmt = "GPTQ" if s.quant in GPTQ else "AWQ"
+    if s.quant in LORA_PREQUANTIZED and s.lora_targets == "all-linear" and s.mode == "train":
+        p.append(f"peft's all-linear finds no {fmt} layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
                  "nn.Module: peft tuners_utils._maybe_include_all_linear_layers): name the modules, e.g. "
                  "--lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     if s.quant in GPTQ and s.mode == "train" and s.compute_dtype == "fp32":
         p.append("LoRA on a GPTQ base computes in 16 bit (its scales are fp16; peft keeps the base's dtype): use "
                  "--precision fp16 or bf16")
-    if s.quant in GPTQ and s.use_dora:
-        p.append("peft's GPTQ LoRA layer does not support DoRA (GPTQLoraLinear raises): drop --use-dora, or use "
-                 "--technique qlora on the 16-bit base")
+    if s.quant == "awq" and s.mode == "train" and s.technique == "lora" and s.compute_dtype != "fp16":
+        # transformers' AwqQuantizer.update_dtype casts a bf16 request to fp16 on CUDA; under bf16 autocast the
+        # kernel's fp16 matmul would be recast (not modelled)
+        p.append("LoRA on an AWQ base computes in fp16 (transformers loads AWQ checkpoints in fp16 on CUDA): use "
+                 "--precision fp16-mixed or fp16")
+    if s.quant in LORA_PREQUANTIZED and s.use_dora:
+        p.append(f"peft's {fmt} LoRA layer does not support DoRA ({'GPTQ' if fmt == 'GPTQ' else 'Awq'}LoraLinear "
+                 "raises): drop --use-dora, or use --technique qlora on the 16-bit base")
     if s.technique in ("full", "freeze") and s.quant is not None:
         p.append(f"technique {s.technique} cannot train quantized weights (quant={s.quant}); "
                  "use --technique lora/qlora, or drop --quant")

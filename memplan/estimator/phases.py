@@ -79,13 +79,14 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     freed = block_ends.attention_backward_freed_bytes(ctx, rows, recompute)
     recompute_side = {**back, **block_casts, **_mlp_moment(ctx, ends[1] if ends else None, in_blocks,
                                                            block_ends.largest_recompute_bytes(ctx, rows, at_mlp=True), temps),
-                      "dequant_temporaries": quant.gptq_recompute_unpack_bytes(ctx)}
+                      "dequant_temporaries": quant.recompute_dequant_bytes(ctx)}
     return {
         # a block's dequantized weight is freed before the head computes the logits: the larger of the two
         "forward": {**common, "attention_mask": mask_bytes(ctx), "forward_kv_cache": inf.training_cache_bytes(ctx),
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
         **in_forward_phases(ctx, common, int(saved - after), blocks),
-        "backward_start": largest(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows)),
+        "backward_start": largest(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
+                                  _awq_backward(ctx, {**back, **block_casts}, in_blocks, recompute)),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, recompute_temps, int(outside - after)),
@@ -100,6 +101,22 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
         **_decoder_embedding_phase(ctx, res, grads, held_grads, blocks, tied),
         "optimizer_step": {**res, "gradients": grads, "optimizer_temporaries": opt.optimizer_temp_bytes(ctx)},
     }
+
+
+def _awq_backward(ctx: Ctx, back: dict, before: int, recompute: float) -> dict[str, int]:
+    """LoRA on an AWQ base: the last block's largest quantized Linear in backward, as phase components; {} elsewhere.
+
+    What the blocks saved (with checkpointing, the block's recompute), the residual stream's gradient, the kernel's
+    temporaries (quant.awq_backward_temp_bytes) and the input gradient its bmm returns in fp16.
+    """
+    temps = quant.awq_backward_temp_bytes(ctx)
+    if not temps:
+        return {}
+    t = ctx.setup.batch_size * ctx.setup.seq_len
+    k = max(m.in_features for m in ctx.spec.linears if m.name in ctx.quantized)
+    stream = t * ctx.spec.arch.hidden_size * ctx.residual_bytes
+    return {**back, "activations": before, "backward_temporaries": int(recompute) + stream,
+            "dequant_temporaries": temps + t * k * 2}
 
 
 def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict[str, int]:

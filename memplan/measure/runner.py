@@ -38,7 +38,7 @@ from memplan.runtime.emulate.cuda import cuda_like
 from memplan.runtime.steps import build_model, inference_loop, make_optimizer, materialize, no_eos, training_loop
 from memplan.runtime.standins import quantize_standins
 from memplan.runtime.trl_step import reference_model, trl_loop
-from memplan.setup import GPTQ, PREQUANTIZED, TRL_TRAINERS, trainer_rows
+from memplan.setup import LORA_PREQUANTIZED, PREQUANTIZED, TRL_TRAINERS, trainer_rows
 from memplan.model.compat import attn_impl
 from memplan.runtime.tracker import StorageTracker, dispatch_mode
 
@@ -91,7 +91,8 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
 
     spec = spec_for_task(load_spec(model_id), setup.task)
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
-    if setup.quant in PREQUANTIZED and device != "cpu" and not (setup.quant in GPTQ and setup.mode == "train"):
+    trains_stand_in = setup.quant in LORA_PREQUANTIZED and setup.mode == "train"
+    if setup.quant in PREQUANTIZED and device != "cpu" and not trains_stand_in:
         raise BadInput(f"validating a {setup.quant} checkpoint on CUDA needs its kernels (gptqmodel's Marlin, "
                        "transformers' FP8 Triton kernel from the `kernels` hub), which memplan does not build yet: "
                        "use --device cpu for the stand-ins' accounting, or `memplan trace`")
@@ -110,8 +111,9 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
     meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
     try:
         rows = trainer_rows(setup, attn_impl(spec, setup))  # the rows a TRL trainer runs (setup itself otherwise)
-        # LoRA on a GPTQ base trains through gptqmodel's torch path, which the stand-in runs op for op on CUDA
-        quantizer = quantize_standins if setup.quant in GPTQ else quantize_bnb("cuda")
+        # LoRA on a GPTQ base trains through gptqmodel's torch path, which the stand-in runs op for op on CUDA; on
+        # an AWQ base the stand-in allocates what the AWQ kernels allocate (their values are not computed)
+        quantizer = quantize_standins if setup.quant in LORA_PREQUANTIZED else quantize_bnb("cuda")
         model = build_model(spec, rows, None, d, quantizer=quantizer, real_kernels=True)
         materialize(model, fake=False, device="cuda")
         ref = reference_model(spec, setup, None, d, build_model, "cuda")

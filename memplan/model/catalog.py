@@ -20,7 +20,7 @@ from memplan.errors import BadInput, OfflineError, close_matches, not_found
 from memplan.model.config_rules import config_problems
 from memplan.model.hf import TASKS, config_from_dict
 from memplan.model.spec import ModelSpec
-from memplan.setup import GPTQ, PREQUANTIZED
+from memplan.setup import LORA_PREQUANTIZED, PREQUANTIZED
 from memplan.fileio import content_key, read_cached, source_digest, write_cached, write_json_atomic
 
 DATA = Path(__file__).parents[1] / "data" / "models"
@@ -198,8 +198,8 @@ def variant_note(spec: ModelSpec) -> str:
         return ""
     if spec.checkpoint_quant in PREQUANTIZED:
         layout = "128 x 128 block scales" if spec.checkpoint_quant == "fp8" else "group size 128"
-        lora = ("serving and LoRA (gptqmodel's training path) are modelled" if spec.checkpoint_quant in GPTQ
-                else "serving is modelled, LoRA on it not yet")
+        lora = ("serving and LoRA (gptqmodel's training path) are modelled"
+                if spec.checkpoint_quant in LORA_PREQUANTIZED else "serving is modelled, LoRA on it not yet")
         return (f"{spec.model_id}: the architecture of {spec.variant_of}, weights stored as {spec.checkpoint_quant} "
                 f"(--quant {spec.checkpoint_quant}; {layout}, as nearly every published upload; {lora})")
     if spec.checkpoint_quant:

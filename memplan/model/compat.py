@@ -136,6 +136,13 @@ TORCHAO_MIN_SIZE, TORCHAO_BLOCK = 4096, 256
 TORCHAO_STEP_BUFFERS = {8: (4, 4), 4: (4, 4, 8, 8)}
 TORCHAO_STEP_BYTES = {bits: sum(sizes) for bits, sizes in TORCHAO_STEP_BUFFERS.items()}
 
+#: gptqmodel's trainable AWQ kernel (AwqGemmFn.forward, qlinear/gemm_awq.py, f4c327a): above this many rows
+#: (x.shape[0] x x.shape[1], batch x tokens for peft's 3-D input) it dequantizes the whole weight for a torch.matmul;
+#: at or below, the AWQ CUDA GEMM runs split-K with AWQ_SPLIT_K fp32 partials (GPTQMODEL_FP32_ACCUM, on by default).
+#: Its Triton fallback (gemm_awq_triton.py, where the CUDA extension cannot be built) switches above 128 rows
+AWQ_DEQUANT_ABOVE = 1024
+AWQ_SPLIT_K = 8
+
 
 def torchao_quantized(numel: int) -> bool:
     """Whether torchao's low-bit AdamW quantizes the states of a tensor of `numel` elements."""

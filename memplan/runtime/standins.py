@@ -183,6 +183,82 @@ def prequantized_standin_class():
 
 
 @functools.cache
+def awq_training_standin_class():
+    """An AWQ Linear as gptqmodel's trainable kernel holds and runs it (AwqConfig(backend="auto_trainable") picks
+    AwqGEMMLinear, qlinear/gemm_awq.py, gptqmodel f4c327a): qweight int32 [k, n / 8], qzeros int32 [k / g, n / 8],
+    fp16 scales [k / g, n] and an fp16 bias buffer (buffers: peft's fp32 upcast passes them by). forward casts a
+    non-16-bit input to fp16 and AwqGemmFn saves that input for backward; it dequantizes the whole [k, n] weight
+    for a matmul above AWQ_DEQUANT_ABOVE rows, or runs the split-K GEMM (fp32 partials [AWQ_SPLIT_K, t, n]); the
+    output returns in the input's dtype. backward dequantizes again and repeats the transposed weight per batch row
+    ([b, n, k]) for a bmm. peft wraps it in AwqLoraLinear (lora_custom_modules)."""
+    import torch
+    from memplan.model.compat import AWQ_DEQUANT_ABOVE, AWQ_SPLIT_K
+
+    group = 128
+
+    class _AwqGemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):
+            ctx.save_for_backward(x)
+            ctx.layer = layer
+            if x.shape[0] * x.shape[1] > AWQ_DEQUANT_ABOVE:
+                out = torch.matmul(x, layer.dequantize().to(x.dtype))
+            else:
+                rows = x.reshape(-1, x.shape[-1]).shape[0]
+                _partials = torch.empty(AWQ_SPLIT_K, rows, layer.out_features, dtype=torch.float32, device=x.device)
+                out = torch.empty(rows, layer.out_features, dtype=x.dtype, device=x.device)
+                del _partials
+            out = out + layer.bias if layer.bias is not None else out
+            out = out.reshape(*x.shape[:-1], layer.out_features)
+            return out.unsqueeze(0) if out.dim() == 2 else out
+
+        @staticmethod
+        def backward(ctx, grad):
+            weights = ctx.layer.dequantize().to(grad.dtype)
+            grad_input = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad.bmm(weights.transpose(0, 1).unsqueeze(0).repeat(grad.shape[0], 1, 1))
+            return grad_input, None
+
+    class StandInAwqTrainable(torch.nn.Module):
+        def __init__(self, src: torch.nn.Linear):
+            super().__init__()
+            k, n, dev = src.in_features, src.out_features, src.weight.device
+            self.in_features, self.out_features = k, n
+            self.infeatures, self.outfeatures = k, n  # what peft reads off a gptqmodel layer
+            groups = math.ceil(k / group)
+            i32 = dict(dtype=torch.int32, device=dev)
+            self.register_buffer("qweight", torch.empty(k, math.ceil(n * 4 / 32), **i32))
+            self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), **i32))
+            self.register_buffer("scales", torch.empty(groups, n, dtype=torch.float16, device=dev))
+            self.register_buffer("bias", None if src.bias is None else
+                                 torch.empty(n, dtype=torch.float16, device=dev))
+
+        def dequantize(self):
+            """The [k, n] weight in the scales' dtype (the AWQ CUDA dequantize_weights kernel writes it at once)."""
+            return torch.empty(self.in_features, self.out_features, dtype=self.scales.dtype,
+                               device=self.qweight.device)
+
+        def forward(self, x):
+            out_shape = (*x.shape[:-1], self.out_features)
+            input_dtype = x.dtype
+            compute = input_dtype if input_dtype in (torch.float16, torch.bfloat16) else torch.float16
+            if input_dtype != compute:
+                x = x.to(compute)
+            elif not x.is_contiguous():
+                x = x.contiguous()
+            if self.scales.dtype != compute:  # _ensure_runtime_dtype: the scales and bias follow the input
+                self.scales = self.scales.to(compute)
+                self.bias = None if self.bias is None else self.bias.to(compute)
+            out = _AwqGemm.apply(x, self)
+            if out.dtype != input_dtype:
+                out = out.to(input_dtype)
+            return out.reshape(out_shape)
+
+    return StandInAwqTrainable
+
+
+@functools.cache
 def mxfp4_standin_class():
     """gpt-oss's MoE block as transformers runs it over MXFP4 experts with the Triton kernels (integrations/mxfp4.py
     Mxfp4GptOssMLP, Mxfp4GptOssExperts): the router's logits, the routing metadata, then two matmul_ogs calls, the
@@ -239,9 +315,11 @@ def mxfp4_standins(model) -> None:
 
 def lora_custom_modules() -> dict:
     """peft's LoRA layer for each stand-in peft cannot recognise by type (LoraConfig._register_custom_module): the
-    GPTQ stand-in gets peft's own GPTQLoraLinear, which peft picks for gptqmodel's QuantLinear."""
+    GPTQ stand-in gets peft's own GPTQLoraLinear, which peft picks for gptqmodel's QuantLinear, and the AWQ one
+    AwqLoraLinear."""
+    from peft.tuners.lora.awq import AwqLoraLinear
     from peft.tuners.lora.gptq import GPTQLoraLinear
-    return {prequantized_standin_class(): GPTQLoraLinear}
+    return {prequantized_standin_class(): GPTQLoraLinear, awq_training_standin_class(): AwqLoraLinear}
 
 
 @functools.cache
@@ -281,7 +359,9 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
                                   device="meta")
             lin.bias = src.bias
             src = lin
-        if setup.quant in PREQUANTIZED:
+        if setup.quant == "awq" and setup.mode == "train":
+            new = awq_training_standin_class()(src)
+        elif setup.quant in PREQUANTIZED:
             new = prequantized_standin_class()(src, setup.quant, training=setup.mode == "train")
         elif setup.quant == "int8":
             new = StandIn8bit(src, compute_dtype)

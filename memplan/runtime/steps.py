@@ -197,6 +197,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         model.is_loaded_in_8bit = setup.quant == "int8"
         if setup.quant.startswith("gptq"):  # what transformers' GptqHfQuantizer sets: peft's k-bit preparation then
             model.quantization_method = "gptq"  # keeps the 16-bit weights (no fp32 upcast) and enables checkpointing
+        elif setup.quant == "awq":  # transformers' AwqQuantizer: peft upcasts the rest to fp32, enables no checkpointing
+            model.quantization_method = "awq"
     if setup.mode != "train":
         model.eval()
         return model
@@ -205,7 +207,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
     if setup.quant:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
                                                      gradient_checkpointing_kwargs=checkpoint_kwargs())
-    elif setup.grad_ckpt:
+    if setup.grad_ckpt and (not setup.quant or setup.quant == "awq"):  # Trainer's gradient_checkpointing
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
     if setup.technique == "freeze":
         keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}

@@ -59,14 +59,58 @@ def test_fp8_loads_dequantized_below_compute_capability_8_9():
     assert any("dequantized" in n for n in rtx3060.notes)
 
 
-def test_lora_on_awq_and_fp8_bases_is_refused_until_modelled():
-    for quant in ("awq", "fp8"):
-        with pytest.raises(SetupError, match="not modelled yet"):
-            Setup(technique="lora", quant=quant)
-    r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--technique", "lora"])
+def test_lora_on_an_fp8_base_is_refused_until_modelled():
+    with pytest.raises(SetupError, match="not modelled yet"):
+        Setup(technique="lora", quant="fp8")
+    r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen2.5-7B-Instruct-FP8", "--technique", "lora"])
     assert r.exit_code == 2 and "--mode infer" in r.output
-    # gptqmodel's AUTO backend picks Machete/Marlin on Ampere and Hopper, neither of which trains
-    assert 'AwqConfig(backend="auto_trainable")' in " ".join(r.output.split())
+
+
+def test_lora_on_awq_names_what_peft_and_transformers_refuse():
+    with pytest.raises(SetupError, match="name the modules"):  # peft's all-linear matches no gptqmodel layer
+        Setup(technique="lora", quant="awq", precision="fp16-mixed", lora_targets="all-linear")
+    with pytest.raises(SetupError, match="AwqLoraLinear"):
+        Setup(technique="lora", quant="awq", precision="fp16-mixed", use_dora=True)
+    for precision in ("bf16", "bf16-mixed", "fp32"):  # transformers loads AWQ in fp16 on CUDA
+        with pytest.raises(SetupError, match="--precision fp16-mixed"):
+            Setup(technique="lora", quant="awq", precision=precision)
+    r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--technique", "lora",
+                                  "--precision", "fp16-mixed", "--grad-ckpt", "--format", "json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_awq_training_layout_and_kernel_temporaries_by_hand():
+    """gptqmodel's AwqGEMMLinear on Llama-2-7B's largest Linear (4096 x 11008, groups of 128): qzeros int32
+    [32, 1376] and fp16 scales [32, 11008] beside qweight, no Marlin workspace. Its forward dequantizes the [k, n]
+    weight to fp16 above 1024 rows (batch x tokens), else keeps 8 fp32 split-K partials [8, t, n]; its backward
+    dequantizes again and repeats the transposed weight once per batch row."""
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.quant import awq_backward_temp_bytes, dequant_temp_bytes
+    k, n = 4096, 11008
+    assert prequantized_state_bytes("awq", k, n, training=True) == alloc_bytes(32 * n * 2) + alloc_bytes(32 * 1376 * 4)
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+
+    def ctx(b, s):
+        return resolve(spec, Setup(technique="lora", quant="awq", precision="fp16-mixed", batch_size=b, seq_len=s))
+    assert dequant_temp_bytes(ctx(4, 512)) == k * n * 2
+    assert dequant_temp_bytes(ctx(2, 512)) == 8 * 1024 * n * 4  # 1024 rows: the split-K GEMM
+    assert awq_backward_temp_bytes(ctx(4, 512)) == k * n * 2 * (1 + 4)
+    inference = resolve(spec, Setup(mode="infer", quant="awq", precision="fp16"))
+    assert awq_backward_temp_bytes(inference) == 0
+
+
+def test_awq_layers_save_their_fp16_input():
+    """AwqGemmFn saves its input whatever trains: with LoRA on q and v only, k, o and the MLP's Linears save an
+    fp16 copy of their (fp32, upcast by peft's k-bit preparation) input too. Without checkpointing, Llama-2-7B's
+    32 blocks: the first block's k (its input carries no gradient) is left out."""
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.saves import awq_saves
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+    c = resolve(spec, Setup(technique="lora", quant="awq", precision="fp16-mixed", batch_size=1, seq_len=256))
+    saving = {m.name.split(".")[-1] for m in spec.linears if awq_saves(c, m.name)}
+    assert saving == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not awq_saves(c, "model.layers.0.self_attn.k_proj") and awq_saves(c, "model.layers.1.self_attn.k_proj")
+    assert not awq_saves(c, "lm_head")
 
 
 def test_lora_on_gptq_names_what_peft_refuses():
@@ -134,7 +178,9 @@ def test_fit_serves_an_upload_as_stored():
                                                     "LoRA r=8 on the gptq-int4 base (checkpointing)"]
     assert all(o["fits"] for o in d["options"]) and d["multi_gpu"] == []
     r = CliRunner().invoke(main, ["fit", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--gpu", "rtx 3060", "--json"])
-    assert [o["option"] for o in json.loads(r.stdout)["options"]] == ["inference awq (as stored)"]  # no AWQ LoRA yet
+    options = json.loads(r.stdout)["options"]
+    assert [o["option"] for o in options] == ["inference awq (as stored)", "LoRA r=8 on the awq base (checkpointing)"]
+    assert options[1]["setup"]["precision"] == "fp16-mixed"  # transformers loads AWQ in fp16 on CUDA
 
 
 def test_gpt_oss_serves_its_mxfp4_experts_as_stored():

@@ -25,8 +25,9 @@ from memplan.estimator.memory.moe import expert_lora_copy_bytes, expert_params
 from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.recording import block_training, gradless_linears, input_grads
 from memplan.estimator.memory.fused_head import trl_head
-from memplan.estimator.memory.saves import (act_saved_bytes, dora_dropout_weight_bytes, input_saves, liger_head,
-                                            lora_saves, norm_bytes, shared_input_saves, weight_trains)
+from memplan.estimator.memory.saves import (AWQ_INPUT_BYTES, act_saved_bytes, awq_saves, dora_dropout_weight_bytes,
+                                            input_saves, liger_head, lora_saves, norm_bytes, shared_input_saves,
+                                            weight_trains)
 from memplan.estimator.memory.stacks import checkpoint_inputs_bytes, dropout_mask_bytes, embedding_leaf_bytes
 
 
@@ -74,6 +75,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
         if gets_no_grad(ctx.spec, m.name):  # its graph is freed when the module returns (select.gets_no_grad)
             continue
         per_tok += m.in_features * c if weight_trains(ctx, m.name) else 0
+        per_tok += m.in_features * AWQ_INPUT_BYTES if awq_saves(ctx, m.name) else 0
         per_tok += lora_saves(ctx, m.in_features, c, m)[0] if m.name in lora_names else 0
         if m.short_name == "kv_b_proj" and kernel == "fused":
             # MLA's values are a view of kv_b_proj's output [heads x (qk_nope + v)] (expand_kv splits it; keys
@@ -224,7 +226,7 @@ def _block_structure(ctx: Ctx) -> tuple[tuple, ...]:
             blk.index in ctx.spec.arch.sliding_layers,  # sliding and full layers hold different sdpa masks
             bias_bucket_bytes(ctx, blk.stack, blk.index, 1),  # T5's first layer holds the relative bias
             tuple((sl, m.in_features, m.out_features, m.bias, m.kind, m.rank_mult, m.name in lora_names,
-                   weight_trains(ctx, m.name)) for sl, m in blk.linears))
+                   weight_trains(ctx, m.name), awq_saves(ctx, m.name)) for sl, m in blk.linears))
         out.append((blk, shape, key in trained_blocks, starts_here))
     return tuple(out)
 

@@ -11,8 +11,8 @@ from memplan.estimator.memory.attention import kernel_bytes, padded_masks
 from memplan.estimator.memory.context import Ctx
 from memplan.model.layout import BlockLayout
 from memplan.estimator.memory.moe import expert_params, moe_bytes, routers
-from memplan.estimator.memory.saves import (SAVES_OUTPUT, act_out_bytes, act_saved_bytes, input_saves, liger_patched,
-                                            lora_saves, norm_bytes, weight_trains)
+from memplan.estimator.memory.saves import (AWQ_INPUT_BYTES, SAVES_OUTPUT, act_out_bytes, act_saved_bytes, awq_saves,
+                                            input_saves, liger_patched, lora_saves, norm_bytes, weight_trains)
 
 
 def norms_after_attention(ctx: Ctx, blk: BlockLayout) -> int:
@@ -60,6 +60,8 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     for m in by_slot.get("attn_out", []):
         saved_input = eager and weight_trains(ctx, m.name)
         per_tok += m.in_features * c if saved_input else 0  # the attention's output (MLA: heads x v_head_dim)
+        # an AWQ layer saves its 16-bit input (autocast's kernel output): the fused kernel's saved output itself
+        per_tok += m.in_features * AWQ_INPUT_BYTES if eager and awq_saves(ctx, m.name) else 0
         if m.name in lora_names:
             branch, shares = lora_saves(ctx, m.in_features, c, m)
             # sdpa's output is already saved by the attention; eager's contiguous copy is not unless o trains
@@ -128,11 +130,13 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
     if shared:
         I = by_slot["mlp_in"][0].out_features
     down_trains = any(weight_trains(ctx, m.name) for m in outs)
+    down_awq = any(awq_saves(ctx, m.name) for m in outs)  # its fp16 copy of the product (saves.awq_saves)
+    down_saves = down_trains or down_awq
     down_lora = 0.0
     for m in outs:
         if m.name in lora_names:
             branch, shares = lora_saves(ctx, m.in_features, c, m)
-            down_lora += branch + (m.in_features * c if shares and not down_trains else 0)
+            down_lora += branch + (m.in_features * c if shares and not down_saves else 0)
     if routed:
         down_lora *= k / len(outs)  # each expert's LoRA sees about k/E of the tokens
     if a.mlp_gated:
@@ -142,10 +146,11 @@ def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = Fals
         core = I * (act_saved_bytes(ctx, down_trains) + act_out_bytes(ctx, down_trains) + c)
         if liger_patched(ctx) and not routed:  # LigerSiLUMulFunction / GEGLU: gate and up, act recomputed
             core = I * 2 * c
-        out = I * c if down_trains else 0
+        out = I * c if down_trains else (I * AWQ_INPUT_BYTES if down_awq else 0)
     else:  # fc2's input is a tensor of its own unless the activation saves its output (ReLU)
         shared = a.hidden_act in SAVES_OUTPUT and a.act_dropout == 0
         core, out = I * act_saved_bytes(ctx, down_trains), (I * c if down_trains and not shared else 0)
+        out += I * AWQ_INPUT_BYTES if down_awq and not (shared and c == AWQ_INPUT_BYTES) else 0
     if a.act_dropout > 0:
         # the activation's dropout keeps a bool mask (aten native_dropout); its output is fc2's input, counted above
         # when fc2 trains. T5's dropout before wo is the same. Measured: benchmarks/diagnose/cases-3.yaml (bart-large)

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from memplan.estimator.memory.context import Ctx, per_model
 from memplan.estimator.memory.recording import graph_blocks, gradless_linears
 from memplan.estimator.memory.fused_head import trl_head
+from memplan.model.compat import AWQ_DEQUANT_ABOVE, AWQ_SPLIT_K
 from memplan.setup import GPTQ, PREQUANTIZED
 from memplan.estimator.memory.saves import liger_head
 
@@ -28,7 +29,7 @@ def _gptq_unpack_beyond_weight(ctx: Ctx) -> int:
     return max(sizes, default=0) * (GPTQ_UNPACK_BYTES[PREQUANTIZED[ctx.setup.quant]] - GPTQ_WEIGHT_BYTES)
 
 
-@per_model("grad_ckpt")
+@per_model("grad_ckpt", "batch_size", "seq_len")
 def dequant_temp_bytes(ctx: Ctx) -> int:
     """Bytes of the largest quantized Linear's weight dequantized to the compute dtype.
 
@@ -42,15 +43,50 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
         # with torch ops: at most GPTQ_UNPACK_BYTES per weight, its fp16 result included. The result is the copy
         # the matmul saves (_cast_weights) where a graph is recorded; in a checkpointed forward it is freed as well
         return _gptq_unpack_beyond_weight(ctx) + (max(sizes) * GPTQ_WEIGHT_BYTES if ctx.setup.grad_ckpt else 0)
+    if ctx.setup.quant == "awq" and ctx.training and sizes:
+        return max(awq_forward_temp_bytes(ctx, m) for m in ctx.spec.linears if m.name in ctx.quantized)
     if not sizes or ctx.setup.quant in PREQUANTIZED:  # Marlin / FP8 kernels multiply the packed weight directly
         return 0
     return max(sizes) * ctx.compute_bytes
 
 
-def gptq_recompute_unpack_bytes(ctx: Ctx) -> int:
-    """Training on a GPTQ base with checkpointing: the unpacking of the largest weight while its block is recomputed
-    in backward, beyond the dequantized weight itself, which its matmul saves (_cast_weights); 0 otherwise."""
-    return _gptq_unpack_beyond_weight(ctx) if ctx.setup.grad_ckpt else 0
+def _awq_rows(ctx: Ctx) -> tuple[int, int]:
+    """(batch rows, tokens) of the [b, s, k] input an AWQ layer's kernel sees."""
+    b = ctx.setup.batch_size
+    return b, b * ctx.setup.seq_len
+
+
+def awq_forward_temp_bytes(ctx: Ctx, m) -> int:
+    """What gptqmodel's trainable AWQ kernel makes beside its output in forward, for Linear `m` (AwqGemmFn.forward,
+    qlinear/gemm_awq.py): above AWQ_DEQUANT_ABOVE rows the whole [k, n] weight dequantized to fp16; at or below, the
+    split-K GEMM's fp32 partials [AWQ_SPLIT_K, t, n] (gemm_cuda_gen.cu launch_gemm_forward_cuda_fp32_reduce)."""
+    _, tokens = _awq_rows(ctx)
+    if tokens > AWQ_DEQUANT_ABOVE:
+        return m.in_features * m.out_features * GPTQ_WEIGHT_BYTES
+    return AWQ_SPLIT_K * tokens * m.out_features * 4
+
+
+@per_model("batch_size")
+def awq_backward_temp_bytes(ctx: Ctx) -> int:
+    """LoRA on an AWQ base: the largest quantized Linear's backward beside the gradients it returns
+    (AwqGemmFn.backward): the weight dequantized to fp16 again, and its transpose repeated once per batch row
+    ([b, n, k]) for a bmm with the [b, s, n] output gradient. 0 otherwise."""
+    if not (ctx.setup.quant == "awq" and ctx.training):
+        return 0
+    b, _ = _awq_rows(ctx)
+    sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
+    return max(sizes, default=0) * GPTQ_WEIGHT_BYTES * (1 + b)
+
+
+def recompute_dequant_bytes(ctx: Ctx) -> int:
+    """Training on a GPTQ or AWQ base with checkpointing: what the largest quantized Linear makes while its block is
+    recomputed in backward. GPTQ: the unpacking beyond the dequantized weight, which its matmul saves
+    (_cast_weights); AWQ: the kernel's forward temporaries (awq_forward_temp_bytes). 0 otherwise."""
+    if not ctx.setup.grad_ckpt:
+        return 0
+    if ctx.setup.quant == "awq" and ctx.training:
+        return dequant_temp_bytes(ctx)
+    return _gptq_unpack_beyond_weight(ctx)
 
 
 def autocast_copy_bytes(ctx: Ctx, backward: bool = False, stack: str | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from memplan.model.spec import act_case, norm_case
 from memplan.estimator.memory.context import Ctx
+from memplan.estimator.memory.recording import gradless_linears
 
 
 #: activations whose backward needs their output (aten threshold_backward for relu): that output is also fc2's
@@ -40,6 +41,25 @@ def weight_trains(ctx: Ctx, name: str) -> bool:
     return name + ".weight" in ctx.trainable
 
 
+#: bytes per element of the input an AWQ layer saves: gptqmodel's AwqGEMMLinear casts a non-16-bit input to fp16
+AWQ_INPUT_BYTES = 2
+
+
+def awq_saves(ctx: Ctx, name: str) -> bool:
+    """The Linear is an AWQ layer of a LoRA run, whose kernel saves its fp16 input whatever trains (gptqmodel
+    qlinear/gemm_awq.py AwqGemmFn.forward: ctx.save_for_backward(x, ...)). Not where that input carries no gradient
+    (recording.gradless_linears): nothing records a graph there."""
+    return (ctx.setup.quant == "awq" and ctx.training and name in ctx.quantized
+            and name not in gradless_linears(ctx))
+
+
+def awq_input_bytes(ctx: Ctx, members, in_dim: int, in_bytes: int) -> float:
+    """Bytes per token the AWQ layers among `members` save of their shared `in_dim` input: a cast copy each, or the
+    16-bit input itself once."""
+    n = sum(1 for m in members if awq_saves(ctx, m.name))
+    return in_dim * AWQ_INPUT_BYTES * (1 if in_bytes == AWQ_INPUT_BYTES else n) if n else 0.0
+
+
 def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
     """Bytes per token saved for a group of Linears reading one shared input of `in_dim` elements.
 
@@ -59,7 +79,7 @@ def input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[s
             if shares_input and not shared_saved:
                 saved += in_dim * in_bytes  # the shared input itself, saved once by the first lora_A
                 shared_saved = True
-    return saved
+    return saved + awq_input_bytes(ctx, members, in_dim, in_bytes)
 
 
 def shared_input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names: set[str]) -> float:
@@ -72,6 +92,8 @@ def shared_input_saves(ctx: Ctx, members, in_dim: int, in_bytes: int, lora_names
         return in_dim * c
     if any(m.name in lora_names and lora_saves(ctx, in_dim, in_bytes)[1] for m in members):
         return in_dim * in_bytes
+    if in_bytes == AWQ_INPUT_BYTES:
+        return awq_input_bytes(ctx, members, in_dim, in_bytes)
     return 0.0
 
 

@@ -57,6 +57,8 @@ def stored_bytes(ctx: Ctx, p, bytes_per: float) -> float:
     """
     if p.name.endswith(".weight") and p.name[:-len(".weight")] in ctx.quantized:
         return p.numel * QUANT_WEIGHT_BYTES[ctx.setup.quant]
+    if ctx.setup.quant == "awq" and p.name.endswith(".bias") and p.name[:-len(".bias")] in ctx.quantized:
+        return p.numel * 2  # gptqmodel's fp16 bias buffer, which peft's fp32 upcast of parameters passes by
     if p.role == "expert" and mxfp4_experts(ctx):
         return p.numel * (MXFP4_BYTES if len(p.shape) == 3 else 4)
     return numel(ctx, p) * bytes_per
@@ -187,7 +189,8 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
     int32 [k, n x 4 / 32], qzeros int32 [k / g, n x 4 / 32] and scales fp16 [k / g, n] kept, the same workspace. FP8
     (transformers integrations/finegrained_fp8.py FP8Linear): weight float8_e4m3 [n, k] and weight_scale_inv fp32
     [ceil(n / 128), ceil(k / 128)]. training (LoRA on a GPTQ base): the trainable TritonV2 kernel keeps the stored
-    layout, qzeros, scales and g_idx beside qweight, and no workspace."""
+    layout, qzeros, scales and g_idx beside qweight, and no workspace; on an AWQ base AwqGEMMLinear keeps qzeros and
+    scales, no workspace."""
     groups = math.ceil(k / QUANT_GROUP)
     workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
     if quant.startswith("gptq") and training:
@@ -195,8 +198,9 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
         return alloc_bytes(groups * math.ceil(n * bits / 32) * 4) + alloc_bytes(groups * n * 2) + alloc_bytes(k * 4)
     if quant.startswith("gptq"):
         return alloc_bytes(groups * n * 2) + workspace
-    if quant == "awq":
-        return alloc_bytes(groups * n * 2) + alloc_bytes(groups * math.ceil(n * 4 / 32) * 4) + workspace
+    if quant == "awq":  # training: gptqmodel's AwqGEMMLinear keeps the same tensors, without a workspace
+        return alloc_bytes(groups * n * 2) + alloc_bytes(groups * math.ceil(n * 4 / 32) * 4) + \
+            (0 if training else workspace)
     return alloc_bytes(math.ceil(n / QUANT_GROUP) * math.ceil(k / QUANT_GROUP) * 4)
 
 
