@@ -21,7 +21,9 @@
 #   bash benchmarks/gpu_session.sh 480 smoke \
 #     'alloctrace:openai-community/gpt2:technique=full,precision=bf16,batch_size=8,seq_len=512,attn_impl=sdpa' \
 #     'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-trl.yaml benchmarks/sweeps/gpu-2026-techniques.yaml
-#      benchmarks/sweeps/gpu-2026-awq-lora.yaml'
+#      benchmarks/sweeps/gpu-2026-awq-lora.yaml' \
+#     'wheels:.whl-t523:benchmarks/sweeps/gpu-2026-fp8-lora.yaml'
+# with carry [".whl", ".whl-t523"]: LoRA on FP8 needs transformers >= 5.22 (FP8LinearFunction); the image has 5.17
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qsx '/.whl*/' .git/info/exclude || { mkdir -p .git/info; echo '/.whl*/' >> .git/info/exclude; }

@@ -50,10 +50,11 @@ PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8":
 #: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
 #: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
 GPTQ = ("gptq-int4", "gptq-int8")
-#: the stored formats LoRA trains on: GPTQ, and AWQ through gptqmodel's trainable kernel (AwqConfig(backend=
-#: "auto_trainable"): AwqGEMMLinear, peft AwqLoraLinear). peft's k-bit preparation upcasts an AWQ model's other
-#: weights to fp32, as it does bitsandbytes'
-LORA_PREQUANTIZED = (*GPTQ, "awq")
+#: the stored formats LoRA trains on: GPTQ, AWQ through gptqmodel's trainable kernel (AwqConfig(backend=
+#: "auto_trainable"): AwqGEMMLinear, peft AwqLoraLinear; peft's k-bit preparation upcasts an AWQ model's other
+#: weights to fp32, as it does bitsandbytes'), and FP8 through transformers' FP8LinearFunction (an nn.Linear to
+#: peft; no k-bit preparation: the model stays in its 16-bit dtype)
+LORA_PREQUANTIZED = (*GPTQ, "awq", "fp8")
 #: The low-rank gradient optimizers as memplan plans, traces and estimates them (optim="galore_adamw" /
 #: "apollo_adamw" with optim_target_modules and optim_args): they project the gradients of the Linears whose name
 #: holds one of LOW_RANK_TARGETS, with transformers' defaults (trainer_optimizer.py _get_galore_optimizer,
@@ -384,8 +385,8 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.quant == "mxfp4" and s.mode == "train":
         p.append("transformers does not train MXFP4 weights: fine-tuning loads them dequantized "
                  "(Mxfp4Config(dequantize=True)), so estimate the 16-bit model: drop --quant mxfp4")
-    fmt = "GPTQ" if s.quant in GPTQ else "AWQ"
-    if s.quant in LORA_PREQUANTIZED and s.lora_targets == "all-linear" and s.mode == "train":
+    fmt = {"awq": "AWQ", "fp8": "FP8"}.get(s.quant, "GPTQ")
+    if s.quant in (*GPTQ, "awq") and s.lora_targets == "all-linear" and s.mode == "train":
         p.append(f"peft's all-linear finds no {fmt} layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
                  "nn.Module: peft tuners_utils._maybe_include_all_linear_layers): name the modules, e.g. "
                  "--lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
@@ -397,9 +398,16 @@ def _training_combinations(s: Setup) -> list[str]:
         # kernel's fp16 matmul would be recast (not modelled)
         p.append("LoRA on an AWQ base computes in fp16 (transformers loads AWQ checkpoints in fp16 on CUDA): use "
                  "--precision fp16-mixed or fp16")
-    if s.quant in LORA_PREQUANTIZED and s.use_dora:
+    if s.quant in (*GPTQ, "awq") and s.use_dora:
         p.append(f"peft's {fmt} LoRA layer does not support DoRA ({'GPTQ' if fmt == 'GPTQ' else 'Awq'}LoraLinear "
                  "raises): drop --use-dora, or use --technique qlora on the 16-bit base")
+    if s.quant == "fp8" and s.mode == "train" and s.technique == "lora":
+        if s.use_dora:
+            p.append("DoRA on an FP8 base is not modelled (peft would rebuild the FP8 weight for its norm): drop "
+                     "--use-dora")
+        if s.compute_dtype == "fp32":
+            p.append("LoRA on an FP8 base computes in 16 bit (transformers' FP8 kernels take bf16/fp16 activations): "
+                     "use --precision bf16 or bf16-mixed")
     if s.technique in ("full", "freeze") and s.quant is not None:
         p.append(f"technique {s.technique} cannot train quantized weights (quant={s.quant}); "
                  "use --technique lora/qlora, or drop --quant")

@@ -86,7 +86,7 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
                     **_larger(("logits", lg.logits_forward_bytes(ctx)), ("dequant_temporaries", deq))},
         **in_forward_phases(ctx, common, int(saved - after), blocks),
         "backward_start": largest(loss_side, recompute_side, _recompute_end(ctx, back, block_casts, in_blocks, rows),
-                                  _awq_backward(ctx, {**back, **block_casts}, in_blocks, recompute)),
+                                  _quantized_backward(ctx, {**back, **block_casts}, in_blocks, recompute)),
         "lm_head_backward": {**back, **head_casts, "gradients": held_grads or lg.head_grad_bytes(ctx),
                              "logits": lg.head_backward_bytes(ctx)},
         "backward_end": _backward_end(ctx, res, grads, ends, bwd_work, temps, recompute_temps, int(outside - after)),
@@ -103,13 +103,14 @@ def training_phases(ctx: Ctx) -> dict[str, dict[str, int]]:
     }
 
 
-def _awq_backward(ctx: Ctx, back: dict, before: int, recompute: float) -> dict[str, int]:
-    """LoRA on an AWQ base: the last block's largest quantized Linear in backward, as phase components; {} elsewhere.
+def _quantized_backward(ctx: Ctx, back: dict, before: int, recompute: float) -> dict[str, int]:
+    """LoRA on an AWQ or FP8 base: the last block's largest quantized Linear in backward, as phase components; {}
+    elsewhere.
 
     What the blocks saved (with checkpointing, the block's recompute), the residual stream's gradient, the kernel's
-    temporaries (quant.awq_backward_temp_bytes) and the input gradient its bmm returns in fp16.
+    temporaries (quant.backward_dequant_bytes) and the 16-bit input gradient its matmul returns.
     """
-    temps = quant.awq_backward_temp_bytes(ctx)
+    temps = quant.backward_dequant_bytes(ctx)
     if not temps:
         return {}
     t = ctx.setup.batch_size * ctx.setup.seq_len

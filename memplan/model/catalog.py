@@ -198,7 +198,8 @@ def variant_note(spec: ModelSpec) -> str:
         return ""
     if spec.checkpoint_quant in PREQUANTIZED:
         layout = "128 x 128 block scales" if spec.checkpoint_quant == "fp8" else "group size 128"
-        lora = ("serving and LoRA (gptqmodel's training path) are modelled"
+        path = "transformers' FP8LinearFunction" if spec.checkpoint_quant == "fp8" else "gptqmodel's training path"
+        lora = (f"serving and LoRA ({path}) are modelled"
                 if spec.checkpoint_quant in LORA_PREQUANTIZED else "serving is modelled, LoRA on it not yet")
         return (f"{spec.model_id}: the architecture of {spec.variant_of}, weights stored as {spec.checkpoint_quant} "
                 f"(--quant {spec.checkpoint_quant}; {layout}, as nearly every published upload; {lora})")

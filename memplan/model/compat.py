@@ -78,6 +78,10 @@ def setup_problems(spec: ModelSpec, setup: Setup) -> list[str]:
     if setup.quant == "mxfp4" and a.model_type != "gpt_oss":
         p.append(f"MXFP4 (transformers' Mxfp4Config) converts gpt-oss's experts only; {a.model_type} has none it "
                  "converts: drop --quant mxfp4")
+    if setup.quant == "fp8" and setup.mode == "train" and libs.older_than("transformers", FP8_BACKWARD_SINCE):
+        p.append(f"transformers {libs.dotted(libs.version('transformers'))} gives FP8 layers no backward "
+                 f"(FP8LinearFunction came in {libs.dotted(FP8_BACKWARD_SINCE)}): LoRA on an FP8 base would pass no "
+                 "gradient through them. Upgrade transformers, or estimate serving it with --mode infer")
     if setup.quant in GPTQ and setup.mode == "train" and a.norm == "layernorm":
         p.append(f"LoRA on a GPTQ base of {a.model_type} is not modelled: under autocast its LayerNorms return fp32, "
                  "which gptqmodel's kernel keeps (an fp32 projection and, from the MLP on, an fp32 residual stream); "
@@ -135,6 +139,10 @@ TORCHAO_MIN_SIZE, TORCHAO_BLOCK = 4096, 256
 #: A tensor with plain states fuses into one kernel: nothing tensor-sized. Per bits: the buffers' bytes per element.
 TORCHAO_STEP_BUFFERS = {8: (4, 4), 4: (4, 4, 8, 8)}
 TORCHAO_STEP_BYTES = {bits: sum(sizes) for bits, sizes in TORCHAO_STEP_BUFFERS.items()}
+
+#: the transformers release whose FP8Linear trains (integrations/finegrained_fp8.py FP8LinearFunction: the input
+#: gradient through the weight dequantized in backward); before it the FP8 kernels' output carries no grad_fn
+FP8_BACKWARD_SINCE = (5, 22)
 
 #: gptqmodel's trainable AWQ kernel (AwqGemmFn.forward, qlinear/gemm_awq.py, f4c327a): above this many rows
 #: (x.shape[0] x x.shape[1], batch x tokens for peft's 3-D input) it dequantizes the whole weight for a torch.matmul;

@@ -14,7 +14,7 @@ from memplan.planner import budget as _budget
 from memplan.planner.budget import DEFAULT_HEADROOM, fits, need_bytes
 from memplan.errors import MemplanError
 from memplan.gpus import Gpu
-from memplan.setup import GPTQ, LORA_PREQUANTIZED, PREQUANTIZED, Setup
+from memplan.setup import LORA_PREQUANTIZED, PREQUANTIZED, Setup
 from memplan.estimator.breakdown import estimator_for
 
 #: option name -> (mode, Setup overrides). "{bf}" is bf16 on GPUs that support it, else fp16. The QLoRA row is
@@ -170,13 +170,14 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     if spec.checkpoint_quant in PREQUANTIZED and options is FIT_OPTIONS:
         # a stored-quantized upload loads as stored: served, and with a LoRA adapter where memplan models training
         # on the format (GPTQ: peft's GPTQLoraLinear, checkpointing as prepare_model_for_kbit_training enables it;
-        # AWQ: AwqLoraLinear over gptqmodel's trainable kernel, checkpointing as Trainer's gradient_checkpointing)
+        # AWQ: AwqLoraLinear over gptqmodel's trainable kernel; FP8: transformers' FP8LinearFunction; checkpointing
+        # as Trainer's gradient_checkpointing)
         q = spec.checkpoint_quant
         options = ((f"inference {q} (as stored)", {"mode": "infer", "precision": "{bf}", "quant": q}),)
         if q in LORA_PREQUANTIZED:  # AWQ trains in fp16 (transformers loads it so on CUDA): fp16-mixed
+            precision = "fp16-mixed" if q == "awq" else "{bf}"
             options += ((f"LoRA r=8 on the {q} base (checkpointing)", {"technique": "lora", "quant": q,
-                                                                       "precision": "{bf}" if q in GPTQ else "fp16-mixed",
-                                                                       "grad_ckpt": True,
+                                                                       "precision": precision, "grad_ckpt": True,
                                                                        "optimizer": "adamw-fused"}),)
     if a.model_type == "gpt_oss" and options is FIT_OPTIONS:  # its checkpoint's experts are MXFP4: served as stored
         options = options[:1] + (("inference mxfp4 (as stored)", {"mode": "infer", "precision": "{bf}",

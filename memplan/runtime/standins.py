@@ -259,6 +259,58 @@ def awq_training_standin_class():
 
 
 @functools.cache
+def fp8_training_standin_class():
+    """An FP8 Linear as transformers (5.22 on) trains through it (integrations/finegrained_fp8.py FP8Linear, an
+    nn.Linear, so peft wraps it in its own lora.Linear and all-linear finds it): float8_e4m3fn weight [n, k] and
+    fp32 weight_scale_inv [ceil(n / 128), ceil(k / 128)], frozen parameters. FP8LinearFunction runs where the input
+    needs a gradient: the fused kernel writes the output alone and saves only the weight and its scales; backward
+    dequantizes (_dequantize_fp8_weight: the scales and the weight cast to the gradient's dtype, the scales repeated
+    over each block's rows, multiplied in place) and returns grad @ weight."""
+    import torch
+
+    block = 128
+
+    class _Fp8Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):
+            ctx.layer = layer
+            return layer.kernel(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            layer = ctx.layer
+            scale = layer.weight_scale_inv.to(grad.dtype)
+            weight = layer.weight.to(grad.dtype)
+            # the scales over each block's rows, kept (a view) to the return; the in-place block multiply of a
+            # view of the weight allocates nothing
+            scale = scale.repeat_interleave(block, dim=-2)[:weight.shape[0], :]
+            return grad @ weight, None
+
+    class StandInFp8Trainable(torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear):
+            torch.nn.Module.__init__(self)
+            k, n, dev = src.in_features, src.out_features, src.weight.device
+            self.in_features, self.out_features = k, n
+            self.weight = torch.nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev),
+                                             requires_grad=False)
+            self.weight_scale_inv = torch.nn.Parameter(
+                torch.empty(math.ceil(n / block), math.ceil(k / block), dtype=torch.float32, device=dev),
+                requires_grad=False)
+            self.bias = src.bias
+
+        def kernel(self, x):  # fp8_linear: the activations quantized in the kernel's tiles, the output in x's dtype
+            out = x.new_empty(*x.shape[:-1], self.out_features)
+            return out.add_(self.bias) if self.bias is not None else out
+
+        def forward(self, x):  # transformers' _apply_if_grad: the autograd function only where x needs a gradient
+            if torch.is_grad_enabled() and x.requires_grad:
+                return _Fp8Linear.apply(x, self)
+            return self.kernel(x)
+
+    return StandInFp8Trainable
+
+
+@functools.cache
 def mxfp4_standin_class():
     """gpt-oss's MoE block as transformers runs it over MXFP4 experts with the Triton kernels (integrations/mxfp4.py
     Mxfp4GptOssMLP, Mxfp4GptOssExperts): the router's logits, the routing metadata, then two matmul_ogs calls, the
@@ -361,6 +413,8 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
             src = lin
         if setup.quant == "awq" and setup.mode == "train":
             new = awq_training_standin_class()(src)
+        elif setup.quant == "fp8" and setup.mode == "train":
+            new = fp8_training_standin_class()(src)
         elif setup.quant in PREQUANTIZED:
             new = prequantized_standin_class()(src, setup.quant, training=setup.mode == "train")
         elif setup.quant == "int8":

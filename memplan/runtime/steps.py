@@ -204,10 +204,10 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         return model
     if setup.trainer in TRL_TRAINERS:  # the trainers patch the transformers model (peft's base model)
         add_head(model, setup.trainer)
-    if setup.quant:
+    if setup.quant and setup.quant != "fp8":  # an FP8 model trains as loaded (transformers' FP8LinearFunction)
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
                                                      gradient_checkpointing_kwargs=checkpoint_kwargs())
-    if setup.grad_ckpt and (not setup.quant or setup.quant == "awq"):  # Trainer's gradient_checkpointing
+    if setup.grad_ckpt and (not setup.quant or setup.quant in ("awq", "fp8")):  # Trainer's gradient_checkpointing
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
     if setup.technique == "freeze":
         keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}

@@ -59,11 +59,12 @@ def test_fp8_loads_dequantized_below_compute_capability_8_9():
     assert any("dequantized" in n for n in rtx3060.notes)
 
 
-def test_lora_on_an_fp8_base_is_refused_until_modelled():
-    with pytest.raises(SetupError, match="not modelled yet"):
-        Setup(technique="lora", quant="fp8")
-    r = CliRunner().invoke(main, ["estimate", "Qwen/Qwen2.5-7B-Instruct-FP8", "--technique", "lora"])
-    assert r.exit_code == 2 and "--mode infer" in r.output
+def test_lora_on_mxfp4_is_refused_with_the_dequantized_alternative():
+    with pytest.raises(SetupError, match="Mxfp4Config"):
+        Setup(technique="lora", quant="mxfp4", precision="bf16")
+    r = CliRunner().invoke(main, ["estimate", "openai/gpt-oss-20b", "--technique", "lora", "--quant", "mxfp4",
+                                  "--precision", "bf16"])
+    assert r.exit_code == 2 and "drop --quant mxfp4" in " ".join(r.output.split())
 
 
 def test_lora_on_awq_names_what_peft_and_transformers_refuse():
@@ -85,7 +86,7 @@ def test_awq_training_layout_and_kernel_temporaries_by_hand():
     weight to fp16 above 1024 rows (batch x tokens), else keeps 8 fp32 split-K partials [8, t, n]; its backward
     dequantizes again and repeats the transposed weight once per batch row."""
     from memplan.estimator.memory.context import resolve
-    from memplan.estimator.memory.quant import awq_backward_temp_bytes, dequant_temp_bytes
+    from memplan.estimator.memory.quant import backward_dequant_bytes, dequant_temp_bytes
     k, n = 4096, 11008
     assert prequantized_state_bytes("awq", k, n, training=True) == alloc_bytes(32 * n * 2) + alloc_bytes(32 * 1376 * 4)
     spec = load_spec("meta-llama/Llama-2-7b-hf")
@@ -94,9 +95,9 @@ def test_awq_training_layout_and_kernel_temporaries_by_hand():
         return resolve(spec, Setup(technique="lora", quant="awq", precision="fp16-mixed", batch_size=b, seq_len=s))
     assert dequant_temp_bytes(ctx(4, 512)) == k * n * 2
     assert dequant_temp_bytes(ctx(2, 512)) == 8 * 1024 * n * 4  # 1024 rows: the split-K GEMM
-    assert awq_backward_temp_bytes(ctx(4, 512)) == k * n * 2 * (1 + 4)
+    assert backward_dequant_bytes(ctx(4, 512)) == k * n * 2 * (1 + 4)
     inference = resolve(spec, Setup(mode="infer", quant="awq", precision="fp16"))
-    assert awq_backward_temp_bytes(inference) == 0
+    assert backward_dequant_bytes(inference) == 0
 
 
 def test_awq_layers_save_their_fp16_input():
@@ -235,3 +236,27 @@ def test_a_local_config_loads_as_its_quantization_config_says(tmp_path):
     assert json.loads(r.stdout)["setup"]["quant"] == "gptq-int4"
     r = CliRunner().invoke(main, ["estimate", str(path), "--technique", "lora"])
     assert r.exit_code == 2 and "--precision fp16 or bf16" in r.output
+
+
+def test_lora_on_fp8_follows_transformers_fp8_linear_function():
+    """transformers 5.22's FP8LinearFunction gives FP8Linear (an nn.Linear, so all-linear finds it) a backward: the
+    weight cast to the gradient's dtype and the block scales repeated over their rows. The model trains as loaded,
+    in 16 bit (no k-bit preparation), and bf16-mixed builds the same bf16 model as bf16."""
+    from memplan import libs
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.quant import backward_dequant_bytes
+    Setup(technique="lora", quant="fp8", precision="bf16", lora_targets="all-linear")
+    with pytest.raises(SetupError, match="DoRA"):
+        Setup(technique="lora", quant="fp8", precision="bf16", use_dora=True)
+    with pytest.raises(SetupError, match="--precision bf16"):
+        Setup(technique="lora", quant="fp8", precision="fp32")
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+    pure = resolve(spec, Setup(technique="lora", quant="fp8", precision="bf16", batch_size=2, seq_len=128))
+    mixed = resolve(spec, Setup(technique="lora", quant="fp8", precision="bf16-mixed", batch_size=2, seq_len=128))
+    assert pure.weight_bytes == mixed.weight_bytes == pure.residual_bytes == 2
+    k, n = 11008, 4096  # down_proj [in, out]: 32 x 86 blocks of 128 x 128
+    assert backward_dequant_bytes(pure) == (n * k + 32 * 86 + 32 * 128 * 86) * 2
+    with libs.assume(transformers="5.21.0"):
+        r = CliRunner().invoke(main, ["estimate", "meta-llama/Llama-2-7b-hf", "--technique", "lora", "--quant", "fp8",
+                                      "--precision", "bf16"])
+    assert r.exit_code == 2 and "no backward" in r.output

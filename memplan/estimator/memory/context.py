@@ -69,9 +69,12 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
         raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
     # peft.prepare_model_for_kbit_training casts every non-quantized fp16/bf16 parameter to fp32
     # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32;
-    # not on a GPTQ base (quantization_method "gptq" skips the cast)
-    quant_train = setup.quant is not None and setup.mode == "train" and setup.quant not in GPTQ
-    weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.weight_dtype])
+    # not on a GPTQ base (quantization_method "gptq" skips the cast), nor on an FP8 base, which trains without the
+    # preparation (transformers' FP8LinearFunction; TRL's trainers prepare only bitsandbytes models)
+    quant_train = setup.quant is not None and setup.mode == "train" and setup.quant not in (*GPTQ, "fp8")
+    # a quantized model is built in the compute dtype whatever the precision's weight dtype (from_pretrained with
+    # the quantization config: transformers keeps no fp32 master copy), so bf16-mixed over GPTQ or FP8 holds bf16
+    weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.compute_dtype if setup.quant else setup.weight_dtype])
     compute = int(DTYPE_BYTES[setup.compute_dtype])
     trainable, lora, quantized = _selection(spec, setup)
     if setup.quant == "fp8" and fp8_dequantized():

@@ -66,16 +66,34 @@ def awq_forward_temp_bytes(ctx: Ctx, m) -> int:
     return AWQ_SPLIT_K * tokens * m.out_features * 4
 
 
+#: FP8's weight block (FineGrainedFP8Config weight_block_size (128, 128))
+FP8_BLOCK = 128
+
+
 @per_model("batch_size")
-def awq_backward_temp_bytes(ctx: Ctx) -> int:
-    """LoRA on an AWQ base: the largest quantized Linear's backward beside the gradients it returns
-    (AwqGemmFn.backward): the weight dequantized to fp16 again, and its transpose repeated once per batch row
-    ([b, n, k]) for a bmm with the [b, s, n] output gradient. 0 otherwise."""
-    if not (ctx.setup.quant == "awq" and ctx.training):
+def backward_dequant_bytes(ctx: Ctx) -> int:
+    """LoRA on an AWQ or FP8 base: what the largest quantized Linear's backward makes beside the input gradient it
+    returns; 0 otherwise.
+
+    AWQ (gptqmodel AwqGemmFn.backward): the weight dequantized to fp16 again and its transpose repeated once per
+    batch row ([b, n, k]) for a bmm with the [b, s, n] output gradient. FP8 (transformers FP8LinearFunction.backward,
+    _dequantize_fp8_weight): the [n, k] weight cast to the gradient's dtype, the block scales cast and repeated over
+    each block's rows ([ceil(n / 128) x 128, ceil(k / 128)]).
+    """
+    if not (ctx.setup.quant in ("awq", "fp8") and ctx.training):
         return 0
-    b, _ = _awq_rows(ctx)
-    sizes = [m.in_features * m.out_features for m in ctx.spec.linears if m.name in ctx.quantized]
-    return max(sizes, default=0) * GPTQ_WEIGHT_BYTES * (1 + b)
+    shapes = [(m.in_features, m.out_features) for m in ctx.spec.linears if m.name in ctx.quantized]
+    if not shapes:
+        return 0
+    if ctx.setup.quant == "awq":
+        b, _ = _awq_rows(ctx)
+        return max(k * n for k, n in shapes) * GPTQ_WEIGHT_BYTES * (1 + b)
+    cb = ctx.compute_bytes
+
+    def fp8(k: int, n: int) -> int:
+        blocks_n, blocks_k = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        return (n * k + blocks_n * blocks_k + blocks_n * FP8_BLOCK * blocks_k) * cb
+    return max(fp8(k, n) for k, n in shapes)
 
 
 def recompute_dequant_bytes(ctx: Ctx) -> int:
