@@ -91,7 +91,9 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
 
     spec = spec_for_task(load_spec(model_id), setup.task)
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
-    trains_stand_in = setup.quant in LORA_PREQUANTIZED and setup.mode == "train"
+    # the stand-ins run the training kernels' allocations (and torchao's linear op for op) on CUDA
+    trains_stand_in = ((setup.quant in LORA_PREQUANTIZED and setup.mode == "train")
+                       or str(setup.quant).startswith("torchao"))
     if setup.quant in PREQUANTIZED and device != "cpu" and not trains_stand_in:
         raise BadInput(f"validating a {setup.quant} checkpoint on CUDA needs its kernels (gptqmodel's Marlin, "
                        "transformers' FP8 Triton kernel from the `kernels` hub), which memplan does not build yet: "
@@ -113,7 +115,7 @@ def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_
         rows = trainer_rows(setup, attn_impl(spec, setup))  # the rows a TRL trainer runs (setup itself otherwise)
         # LoRA on a GPTQ base trains through gptqmodel's torch path, which the stand-in runs op for op on CUDA; on
         # an AWQ base the stand-in allocates what the AWQ kernels allocate (their values are not computed)
-        quantizer = quantize_standins if setup.quant in LORA_PREQUANTIZED else quantize_bnb("cuda")
+        quantizer = quantize_standins if setup.quant in PREQUANTIZED else quantize_bnb("cuda")
         model = build_model(spec, rows, None, d, quantizer=quantizer, real_kernels=True)
         materialize(model, fake=False, device="cuda")
         ref = reference_model(spec, setup, None, d, build_model, "cuda")

@@ -53,6 +53,8 @@ QUANT_SUFFIXES = (
     (r"-FP8", "FP8 (128 x 128 block scales)", "fp8"),
     (r"-FP8-(Dynamic|Static)", "compressed-tensors FP8", None),
     (r"-MXFP4", "MXFP4", None),
+    (r"-int4wo(-hqq)?", "torchao int4 weight-only", "torchao-int4"),
+    (r"-int8wo", "torchao int8 weight-only", "torchao-int8"),
 )
 
 
@@ -197,8 +199,10 @@ def variant_note(spec: ModelSpec) -> str:
     if not spec.variant_of:
         return ""
     if spec.checkpoint_quant in PREQUANTIZED:
-        layout = "128 x 128 block scales" if spec.checkpoint_quant == "fp8" else "group size 128"
-        path = "transformers' FP8LinearFunction" if spec.checkpoint_quant == "fp8" else "gptqmodel's training path"
+        layout = {"fp8": "128 x 128 block scales", "torchao-int8": "per-row scales"}.get(spec.checkpoint_quant,
+                                                                                      "group size 128")
+        path = {"fp8": "transformers' FP8LinearFunction", "torchao-int8": "peft's TorchaoLoraLinear"}.get(
+            spec.checkpoint_quant, "gptqmodel's training path")
         lora = (f"serving and LoRA ({path}) are modelled"
                 if spec.checkpoint_quant in LORA_PREQUANTIZED else "serving is modelled, LoRA on it not yet")
         return (f"{spec.model_id}: the architecture of {spec.variant_of}, weights stored as {spec.checkpoint_quant} "
@@ -258,7 +262,8 @@ def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str |
 def stored_quant(config: dict) -> str | None:
     """The Setup.quant a config.json's quantization_config loads its weights as (transformers' quantizers), None
     for none or a format memplan does not model (model_notes says so): GPTQ 4 / 8 bits, AWQ, FP8 (fine-grained),
-    bitsandbytes 4-bit (its quant type) and 8-bit."""
+    torchao's int4 (group size 128) and int8 (per row) weight-only configs, bitsandbytes 4-bit (its quant type) and
+    8-bit."""
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         return None
@@ -267,6 +272,17 @@ def stored_quant(config: dict) -> str | None:
         return {4: "gptq-int4", 8: "gptq-int8"}.get(q.get("bits", 4))
     if method in ("awq", "fp8"):
         return method if method == "fp8" or q.get("bits", 4) == 4 else None
+    if method == "torchao":  # TorchAoConfig.to_dict: quant_type {"default": torchao's config_to_dict(config)}
+        qt = q.get("quant_type")
+        qt = qt.get("default") if isinstance(qt, dict) else None
+        kind = qt.get("_type") if isinstance(qt, dict) else None
+        data = qt.get("_data") if isinstance(qt, dict) and isinstance(qt.get("_data"), dict) else {}
+        if kind == "Int4WeightOnlyConfig" and data.get("group_size", 128) == 128:
+            return "torchao-int4"
+        granularity = data.get("granularity") if isinstance(data.get("granularity"), dict) else {}
+        if kind == "Int8WeightOnlyConfig" and granularity.get("_type", "PerRow") == "PerRow":
+            return "torchao-int8"
+        return None
     if method == "bitsandbytes":
         if q.get("load_in_4bit"):
             return str(q.get("bnb_4bit_quant_type", "fp4")).lower()

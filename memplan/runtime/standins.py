@@ -311,6 +311,50 @@ def fp8_training_standin_class():
 
 
 @functools.cache
+def torchao_standin_class():
+    """A Linear whose weight is a torchao weight-only tensor (0.18, quantization/quantize_/workflows), as
+    TorchAoConfig loads it: an nn.Linear, so peft wraps it in (its subclass of) lora.Linear and all-linear finds it.
+    int8 (Int8Tensor, per row): int8 qdata [n, k], fp32 scale and int8 zero_point [n, 1]; its linear multiplies by
+    the int8 weight cast to the input's dtype (torch.mm, which saves that cast where the input needs a gradient),
+    then scales the [t, n] product per row into a second one. int4 (Int4Tensor, plain packing): two int4 per byte
+    [n, k / 2], scale and zero_point [k / 128, n] in the model's dtype; mslk's bf16i4bf16_rowwise kernel writes the
+    output alone (served only: peft trains on int8 alone)."""
+    import torch
+
+    group = 128
+
+    class StandInTorchao(torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear, bits: int, dtype):
+            torch.nn.Module.__init__(self)
+            k, n, dev = src.in_features, src.out_features, src.weight.device
+            self.in_features, self.out_features, self.bits = k, n, bits
+            if bits == 8:
+                self.weight = torch.nn.Parameter(torch.empty(n, k, dtype=torch.int8, device=dev), requires_grad=False)
+                self.register_buffer("scale", torch.empty(n, 1, dtype=torch.float32, device=dev))
+                self.register_buffer("zero_point", torch.empty(n, 1, dtype=torch.int8, device=dev))
+            else:
+                self.weight = torch.nn.Parameter(torch.empty(n, k // 2, dtype=torch.int8, device=dev),
+                                                 requires_grad=False)
+                self.register_buffer("scale", torch.empty(math.ceil(k / group), n, dtype=dtype, device=dev))
+                self.register_buffer("zero_point", torch.empty(math.ceil(k / group), n, dtype=dtype, device=dev))
+            self.bias = src.bias
+
+        def forward(self, x):
+            rows = x.reshape(-1, x.shape[-1])
+            if self.bits == 8:
+                m = torch.mm(rows, self.weight.t().to(x.dtype))
+                y = m * self.scale.to(m.dtype).flatten()
+            else:
+                y = rows.new_empty(rows.shape[0], self.out_features)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            if self.bias is not None:
+                y = y + self.bias if self.bits == 4 else y.add_(self.bias)
+            return y
+
+    return StandInTorchao
+
+
+@functools.cache
 def mxfp4_standin_class():
     """gpt-oss's MoE block as transformers runs it over MXFP4 experts with the Triton kernels (integrations/mxfp4.py
     Mxfp4GptOssMLP, Mxfp4GptOssExperts): the router's logits, the routing metadata, then two matmul_ogs calls, the
@@ -415,6 +459,8 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
             new = awq_training_standin_class()(src)
         elif setup.quant == "fp8" and setup.mode == "train":
             new = fp8_training_standin_class()(src)
+        elif setup.quant.startswith("torchao"):
+            new = torchao_standin_class()(src, PREQUANTIZED[setup.quant], compute_dtype)
         elif setup.quant in PREQUANTIZED:
             new = prequantized_standin_class()(src, setup.quant, training=setup.mode == "train")
         elif setup.quant == "int8":

@@ -199,6 +199,8 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
             model.quantization_method = "gptq"  # keeps the 16-bit weights (no fp32 upcast) and enables checkpointing
         elif setup.quant == "awq":  # transformers' AwqQuantizer: peft upcasts the rest to fp32, enables no checkpointing
             model.quantization_method = "awq"
+        elif setup.quant.startswith("torchao"):  # TorchAoHfQuantizer: peft keeps the dtype, enables checkpointing
+            model.quantization_method = "torchao"
     if setup.mode != "train":
         model.eval()
         return model

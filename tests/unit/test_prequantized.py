@@ -6,6 +6,7 @@ benchmarks/matrices/trace_vs_estimate.yaml; here the closed forms by hand and th
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -173,7 +174,6 @@ def test_fms_gptq_lora_row_is_estimated():
 def test_fit_serves_an_upload_as_stored():
     r = CliRunner().invoke(main, ["fit", "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "--gpu", "rtx 3060", "--json"])
     assert r.exit_code == 0, r.output
-    import json
     d = json.loads(r.stdout)  # the upload's note goes to stderr
     assert [o["option"] for o in d["options"]] == ["inference gptq-int4 (as stored)",
                                                     "LoRA r=8 on the gptq-int4 base (checkpointing)"]
@@ -200,7 +200,6 @@ def test_gpt_oss_serves_its_mxfp4_experts_as_stored():
     assert mx.components["weights"] == pytest.approx(expected, abs=2)
     assert mx.peak_allocated_bytes < 14 * 2**30
     r = CliRunner().invoke(main, ["fit", "openai/gpt-oss-20b", "--gpu", "RTX 4060 Ti 16GB", "--json"])
-    import json
     rows = {o["option"]: o for o in json.loads(r.stdout)["options"]}
     assert rows["inference mxfp4 (as stored)"]["fits"] and not rows["inference bf16"]["fits"]
 
@@ -221,7 +220,6 @@ def test_mxfp4_is_served_only_and_only_on_gpt_oss_experts():
 
 def test_a_local_config_loads_as_its_quantization_config_says(tmp_path):
     """transformers loads a config.json's quantization_config as that format: memplan uses it without --quant."""
-    import json
 
     from memplan.model.catalog import DATA, stored_quant
     config = json.loads((DATA / "configs" / "Qwen__Qwen2.5-0.5B.json").read_text())
@@ -260,3 +258,38 @@ def test_lora_on_fp8_follows_transformers_fp8_linear_function():
         r = CliRunner().invoke(main, ["estimate", "meta-llama/Llama-2-7b-hf", "--technique", "lora", "--quant", "fp8",
                                       "--precision", "bf16"])
     assert r.exit_code == 2 and "no backward" in r.output
+
+
+def test_torchao_checkpoints_by_hand_and_by_config():
+    """torchao 0.18's weight-only tensors as TorchAoConfig loads them: Int8Tensor (per row) keeps an fp32 scale and
+    an int8 zero point per output row beside the int8 [n, k] data; Int4Tensor (plain packing) a 16-bit scale and
+    zero point per group of 128 inputs. A config.json's quantization_config names them (TorchAoConfig.to_dict:
+    quant_type {"default": torchao's config_to_dict})."""
+    from memplan.model.catalog import stored_quant
+    k, n = 4096, 11008
+    assert prequantized_state_bytes("torchao-int8", k, n) == alloc_bytes(n * 4) + alloc_bytes(n)
+    assert prequantized_state_bytes("torchao-int4", k, n) == 2 * alloc_bytes(32 * n * 2)
+    int4 = {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_version": 2,
+                                                                  "_data": {"group_size": 128}}}}
+    int8 = {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int8WeightOnlyConfig", "_version": 2,
+                                                                  "_data": {"granularity": {"_type": "PerRow"}}}}}
+    assert stored_quant({"quantization_config": int4}) == "torchao-int4"
+    assert stored_quant({"quantization_config": int8}) == "torchao-int8"
+    int4["quant_type"]["default"]["_data"]["group_size"] = 32
+    assert stored_quant({"quantization_config": int4}) is None  # other group sizes are not modelled
+
+
+def test_lora_on_torchao_follows_peft():
+    """peft's TorchaoLoraLinear trains on int8 weights only; prepare_model_for_kbit_training exempts torchao from the
+    fp32 upcast, and the int8 linear saves the weight cast to the input's dtype, as a GPTQ base's torch path does."""
+    from memplan.estimator.memory.context import resolve
+    with pytest.raises(SetupError, match="int8 weights only"):
+        Setup(technique="lora", quant="torchao-int4", precision="bf16")
+    with pytest.raises(SetupError, match="DoRA"):
+        Setup(technique="lora", quant="torchao-int8", precision="bf16", use_dora=True)
+    ctx = resolve(load_spec("Qwen/Qwen2.5-0.5B"), Setup(technique="lora", quant="torchao-int8", precision="bf16",
+                                                       lora_targets="all-linear"))
+    assert ctx.weight_bytes == ctx.residual_bytes == 2
+    r = CliRunner().invoke(main, ["fit", "Qwen/Qwen2.5-7B-Instruct-int8wo", "--gpu", "rtx 4090", "--json"])
+    assert [o["option"] for o in json.loads(r.stdout)["options"]] == [
+        "inference torchao-int8 (as stored)", "LoRA r=8 on the torchao-int8 base (checkpointing)"]

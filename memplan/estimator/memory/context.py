@@ -14,7 +14,7 @@ from memplan import libs
 from memplan.model import trainable as select
 from memplan.model.compat import attn_impl, setup_problems
 from memplan.errors import BadInput
-from memplan.setup import GPTQ, Setup
+from memplan.setup import NOT_UPCAST, Setup
 from memplan.model.spec import Linear, ModelSpec
 from memplan.units import DTYPE_BYTES
 
@@ -69,9 +69,9 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
         raise BadInput("setup does not suit " + spec.model_id + ":\n" + "\n".join(f"  - {p}" for p in problems))
     # peft.prepare_model_for_kbit_training casts every non-quantized fp16/bf16 parameter to fp32
     # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32;
-    # not on a GPTQ base (quantization_method "gptq" skips the cast), nor on an FP8 base, which trains without the
-    # preparation (transformers' FP8LinearFunction; TRL's trainers prepare only bitsandbytes models)
-    quant_train = setup.quant is not None and setup.mode == "train" and setup.quant not in (*GPTQ, "fp8")
+    # not on a GPTQ or torchao base (quantization_method "gptq"/"torchao" skip the cast), nor on an FP8 base, which
+    # trains without the preparation (transformers' FP8LinearFunction; TRL's trainers prepare only bitsandbytes models)
+    quant_train = setup.quant is not None and setup.mode == "train" and setup.quant not in NOT_UPCAST
     # a quantized model is built in the compute dtype whatever the precision's weight dtype (from_pretrained with
     # the quantization config: transformers keeps no fp32 master copy), so bf16-mixed over GPTQ or FP8 holds bf16
     weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.compute_dtype if setup.quant else setup.weight_dtype])

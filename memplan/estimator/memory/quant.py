@@ -45,6 +45,11 @@ def dequant_temp_bytes(ctx: Ctx) -> int:
         return _gptq_unpack_beyond_weight(ctx) + (max(sizes) * GPTQ_WEIGHT_BYTES if ctx.setup.grad_ckpt else 0)
     if ctx.setup.quant == "awq" and ctx.training and sizes:
         return max(awq_forward_temp_bytes(ctx, m) for m in ctx.spec.linears if m.name in ctx.quantized)
+    if ctx.setup.quant == "torchao-int8" and sizes:
+        # torchao's weight-only Int8Tensor linear (int8_tensor.py, per-row path): torch.mm with the int8 weight cast
+        # to the input's dtype, then the per-row scale applied to a second [t, n] product. Training keeps the cast
+        # for the input gradient where a graph is recorded (_cast_weights), a checkpointed forward frees it
+        return max(sizes) * ctx.compute_bytes if not ctx.training or ctx.setup.grad_ckpt else 0
     if not sizes or ctx.setup.quant in PREQUANTIZED:  # Marlin / FP8 kernels multiply the packed weight directly
         return 0
     return max(sizes) * ctx.compute_bytes
@@ -216,7 +221,7 @@ def _cast_weights(ctx: Ctx):
     base_cast = ctx.weight_bytes != ctx.compute_bytes
     # training on a GPTQ base, every quantized weight is dequantized to the input's dtype and saved by its matmul
     # (gptqmodel TorchLinear._forward_eager: torch.matmul(x, weights)), as a cast is
-    gptq = ctx.setup.quant in GPTQ and ctx.training
+    gptq = ctx.setup.quant in (*GPTQ, "torchao-int8") and ctx.training  # torchao's int8 linear: its cast, saved
     for m in ctx.spec.linears:
         if m.name in ctx.quantized:
             if gptq:

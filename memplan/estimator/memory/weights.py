@@ -22,7 +22,8 @@ NESTED_BLOCK = 256
 INT8_ROW_SCALE_BYTES = 4
 #: bytes per element of a quantized Linear's weight: bitsandbytes 4-bit and int8, and the stored formats
 #: (PREQUANTIZED: GPTQ/AWQ pack 32 / bits values per int32, FP8 one byte)
-QUANT_WEIGHT_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0, "gptq-int4": 0.5, "gptq-int8": 1.0, "awq": 0.5, "fp8": 1.0}
+QUANT_WEIGHT_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0, "gptq-int4": 0.5, "gptq-int8": 1.0, "awq": 0.5, "fp8": 1.0,
+                      "torchao-int4": 0.5, "torchao-int8": 1.0}
 
 
 def numel(ctx: Ctx, p) -> int:
@@ -190,7 +191,9 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
     (transformers integrations/finegrained_fp8.py FP8Linear): weight float8_e4m3 [n, k] and weight_scale_inv fp32
     [ceil(n / 128), ceil(k / 128)]. training (LoRA on a GPTQ base): the trainable TritonV2 kernel keeps the stored
     layout, qzeros, scales and g_idx beside qweight, and no workspace; on an AWQ base AwqGEMMLinear keeps qzeros and
-    scales, no workspace."""
+    scales, no workspace. torchao (quantization/quantize_/workflows, 0.18): Int8Tensor holds int8 qdata [n, k], an fp32
+    scale and an int8 zero_point per row; Int4Tensor (the default plain packing) two int4 per byte [n, k / 2], a 16-bit
+    scale and zero_point per group of 128 inputs [k / g, n]."""
     groups = math.ceil(k / QUANT_GROUP)
     workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
     if quant.startswith("gptq") and training:
@@ -198,6 +201,10 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
         return alloc_bytes(groups * math.ceil(n * bits / 32) * 4) + alloc_bytes(groups * n * 2) + alloc_bytes(k * 4)
     if quant.startswith("gptq"):
         return alloc_bytes(groups * n * 2) + workspace
+    if quant == "torchao-int8":  # Int8Tensor per row: fp32 scale [n, 1] and int8 zero_point [n, 1]
+        return alloc_bytes(n * 4) + alloc_bytes(n)
+    if quant == "torchao-int4":  # Int4Tensor (plain): scale and zero_point [k / g, n] in the model's 16-bit dtype
+        return 2 * alloc_bytes(groups * n * 2)
     if quant == "awq":  # training: gptqmodel's AwqGEMMLinear keeps the same tensors, without a workspace
         return alloc_bytes(groups * n * 2) + alloc_bytes(groups * math.ceil(n * 4 / 32) * 4) + \
             (0 if training else workspace)
