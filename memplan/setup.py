@@ -20,9 +20,11 @@ Technique = Literal["full", "lora", "qlora", "freeze"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 #: bitsandbytes quantizes on load (int8, nf4, fp4); the others are checkpoints stored quantized (issue 40): GPTQ
 #: 4/8-bit and AWQ 4-bit with group size 128 (gptqmodel's QuantLinear layouts), FP8 with 128 x 128 block scales
-#: (transformers' FineGrainedFP8, quant_method "fp8"), torchao's weight-only tensors (TorchAoConfig with
+#: (transformers' FineGrainedFP8, quant_method "fp8"), compressed-tensors' FP8 with per-channel weight scales and
+#: dynamic per-token activations (the -FP8-Dynamic uploads, served by transformers' CompressedTensorsFP8Linear), torchao's weight-only tensors (TorchAoConfig with
 #: Int4WeightOnlyConfig(group_size=128) / Int8WeightOnlyConfig(), quant_method "torchao")
-Quant = Literal["int8", "nf4", "fp4", "gptq-int4", "gptq-int8", "awq", "fp8", "mxfp4", "torchao-int4", "torchao-int8"]
+Quant = Literal["int8", "nf4", "fp4", "gptq-int4", "gptq-int8", "awq", "fp8", "fp8-dynamic", "mxfp4", "torchao-int4",
+                "torchao-int8"]
 NewTokens = Literal["modules-to-save", "token-indices"]
 Task = Literal["causal-lm", "seq2seq", "masked-lm", "seq-cls", "token-cls"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd", "paged-adamw-32bit",
@@ -47,8 +49,8 @@ OFFLOADS: tuple[str, ...] = get_args(Offload)
 NEW_TOKENS: tuple[str, ...] = get_args(NewTokens)
 TRAINERS: tuple[str, ...] = get_args(TrainerName)
 #: the stored-quantized formats: weight bits per element of each
-PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8": 8, "mxfp4": 4, "torchao-int4": 4,
-                                "torchao-int8": 8}
+PREQUANTIZED: dict[str, int] = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4, "fp8": 8, "fp8-dynamic": 8, "mxfp4": 4,
+                                "torchao-int4": 4, "torchao-int8": 8}
 #: the GPTQ formats: LoRA trains on them (peft GPTQLoraLinear), and peft's prepare_model_for_kbit_training keeps
 #: their 16-bit weights (no fp32 upcast: peft utils/other.py skips it for quantization_method "gptq")
 GPTQ = ("gptq-int4", "gptq-int8")
@@ -379,7 +381,8 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.technique == "qlora" and s.quant not in ("nf4", "fp4"):
         p.append(f"technique qlora needs a 4-bit base (quant nf4 or fp4), got quant={s.quant!r}; "
                  "for LoRA on an 8-bit base use --technique lora --quant int8")
-    lora_base = s.technique == "lora" and s.quant in (*LORA_PREQUANTIZED, "torchao-int4")  # int4: its own message
+    # torchao int4 and compressed-tensors FP8: their own messages
+    lora_base = s.technique == "lora" and s.quant in (*LORA_PREQUANTIZED, "torchao-int4", "fp8-dynamic")
     if s.quant in PREQUANTIZED and s.technique != "full" and not lora_base:
         # gptqmodel's AUTO backend picks Machete/Marlin there, whose SUPPORTS_TRAINING is False (qlinear/__init__.py)
         p.append(f"training {s.technique} on a pre-quantized {s.quant} base is not modelled yet. Estimate "
@@ -407,6 +410,10 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.quant in (*GPTQ, "awq") and s.use_dora:
         p.append(f"peft's {fmt} LoRA layer does not support DoRA ({'GPTQ' if fmt == 'GPTQ' else 'Awq'}LoraLinear "
                  "raises): drop --use-dora, or use --technique qlora on the 16-bit base")
+    if s.quant == "fp8-dynamic" and s.mode == "train":
+        p.append("compressed-tensors' FP8 kernel path serves only (transformers' CompressedTensorsFP8Linear); "
+                 "fine-tuning loads the checkpoint dequantized (CompressedTensorsConfig(dequantize=True)): estimate "
+                 "the 16-bit model, dropping --quant fp8-dynamic")
     if s.quant == "torchao-int4" and s.mode == "train" and s.technique == "lora":
         p.append("peft's TorchaoLoraLinear trains on torchao's int8 weights only (it raises on an Int4Tensor): "
                  "use a torchao int8 checkpoint (--quant torchao-int8), or LoRA on the 16-bit base quantized on load "

@@ -196,6 +196,13 @@ def _notes(ctx: Ctx, setup: Setup) -> tuple[str, ...]:
     if ctx.setup.quant == "mxfp4" and mxfp4_dequantized():
         notes.append("MXFP4 experts on a card below compute capability 7.5: transformers loads them dequantized to "
                      "bf16 (quantizer_mxfp4.py), 2 bytes per weight")
+    if ctx.setup.quant == "fp8-dynamic" and not ctx.quantized:
+        notes.append("compressed-tensors FP8 on a card below compute capability 8.9: transformers ignores "
+                     "use_optimized_inference and decompresses the weights to 16 bit, 2 bytes per weight")
+    elif ctx.setup.quant == "fp8-dynamic":
+        notes.append("compressed-tensors FP8 kept in FP8 needs CompressedTensorsConfig(use_optimized_inference=True) "
+                     "(transformers' default decompresses the weights to 16 bit on the first forward: estimate "
+                     "without --quant for that)")
     if ctx.setup.quant == "fp8" and not ctx.quantized:
         notes.append("FP8 weights on a card below compute capability 8.9: transformers loads them dequantized to "
                      "16 bit (quantizer_finegrained_fp8.py), 2 bytes per weight")

@@ -93,7 +93,7 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
     # the stand-ins run the training kernels' allocations (and torchao's linear op for op) on CUDA
     trains_stand_in = ((setup.quant in LORA_PREQUANTIZED and setup.mode == "train")
-                       or str(setup.quant).startswith("torchao"))
+                       or str(setup.quant).startswith("torchao") or setup.quant == "fp8-dynamic")
     if setup.quant in PREQUANTIZED and device != "cpu" and not trains_stand_in:
         raise BadInput(f"validating a {setup.quant} checkpoint on CUDA needs its kernels (gptqmodel's Marlin, "
                        "transformers' FP8 Triton kernel from the `kernels` hub), which memplan does not build yet: "

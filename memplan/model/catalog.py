@@ -51,7 +51,7 @@ QUANT_SUFFIXES = (
     (r"-GPTQ(-Int4)?", "GPTQ 4-bit", "gptq-int4"),
     (r"-AWQ", "AWQ 4-bit", "awq"),
     (r"-FP8", "FP8 (128 x 128 block scales)", "fp8"),
-    (r"-FP8-(Dynamic|Static)", "compressed-tensors FP8", None),
+    (r"-FP8-(Dynamic|Static)", "compressed-tensors FP8 (per-channel scales)", "fp8-dynamic"),
     (r"-MXFP4", "MXFP4", None),
     (r"-int4wo(-hqq)?", "torchao int4 weight-only", "torchao-int4"),
     (r"-int8wo", "torchao int8 weight-only", "torchao-int8"),
@@ -199,8 +199,8 @@ def variant_note(spec: ModelSpec) -> str:
     if not spec.variant_of:
         return ""
     if spec.checkpoint_quant in PREQUANTIZED:
-        layout = {"fp8": "128 x 128 block scales", "torchao-int8": "per-row scales"}.get(spec.checkpoint_quant,
-                                                                                      "group size 128")
+        layout = {"fp8": "128 x 128 block scales", "torchao-int8": "per-row scales",
+                  "fp8-dynamic": "per-channel scales"}.get(spec.checkpoint_quant, "group size 128")
         path = {"fp8": "transformers' FP8LinearFunction", "torchao-int8": "peft's TorchaoLoraLinear"}.get(
             spec.checkpoint_quant, "gptqmodel's training path")
         lora = (f"serving and LoRA ({path}) are modelled"
@@ -272,6 +272,12 @@ def stored_quant(config: dict) -> str | None:
         return {4: "gptq-int4", 8: "gptq-int8"}.get(q.get("bits", 4))
     if method in ("awq", "fp8"):
         return method if method == "fp8" or q.get("bits", 4) == 4 else None
+    if method == "compressed-tensors":  # llm-compressor's FP8_DYNAMIC: float 8-bit weights per channel (or tensor)
+        groups = q.get("config_groups") if isinstance(q.get("config_groups"), dict) else {}
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+        fp8 = [isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 8
+               and w.get("strategy") in ("channel", "tensor") for w in weights]
+        return "fp8-dynamic" if fp8 and all(fp8) else None
     if method == "torchao":  # TorchAoConfig.to_dict: quant_type {"default": torchao's config_to_dict(config)}
         qt = q.get("quant_type")
         qt = qt.get("default") if isinstance(qt, dict) else None

@@ -147,10 +147,14 @@ def prequantized_standin_class():
                 self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), **i32))
                 self.register_buffer("scales", torch.empty(groups, n, dtype=torch.float16, device=dev))
                 self.register_buffer("workspace", torch.empty(workspace, **i32))
+            elif quant == "fp8-dynamic":  # transformers' CompressedTensorsFP8Linear: a per-channel fp32 scale
+                self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev))
+                self.register_buffer("weight_scale", torch.empty(1, n, dtype=torch.float32, device=dev))
             else:  # fp8
                 self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev))
                 self.register_buffer("weight_scale_inv", torch.empty(math.ceil(n / group), groups,
                                                                      dtype=torch.float32, device=dev))
+            self.quant = quant
             self.bias = src.bias
 
         def dequantize_weight(self):
@@ -167,6 +171,13 @@ def prequantized_standin_class():
 
         def forward(self, x):
             shape = (*x.shape[:-1], self.out_features)
+            if self.quant == "fp8-dynamic":  # quantize_fp8_per_row in torch ops, then the scaled matmul's output
+                x_float = x.reshape(-1, x.shape[-1]).to(torch.float32)
+                row_max = x_float.abs().amax(dim=-1)
+                scales = torch.where(row_max > 0, row_max, torch.ones_like(row_max)) / 448.0
+                _x_fp8 = torch.clamp(x_float / scales.unsqueeze(-1), min=-448.0, max=448.0).to(torch.float8_e4m3fn)
+                del x_float
+                return x.new_empty(shape)  # scaled_mm adds the bias in its epilogue
             if not self.training_kernel:
                 out = x.new_empty(shape)
                 return out + self.bias if self.bias is not None else out

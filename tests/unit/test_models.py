@@ -228,8 +228,8 @@ def test_offline_message_keeps_a_dotted_model_id_whole(monkeypatch):
 
 def test_a_quantized_upload_answers_with_its_base_architecture():
     """issue 37: a -bnb-4bit upload (any organisation's) is its base model's architecture stored as bitsandbytes
-    NF4; the estimate needs that quant. GPTQ/AWQ/FP8 uploads resolve to their stored format (issue 40); formats not
-    modelled yet (MXFP4, compressed-tensors FP8) say so, naming the base."""
+    NF4; the estimate needs that quant. GPTQ/AWQ/FP8/compressed-tensors FP8/torchao uploads resolve to their stored
+    format (issue 40); formats not modelled yet (MXFP4 outside gpt-oss) say so, naming the base."""
     from memplan.setup import Setup
     from memplan.model.compat import setup_problems
 
@@ -239,9 +239,10 @@ def test_a_quantized_upload_answers_with_its_base_architecture():
     assert any("--quant nf4" in p for p in setup_problems(spec, Setup(technique="lora")))
     assert setup_problems(spec, Setup(technique="qlora")) == []
     for name, quant in (("Qwen/Qwen2.5-7B-GPTQ-Int4", "gptq-int4"), ("Qwen/Qwen2.5-7B-AWQ", "awq"),
-                        ("Qwen/Qwen2.5-7B-FP8", "fp8")):
+                        ("Qwen/Qwen2.5-7B-FP8", "fp8"), ("Qwen/Qwen2.5-7B-FP8-Dynamic", "fp8-dynamic"),
+                        ("Qwen/Qwen2.5-7B-int4wo-hqq", "torchao-int4")):
         assert load_spec(name).checkpoint_quant == quant
-    for name in ("Qwen/Qwen2.5-7B-MXFP4", "Qwen/Qwen2.5-7B-FP8-Dynamic"):
+    for name in ("Qwen/Qwen2.5-7B-MXFP4",):
         with pytest.raises(BadInput, match="upload of Qwen/Qwen2.5-7B; memplan does not model pre-quantized"):
             load_spec(name)
 

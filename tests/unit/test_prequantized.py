@@ -46,9 +46,11 @@ def test_uploads_resolve_to_their_base_and_format(upload, quant, per_weight):
                                                          rel=1e-3)
 
 
-def test_compressed_tensors_fp8_is_named_not_guessed():
+def test_compressed_tensors_fp8_upload_serves_and_refuses_training():
     r = CliRunner().invoke(main, ["estimate", "RedHatAI/Llama-3.1-8B-Instruct-FP8-Dynamic"])
-    assert r.exit_code == 2 and "compressed-tensors FP8" in r.output
+    assert r.exit_code == 2 and "dequantize=True" in " ".join(r.output.split())
+    r = CliRunner().invoke(main, ["estimate", "RedHatAI/Llama-3.1-8B-Instruct-FP8-Dynamic", "--mode", "infer"])
+    assert r.exit_code == 0 and "use_optimized_inference=True" in " ".join(r.output.split())
 
 
 def test_fp8_loads_dequantized_below_compute_capability_8_9():
@@ -293,3 +295,30 @@ def test_lora_on_torchao_follows_peft():
     r = CliRunner().invoke(main, ["fit", "Qwen/Qwen2.5-7B-Instruct-int8wo", "--gpu", "rtx 4090", "--json"])
     assert [o["option"] for o in json.loads(r.stdout)["options"]] == [
         "inference torchao-int8 (as stored)", "LoRA r=8 on the torchao-int8 base (checkpointing)"]
+
+
+def test_compressed_tensors_fp8_is_served_with_its_row_quantization():
+    """An -FP8-Dynamic upload (llm-compressor's FP8_DYNAMIC: float 8-bit weights per channel, activations per token)
+    served by transformers' CompressedTensorsFP8Linear: an fp32 scale per output channel; the input quantized per row
+    in torch ops, 12 bytes per element of the largest quantized Linear's input beside it (Mistral-7B's down_proj reads
+    14336 values per token). Inference only; below compute capability 8.9 the weights decompress to 16 bit."""
+    from memplan import libs
+    from memplan.estimator.memory.context import resolve
+    from memplan.estimator.memory.inference import prefill_working_bytes
+    from memplan.model.catalog import stored_quant
+    ct = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    assert stored_quant({"quantization_config": ct}) == "fp8-dynamic"
+    ct["config_groups"]["group_0"]["weights"]["type"] = "int"  # W8A8 int8: not modelled
+    assert stored_quant({"quantization_config": ct}) is None
+    assert prequantized_state_bytes("fp8-dynamic", 4096, 11008) == alloc_bytes(11008 * 4)
+    with pytest.raises(SetupError, match="dequantize=True"):
+        Setup(technique="lora", quant="fp8-dynamic", precision="bf16")
+    spec = load_spec("mistralai/Mistral-7B-v0.1")
+    s = Setup(mode="infer", quant="fp8-dynamic", precision="bf16", batch_size=2, prompt_len=1024, new_tokens=8)
+    t = 2 * 1024
+    # PREFILL_HIDDEN hidden states, then the gated product and its fp32 quantization copies
+    assert prefill_working_bytes(resolve(spec, s)) >= (2 + 12) * 14336 * t
+    with libs.assume(compute_capability="8.6"):
+        assert not resolve(spec, s).quantized  # decompressed to 16 bit on an A10 / RTX 3090

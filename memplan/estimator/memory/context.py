@@ -77,7 +77,7 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.compute_dtype if setup.quant else setup.weight_dtype])
     compute = int(DTYPE_BYTES[setup.compute_dtype])
     trainable, lora, quantized = _selection(spec, setup)
-    if setup.quant == "fp8" and fp8_dequantized():
+    if setup.quant in ("fp8", "fp8-dynamic") and fp8_dequantized():
         quantized = frozenset()  # held as plain 16-bit Linears
     src = setup.seq_len if setup.mode == "train" else (setup.prompt_len or setup.seq_len)
     tgt = (setup.target_len or setup.seq_len) if spec.arch.kind == "seq2seq" else src
@@ -185,7 +185,8 @@ def _releases() -> tuple:
 
 
 #: the compute capability from which transformers keeps FP8 weights quantized (quantizer_finegrained_fp8.py
-#: validate_environment: below 8.9 it sets dequantize=True and loads plain Linears in the model's dtype)
+#: validate_environment: below 8.9 it sets dequantize=True and loads plain Linears in the model's dtype;
+#: quantizer_compressed_tensors.py: below 8.9 use_optimized_inference is ignored and the weights decompress)
 FP8_KERNELS_FROM = (8, 9)
 
 

@@ -8,6 +8,7 @@ from memplan.estimator.memory.position_bias import has_position_bias
 from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.context import Ctx
+from memplan.estimator.memory.quant_kernels import FP8_ROW_QUANT_BYTES
 from memplan.estimator.memory.weights import mxfp4_experts
 from memplan.estimator.memory.moe import inference_expert_bytes
 from memplan import libs
@@ -193,7 +194,17 @@ def prefill_working_bytes(ctx: Ctx) -> int:
     else:
         experts = mlp_live(a) * a.intermediate_size * c * k * t
     mlp = hidden * a.hidden_size * c * t + experts + scores * returned * (2 if a.returns_attn_probs else 1)
-    return max(attn, mlp) + masks + _position_bias_bytes(ctx, kernel)
+    return max(attn, mlp, _fp8_row_quant_moment(ctx, hidden, t)) + masks + _position_bias_bytes(ctx, kernel)
+
+
+def _fp8_row_quant_moment(ctx: Ctx, hidden: int, t: int) -> int:
+    """compressed-tensors FP8 served (CompressedTensorsFP8Linear): the largest quantized Linear quantizing its input
+    per row (quant.FP8_ROW_QUANT_BYTES per element beside the input itself), with the hidden states; 0 otherwise. At
+    the MLP's down projection its input, the gated product, is the one intermediate left."""
+    if ctx.setup.quant != "fp8-dynamic" or not ctx.quantized:
+        return 0
+    k = max(m.in_features for m in ctx.spec.linears if m.name in ctx.quantized)
+    return hidden * ctx.spec.arch.hidden_size * ctx.compute_bytes * t + (ctx.compute_bytes + FP8_ROW_QUANT_BYTES) * k * t
 
 
 def mxfp4_moe_bytes(ctx: Ctx, tokens: int) -> int:

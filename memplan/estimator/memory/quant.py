@@ -29,7 +29,7 @@ def _gptq_unpack_beyond_weight(ctx: Ctx) -> int:
     return max(sizes, default=0) * (GPTQ_UNPACK_BYTES[PREQUANTIZED[ctx.setup.quant]] - GPTQ_WEIGHT_BYTES)
 
 
-@per_model("grad_ckpt", "batch_size", "seq_len")
+@per_model("grad_ckpt", "batch_size", "seq_len", "prompt_len")
 def dequant_temp_bytes(ctx: Ctx) -> int:
     """Bytes of the largest quantized Linear's weight dequantized to the compute dtype.
 

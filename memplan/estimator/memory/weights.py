@@ -23,7 +23,7 @@ INT8_ROW_SCALE_BYTES = 4
 #: bytes per element of a quantized Linear's weight: bitsandbytes 4-bit and int8, and the stored formats
 #: (PREQUANTIZED: GPTQ/AWQ pack 32 / bits values per int32, FP8 one byte)
 QUANT_WEIGHT_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0, "gptq-int4": 0.5, "gptq-int8": 1.0, "awq": 0.5, "fp8": 1.0,
-                      "torchao-int4": 0.5, "torchao-int8": 1.0}
+                      "fp8-dynamic": 1.0, "torchao-int4": 0.5, "torchao-int8": 1.0}
 
 
 def numel(ctx: Ctx, p) -> int:
@@ -201,6 +201,8 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
         return alloc_bytes(groups * math.ceil(n * bits / 32) * 4) + alloc_bytes(groups * n * 2) + alloc_bytes(k * 4)
     if quant.startswith("gptq"):
         return alloc_bytes(groups * n * 2) + workspace
+    if quant == "fp8-dynamic":  # CompressedTensorsFP8Linear: an fp32 weight_scale [1, n] per output channel
+        return alloc_bytes(n * 4)
     if quant == "torchao-int8":  # Int8Tensor per row: fp32 scale [n, 1] and int8 zero_point [n, 1]
         return alloc_bytes(n * 4) + alloc_bytes(n)
     if quant == "torchao-int4":  # Int4Tensor (plain): scale and zero_point [k / g, n] in the model's 16-bit dtype
