@@ -16,10 +16,11 @@ from memplan.cli.options import (TASK_HELP, emit_json, format_options, given_set
                                  headroom_option, load_model, setup_from_options, setup_options)
 from memplan.cli.plot import plot_command
 from memplan.cli.plots import write_breakdown_png
-from memplan.cli.report import (output_console, print_estimate, print_fit, print_plan, print_trace, print_models,
-                                print_gpus)
+from memplan.cli.report import (output_console, print_estimate, print_fit, print_plan, print_serving, print_trace,
+                                print_models, print_gpus)
 from memplan.gpus import resolve_gpu, load_gpus
-from memplan.setup import TASK_NAMES
+from memplan.errors import BadInput
+from memplan.setup import TASK_NAMES, Setup
 from memplan.estimator import breakdown
 from memplan.model import catalog
 from memplan.model.catalog import find_models
@@ -115,6 +116,8 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
     # validated with each candidate (a pin's problems are reported then); TRL's defaults are searched, not pinned
     pins = given_setup_fields(options, spec, trl_defaults=False)
     spec = catalog.spec_for_task(spec, pins.get("task"))  # the plan file names the task's class
+    if pins.get("mode") == "infer":
+        _plan_serving(spec, resolve_gpu(gpu_name, memory), pins, headroom, output, as_json)
     result = search.plan(spec, resolve_gpu(gpu_name, memory), effective_batch=effective_batch, prefer=prefer,
                          headroom=headroom, host_memory=host_memory, replay=replay, **pins)
     written = None
@@ -126,6 +129,40 @@ def plan(model, gpu_name, memory, effective_batch, prefer, headroom, host_memory
         emit_json(dict(result.to_dict(), written=written))
     else:
         print_plan(result, written)
+    sys.exit(0 if result.fits else 1)
+
+
+#: the Setup fields a serving plan takes as given; the format (quant) is what it searches
+SERVING_PINS = frozenset({"mode", "batch_size", "prompt_len", "seq_len", "new_tokens", "precision", "attn_impl",
+                          "padded", "task"})
+
+
+def _plan_serving(spec, gpu, pins: dict, headroom, output, as_json) -> None:
+    """plan --mode infer: the most faithful checkpoint format that serves the batch asked for (planner.serving)."""
+    from memplan.planner.fit_table import DEFAULT_NEW_TOKENS
+    from memplan.planner.serving import plan_serving
+
+    if output:
+        raise BadInput("-o writes training plans; a serving plan is printed (use --json for a file)")
+    if pins.get("quant") == spec.checkpoint_quant:  # an upload's own format, applied by itself
+        pins = {k: v for k, v in pins.items() if k != "quant"}
+    if "quant" in pins:
+        raise BadInput("plan --mode infer searches the checkpoint format: drop --quant, or size that format with "
+                       f"`memplan estimate {spec.model_id} --mode infer --quant {pins['quant']}`")
+    training = sorted(set(pins) - SERVING_PINS)
+    if training:
+        flags = ", ".join("--" + f.replace("_", "-") for f in training)
+        raise BadInput(f"plan --mode infer searches the checkpoint format and batch for serving: drop {flags} "
+                       "(training flags), or plan training without --mode infer")
+    base = Setup(**{**pins, "mode": "infer", "batch_size": pins.get("batch_size", 1),
+                    "prompt_len": pins.get("prompt_len") or pins.get("seq_len") or 512,
+                    "new_tokens": pins.get("new_tokens", DEFAULT_NEW_TOKENS),
+                    "precision": pins.get("precision") or ("bf16" if gpu.bf16 else "fp16")})
+    result = plan_serving(spec, gpu, base, **({"headroom": headroom} if headroom is not None else {}))
+    if as_json:
+        emit_json(result.to_dict())
+    else:
+        print_serving(result)
     sys.exit(0 if result.fits else 1)
 
 

@@ -274,6 +274,33 @@ def replay_line(r: dict) -> str:
             f"fitting {r['largest_batch_size']} (closed-form plan: {r['estimate_batch_size']}){split}")
 
 
+def serving_verdict(plan) -> str:
+    """One line: the most faithful checkpoint format that serves the batch asked for, and what does not."""
+    c, where = plan.choice, f"{plan.model} on {plan.gpu.name}"
+    if c is None:
+        best = max(plan.rows, key=lambda r: r.max_batch, default=None)
+        more = f"; the most any format serves: batch {best.max_batch} ({best.option})" if best and best.max_batch else ""
+        return f"does not serve: no checkpoint format serves batch {plan.batch_size} of {where}{more}"
+    worse = [r.option for r in plan.rows[:plan.rows.index(c)]]
+    skipped = f"; {', '.join(worse)} cannot" if worse else ""
+    return f"serves: {where} with {c.option} up to batch {c.max_batch} (batch {plan.batch_size} asked{skipped})"
+
+
+def print_serving(plan, console: Console | None = None) -> None:
+    console = console or make_console()
+    console.print(serving_verdict(plan), soft_wrap=True)
+    first = plan.rows[0].setup if plan.rows else None
+    tokens = f", {tokens_label(first)}" if first else ""
+    t = table(f"{plan.model} served on {plan.gpu.name} (budget {_gib(plan.budget_bytes)} GiB{tokens})",
+              "checkpoint", "largest batch", f"needs GiB at batch {plan.batch_size}")
+    for r in plan.rows:
+        if r.error:
+            _error_row(t, r.option, r.error, 3)
+        else:
+            t.add_row(r.option, str(r.max_batch) if r.max_batch else "none", _gib(r.need_bytes))
+    console.print(t)
+
+
 def print_plan(plan, written: str | None = None, console: Console | None = None) -> None:
     """The chosen setup with its breakdown, the budget, and the alternatives with why each lost."""
 

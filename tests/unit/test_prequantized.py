@@ -322,3 +322,26 @@ def test_compressed_tensors_fp8_is_served_with_its_row_quantization():
     assert prefill_working_bytes(resolve(spec, s)) >= (2 + 12) * 14336 * t
     with libs.assume(compute_capability="8.6"):
         assert not resolve(spec, s).quantized  # decompressed to 16 bit on an A10 / RTX 3090
+
+
+def test_plan_for_serving_proposes_the_most_faithful_checkpoint_that_fits():
+    """plan --mode infer (issue 40): Mistral-7B on an RTX 3060 12GB at batch 8 x (512 + 128): the 16-bit checkpoint
+    does not fit, an 8-bit GPTQ upload does; FP8 is offered only from compute capability 8.9 (an H100's 9.0)."""
+    r = CliRunner().invoke(main, ["plan", "mistralai/Mistral-7B-v0.1", "--gpu", "rtx 3060", "--mode", "infer",
+                                  "--batch-size", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["choice"]["quant"] == "gptq-int8" and d["options"][0]["quant"] is None
+    assert d["options"][0]["max_batch"] < 8 <= d["choice"]["max_batch"]
+    assert "fp8" not in [o["quant"] for o in d["options"]]
+    h100 = json.loads(CliRunner().invoke(main, ["plan", "mistralai/Mistral-7B-v0.1", "--gpu", "h100", "--mode",
+                                                "infer", "--json"]).stdout)
+    assert [o["quant"] for o in h100["options"]][:2] == [None, "fp8"] and h100["choice"]["quant"] is None
+    upload = json.loads(CliRunner().invoke(main, ["plan", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--gpu", "rtx 3060",
+                                                  "--mode", "infer", "--json"]).stdout)
+    assert [o["quant"] for o in upload["options"]] == ["awq"]
+    r = CliRunner().invoke(main, ["plan", "mistralai/Mistral-7B-v0.1", "--gpu", "rtx 3060", "--mode", "infer",
+                                  "--batch-size", "4096"])
+    assert r.exit_code == 1 and r.output.startswith("does not serve")
+    r = CliRunner().invoke(main, ["plan", "gpt2", "--gpu", "rtx 3060", "--mode", "infer", "-o", "x.yaml"])
+    assert r.exit_code == 2 and "serving plan is printed" in r.output
