@@ -75,6 +75,8 @@ LOW_RANK_ARGS: dict[str, dict[str, object]] = {
 VLLM_MODES: tuple[str, ...] = get_args(VllmMode)
 #: TRL's trainers (memplan.estimator.trainers): a fused, tiled LM head instead of the logits
 TRL_TRAINERS: tuple[str, ...] = ("sft", "dpo", "grpo")
+#: bitsandbytes quantized on load (transformers sets is_loaded_in_4bit / is_loaded_in_8bit)
+BNB_QUANTS: tuple[str, ...] = ("int8", "nf4", "fp4")
 #: what TRL's configs change from TrainingArguments (trl/trainer/base_config.py: bf16 = not fp16, i.e. autocast over
 #: the fp32 model TRL loads by default; gradient_checkpointing=True): the CLI applies them where the user set nothing
 TRL_DEFAULTS: dict[str, dict] = {t: {"precision": "bf16-mixed", "grad_ckpt": True} for t in TRL_TRAINERS}
@@ -187,6 +189,14 @@ class Setup:
     @property
     def weight_dtype(self) -> str:
         return PRECISION_DTYPES[self.precision][0]
+
+    @property
+    def trl_kbit(self) -> bool:
+        """A TRL trainer over a bitsandbytes model: TRL 1.16's SFT/DPO/GRPO trainers call no
+        prepare_model_for_kbit_training (the model keeps its 16-bit dtype) and cast the trainable adapters to bf16
+        after get_peft_model, all but DoRA's magnitude (sft_trainer.py: `if _is_quantized_model: ...
+        param.data.to(torch.bfloat16)`)."""
+        return self.trainer in TRL_TRAINERS and self.quant in BNB_QUANTS and self.mode == "train"
 
     @property
     def compute_dtype(self) -> str:

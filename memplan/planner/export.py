@@ -80,7 +80,11 @@ def model_section(spec, s: Setup) -> dict:
             out["quantization_config"]["bnb_4bit_quant_storage"] = TORCH_DTYPE_NAMES[s.compute_dtype]
     elif s.quant == "int8":
         out["quantization_config"] = {"load_in_8bit": True}
-    if s.quant and s.mode == "train":
+    if s.trl_kbit:
+        # TRL's trainers prepare no k-bit model: the model loads in its 16-bit compute dtype and TRL casts the
+        # adapters to bf16 (Setup.trl_kbit), as the estimate assumes
+        out["dtype"] = TORCH_DTYPE_NAMES[s.compute_dtype]
+    elif s.quant and s.mode == "train":
         # the estimate assumes peft.prepare_model_for_kbit_training (non-quantized weights cast to fp32)
         out["prepare_for_kbit_training"] = True
     return out

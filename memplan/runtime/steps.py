@@ -206,10 +206,12 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         return model
     if setup.trainer in TRL_TRAINERS:  # the trainers patch the transformers model (peft's base model)
         add_head(model, setup.trainer)
-    if setup.quant and setup.quant != "fp8":  # an FP8 model trains as loaded (transformers' FP8LinearFunction)
+    # an FP8 model trains as loaded (transformers' FP8LinearFunction); TRL's trainers prepare no k-bit model
+    if setup.quant and setup.quant != "fp8" and not setup.trl_kbit:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=setup.grad_ckpt,
                                                      gradient_checkpointing_kwargs=checkpoint_kwargs())
-    if setup.grad_ckpt and (not setup.quant or setup.quant in ("awq", "fp8")):  # Trainer's gradient_checkpointing
+    unprepared = not setup.quant or setup.quant in ("awq", "fp8") or setup.trl_kbit
+    if setup.grad_ckpt and unprepared:  # Trainer's gradient_checkpointing
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
     if setup.technique == "freeze":
         keep = {p.name for p in select.trainable_params(cut_spec(spec, layers), setup)}
@@ -227,6 +229,11 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         if setup.quant in PREQUANTIZED:
             cfg._register_custom_module(lora_custom_modules())
         model = peft.get_peft_model(model, cfg)
+        if setup.trl_kbit:  # TRL casts a quantized model's trainable adapters to bf16, DoRA's magnitude apart
+            import torch
+            for name, p in model.named_parameters():
+                if p.requires_grad and "lora_magnitude_vector" not in name:
+                    p.data = p.data.to(torch.bfloat16)
     model.train()
     if setup.use_liger_kernel:  # Trainer.train() applies it to the built (peft) model's base
         (apply_liger_kernels if real_kernels else apply_liger_standins)(model, head=setup.trainer == "hf")

@@ -195,3 +195,27 @@ def test_a_measured_grpo_row_reads_back():
     assert setup_from_row(make_row(QWEN, plain)).steps_per_generation is None
     with pytest.raises(SetupError, match=r"steps_per_generation must be an integer from 1 to 1,048,576, got '3'"):
         Setup(trainer="grpo", batch_size=4, num_generations=4, steps_per_generation="3")
+
+
+def test_trl_over_a_bitsandbytes_model_prepares_nothing_and_trains_bf16_adapters(tmp_path):
+    """TRL 1.16's SFT/DPO/GRPO trainers call no prepare_model_for_kbit_training: the model keeps its 16-bit dtype
+    (no fp32 upcast of the embeddings, norms and head) and the trainer casts the trainable adapters to bf16, DoRA's
+    magnitude apart (sft_trainer.py, dpo_trainer.py, grpo_trainer.py: `if _is_quantized_model`). Trainer's QLoRA
+    recipe keeps the upcast and fp32 adapters. The plan file loads the model as TRL would, unprepared."""
+    from memplan.estimator.memory.weights import lora_bytes, lora_numel
+    spec = load_spec("Qwen/Qwen2.5-7B")
+    trl = resolve(spec, Setup(trainer="sft", technique="qlora", precision="bf16-mixed", grad_ckpt=True))
+    hf = resolve(spec, Setup(technique="qlora", precision="bf16-mixed", grad_ckpt=True))
+    assert (trl.weight_bytes, trl.residual_bytes, trl.adapter_bytes) == (2, 2, 2)
+    assert (hf.weight_bytes, hf.residual_bytes, hf.adapter_bytes) == (4, 4, 4)
+    assert lora_bytes(trl) == lora_numel(trl) * 2
+    dora = resolve(spec, Setup(trainer="sft", technique="qlora", precision="bf16-mixed", use_dora=True))
+    magnitude = sum(m.out_features for m in dora.lora)
+    assert lora_bytes(dora) == (lora_numel(dora) - magnitude) * 2 + magnitude * 4
+    out = tmp_path / "plan.yaml"
+    r = CliRunner().invoke(main, ["plan", "Qwen/Qwen2.5-0.5B", "--gpu", "rtx 3060", "--trainer", "sft",
+                                  "--technique", "qlora", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    import yaml
+    model = yaml.safe_load(out.read_text())["model"]
+    assert model["dtype"] == "bfloat16" and model["prepare_for_kbit_training"] is False

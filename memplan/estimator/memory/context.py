@@ -49,6 +49,12 @@ class Ctx:
         return self.setup.mixed or (bool(self.quantized) and self.training and self.compute_bytes < 4)
 
     @property
+    def adapter_bytes(self) -> int:
+        """Bytes per element of the trainable LoRA weights: fp32 (peft's autocast_adapter_dtype), bf16 where a TRL
+        trainer casts them over a bitsandbytes model (Setup.trl_kbit)."""
+        return 2 if self.setup.trl_kbit else 4
+
+    @property
     def autocast(self) -> bool:
         """torch.autocast runs: `mixed`, or over a 16-bit model (autocast_16bit).
 
@@ -71,7 +77,8 @@ def resolve(spec: ModelSpec, setup: Setup) -> Ctx:
     # (peft/utils/other.py, "cast all non INT8 parameters to fp32"), so those weights and the hidden stream are fp32;
     # not on a GPTQ or torchao base (quantization_method "gptq"/"torchao" skip the cast), nor on an FP8 base, which
     # trains without the preparation (transformers' FP8LinearFunction; TRL's trainers prepare only bitsandbytes models)
-    quant_train = setup.quant is not None and setup.mode == "train" and setup.quant not in NOT_UPCAST
+    quant_train = (setup.quant is not None and setup.mode == "train" and setup.quant not in NOT_UPCAST
+                   and not setup.trl_kbit)  # TRL's trainers prepare nothing (Setup.trl_kbit)
     # a quantized model is built in the compute dtype whatever the precision's weight dtype (from_pretrained with
     # the quantization config: transformers keeps no fp32 master copy), so bf16-mixed over GPTQ or FP8 holds bf16
     weight_bytes = 4 if quant_train else int(DTYPE_BYTES[setup.compute_dtype if setup.quant else setup.weight_dtype])
@@ -128,7 +135,7 @@ def _resized_spec(spec: ModelSpec, setup: Setup) -> ModelSpec:
 #: Setup fields that decide Ctx.trainable / lora / quantized and the weight, compute and activation dtypes (task
 #: decides the spec itself, which the key holds too).
 SELECTION_FIELDS = ("mode", "technique", "trainable", "lora_targets", "quant", "precision", "use_dora",
-                    "use_liger_kernel", "train_new_tokens", "added_tokens", "task")
+                    "use_liger_kernel", "train_new_tokens", "added_tokens", "task", "trainer")
 _MEMO: dict[tuple, tuple[ModelSpec, object]] = {}  # key -> (spec, value): the spec kept alive so its id stays its own
 _MEMO_LIMIT = 20_000
 T = TypeVar("T")

@@ -44,9 +44,10 @@ def trainable_tensors(ctx: Ctx, embeddings: bool | None = None) -> Iterator[tupl
     if embeddings:
         return
     r = ctx.setup.lora_r
+    b = ctx.adapter_bytes
     for m in weights.trained_lora(ctx):
-        yield (r * m.rank_mult, m.in_features), 4
-        yield (m.out_features, r * m.rank_mult), 4
+        yield (r * m.rank_mult, m.in_features), b
+        yield (m.out_features, r * m.rank_mult), b
 
 
 def gradient_bytes(ctx: Ctx) -> int:

@@ -228,7 +228,7 @@ def _cast_weights(ctx: Ctx):
                 yield m, m.in_features * m.out_features, False
         elif base_cast:
             yield m, m.in_features * m.out_features, m.name + ".weight" in ctx.trainable
-        if m.name in lora:
+        if m.name in lora and ctx.adapter_bytes != ctx.compute_bytes:  # bf16 adapters (TRL) are not cast
             yield m, r * m.rank_mult * (m.in_features + m.out_features), True
     if ctx.spec.arch.experts_dense:  # Llama-4's experts run torch.bmm on their [E, in, out] tensors: autocast casts
         # them like Linear weights (grouped_mm has no autocast kernel: the other families' experts are not cast)

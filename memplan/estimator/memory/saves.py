@@ -166,7 +166,7 @@ def adapter_compute_bytes(ctx: Ctx) -> int:
     fp32 (peft's autocast_adapter_dtype), but 16-bit under an engine that runs the module in 16 bit (FSDP's
     MixedPrecisionPolicy param_dtype, DeepSpeed's bf16/fp16 module cast), where x needs no fp32 copy.
     """
-    return ctx.compute_bytes if ctx.setup.engine in ("fsdp", "deepspeed") else 4
+    return ctx.compute_bytes if ctx.setup.engine in ("fsdp", "deepspeed") else ctx.adapter_bytes
 
 
 def liger_patched(ctx: Ctx) -> bool:
