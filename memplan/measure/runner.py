@@ -91,10 +91,11 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
 
     spec = spec_for_task(load_spec(model_id), setup.task)
     check_setup(spec, setup)  # model-dependent setup problems, with their messages
-    # the stand-ins run the training kernels' allocations (and torchao's linear op for op) on CUDA
-    trains_stand_in = ((setup.quant in LORA_PREQUANTIZED and setup.mode == "train")
-                       or str(setup.quant).startswith("torchao") or setup.quant == "fp8-dynamic")
-    if setup.quant in PREQUANTIZED and device != "cpu" and not trains_stand_in:
+    # the stand-ins run the training kernels' allocations, torchao's linear and compressed-tensors' input
+    # quantization op for op on CUDA
+    runs_stand_in = ((setup.quant in LORA_PREQUANTIZED and setup.mode == "train")
+                     or str(setup.quant).startswith("torchao") or setup.quant == "fp8-dynamic")
+    if setup.quant in PREQUANTIZED and device != "cpu" and not runs_stand_in:
         raise BadInput(f"validating a {setup.quant} checkpoint on CUDA needs its kernels (gptqmodel's Marlin, "
                        "transformers' FP8 Triton kernel from the `kernels` hub), which memplan does not build yet: "
                        "use --device cpu for the stand-ins' accounting, or `memplan trace`")
