@@ -14,16 +14,16 @@
 # minute), then: carry [".whl", ".whl-t523"] (about 30 MiB of the 64 MiB a call may carry) and so on.
 # Session 33 (H200, 2026-11-27) measured 176 rows in two calls of the whole 2026 pool with [".whl"] alone:
 #   bash benchmarks/gpu_session.sh 470 'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-*.yaml'  (then 250)
-# What is left (issue 43), one call, carry [".whl"], timeout_s 600: an H200/H100 context row alone (smoke), the
-# planner pairs (the 4 TRL ones, 2 QLoRA ones), the offloading rows again (per training_step now), APOLLO, LoRA on
-# AWQ, FP8 and torchao int8 (session 34), and the allocator's own trace of a row whose reserved peak sits one fp32 [tokens, vocab] block
-# above the replay's:
+# What is left (issue 43), one call, carry [".whl", ".whl-t523"] (about 30 MiB), timeout_s 600: an H200/H100 context
+# row alone (smoke), the allocator's own trace of a row whose reserved peak sits one fp32 [tokens, vocab] block above
+# the replay's, the planner pairs (the 4 TRL ones, 2 QLoRA ones), the offloading rows again (per training_step now),
+# APOLLO, TRL over bitsandbytes, LoRA on AWQ and torchao int8, torchao and compressed-tensors FP8 served (session 34),
+# then LoRA on FP8 under transformers 5.23 (FP8LinearFunction came in 5.22; the image has 5.17):
 #   bash benchmarks/gpu_session.sh 480 smoke \
 #     'alloctrace:openai-community/gpt2:technique=full,precision=bf16,batch_size=8,seq_len=512,attn_impl=sdpa' \
 #     'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-trl.yaml benchmarks/sweeps/gpu-2026-techniques.yaml
 #      benchmarks/sweeps/gpu-2026-awq-lora.yaml benchmarks/sweeps/gpu-2026-torchao.yaml' \
 #     'wheels:.whl-t523:benchmarks/sweeps/gpu-2026-fp8-lora.yaml'
-# with carry [".whl", ".whl-t523"]: LoRA on FP8 needs transformers >= 5.22 (FP8LinearFunction); the image has 5.17
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qsx '/.whl*/' .git/info/exclude || { mkdir -p .git/info; echo '/.whl*/' >> .git/info/exclude; }
