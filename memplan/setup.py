@@ -129,6 +129,9 @@ class Setup:
     precision: Precision = "fp32"  # weight dtype and compute dtype (PRECISION_DTYPES)
     quant: Quant | None = None  # bitsandbytes base weights: int8 1 B/param, nf4/fp4 0.5 B/param + absmax
     double_quant: bool = False  # 4-bit: absmax quantized to 8 bit (saves ~0.37 bit/param)
+    #: GPTQ / AWQ / torchao int4: inputs per scale (GPTQConfig / AwqConfig / Int4WeightOnlyConfig group_size; -1 one
+    #: group per row): scales, zeros and workspaces grow as it shrinks
+    group_size: int = 128
     lora_r: int = 8  # adapter rank: r*(in+out) params per targeted Linear
     lora_alpha: int = 8  # scaling only: no memory effect
     lora_dropout: float = 0.0  # > 0: dropout mask + a dropped copy of each targeted layer's input saved
@@ -241,7 +244,11 @@ _INTEGERS = (("num_gpus", 1, 2**16, False), ("num_nodes", 1, 2**16, False), ("ba
              ("new_tokens", 0, 2**24, True), ("num_generations", 1, 2**16, False),
              ("max_completion_length", 1, 2**24, False), ("steps_per_generation", 1, 2**20, True))
 #: The integer fields, optional ones included: what a CSV cell of a measured row parses as an int
-INTEGER_FIELDS = frozenset(name for name, *_ in _INTEGERS)
+INTEGER_FIELDS = frozenset(name for name, *_ in _INTEGERS) | {"group_size"}
+#: the group sizes the stored formats' kernels take (gptqmodel SUPPORTS_GROUP_SIZE, torchao Int4Tensor); -1: per row
+GROUP_SIZES = (-1, 32, 64, 128)
+#: the formats whose scales come per group of inputs
+GROUPED_QUANTS = ("gptq-int4", "gptq-int8", "awq", "torchao-int4")
 
 
 def value_problems(fields: dict) -> list[str]:
@@ -259,6 +266,9 @@ def value_problems(fields: dict) -> list[str]:
             big = isinstance(value, int) and abs(value) >= 10**12
             shown = f"a {len(str(abs(value)))}-digit number" if big else repr(value)
             p.append(f"{name} must be an integer from {minimum} to {maximum:,}, got {shown}")
+    if "group_size" in fields and fields["group_size"] not in GROUP_SIZES:
+        p.append(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: one group per row), got "
+                 f"{fields['group_size']!r}")
     return p
 
 
@@ -286,6 +296,9 @@ def validate(s: Setup) -> list[str]:
     if s.mode != "train" and s.trainer != "hf":
         p.append(f"--trainer {s.trainer} runs a training step: drop it for --mode infer")
     p.extend(_distributed_combinations(s))
+    if s.group_size != 128 and s.quant not in GROUPED_QUANTS:
+        p.append(f"group_size applies to {', '.join(GROUPED_QUANTS)} (their scales per group of inputs): add one of "
+                 "them as --quant, or drop --group-size")
     if s.double_quant and s.quant not in ("nf4", "fp4"):
         p.append("double_quant applies to 4-bit quantization only: add --quant nf4 (or fp4) or drop --double-quant")
     if s.attn_impl == "flash_attention_2" and s.precision == "fp32" and s.quant is None:

@@ -86,6 +86,8 @@ def given_setup_fields(options: dict, spec=None, trl_defaults: bool = True) -> d
         given["trainable"] = parse_trainable(given["trainable"])
     if spec is not None and spec.checkpoint_quant and "quant" not in given:
         given["quant"] = spec.checkpoint_quant
+        if spec.checkpoint_group_size and "group_size" not in given:  # its quantization_config's groups
+            given["group_size"] = spec.checkpoint_group_size
     if trl_defaults and given.get("trainer") in TRL_DEFAULTS:  # what TRL's configs default to, where unset
         given = {**TRL_DEFAULTS[given["trainer"]], **given}
     return given

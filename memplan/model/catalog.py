@@ -20,7 +20,7 @@ from memplan.errors import BadInput, OfflineError, close_matches, not_found
 from memplan.model.config_rules import config_problems
 from memplan.model.hf import TASKS, config_from_dict
 from memplan.model.spec import ModelSpec
-from memplan.setup import LORA_PREQUANTIZED, PREQUANTIZED
+from memplan.setup import GROUP_SIZES, GROUPED_QUANTS, LORA_PREQUANTIZED, PREQUANTIZED
 from memplan.fileio import content_key, read_cached, source_digest, write_cached, write_json_atomic
 
 DATA = Path(__file__).parents[1] / "data" / "models"
@@ -177,8 +177,9 @@ def model_notes(spec: ModelSpec) -> list[str]:
         except BadInput:
             config = {}
         if spec.checkpoint_quant:
+            groups = f" --group-size {spec.checkpoint_group_size}" if spec.checkpoint_group_size else ""
             notes.append(f"{spec.model_id}: its quantization_config loads the weights as {spec.checkpoint_quant} "
-                         f"(--quant {spec.checkpoint_quant} by default)")
+                         f"(--quant {spec.checkpoint_quant}{groups} by default)")
         elif stored := stored_format(config):
             row = {"stored_as": stored}
     if row.get("stored_as") == "mxfp4":
@@ -247,7 +248,8 @@ def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str |
     config = read_config(path)
     key = _inventory_key(Path(path).read_bytes() + (task or "").encode(), trust_remote_code)
     cached = read_cached("inventories", key)
-    stored = {"checkpoint_quant": stored_quant(config)}  # a quantization_config names how the weights load
+    # a quantization_config names how the weights load
+    stored = {"checkpoint_quant": stored_quant(config), "checkpoint_group_size": stored_group_size(config)}
     try:
         return replace(ModelSpec.from_dict(cached), model_id=path, config_file=path, **stored)
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -257,6 +259,21 @@ def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str |
     spec = build_spec(config, model_id=path, config_file=path, trust_remote_code=trust_remote_code, task=task)
     write_cached("inventories", key, spec.to_dict())
     return replace(spec, **stored)
+
+
+def stored_group_size(config: dict) -> int | None:
+    """A GPTQ / AWQ / torchao int4 quantization_config's group size where it is not 128 (GPTQConfig and AwqConfig
+    `group_size`; torchao's Int4WeightOnlyConfig `_data.group_size`), None otherwise or where it is not one memplan
+    models (Setup.GROUP_SIZES)."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or stored_quant(config) not in GROUPED_QUANTS:
+        return None
+    if str(q.get("quant_method", "")).lower() == "torchao":
+        data = q["quant_type"]["default"].get("_data") or {}
+        size = data.get("group_size", 128)
+    else:
+        size = q.get("group_size", q.get("q_group_size", 128))
+    return size if size in GROUP_SIZES and size != 128 else None
 
 
 def stored_quant(config: dict) -> str | None:
@@ -283,7 +300,7 @@ def stored_quant(config: dict) -> str | None:
         qt = qt.get("default") if isinstance(qt, dict) else None
         kind = qt.get("_type") if isinstance(qt, dict) else None
         data = qt.get("_data") if isinstance(qt, dict) and isinstance(qt.get("_data"), dict) else {}
-        if kind == "Int4WeightOnlyConfig" and data.get("group_size", 128) == 128:
+        if kind == "Int4WeightOnlyConfig" and data.get("group_size", 128) in GROUP_SIZES:
             return "torchao-int4"
         granularity = data.get("granularity") if isinstance(data.get("granularity"), dict) else {}
         if kind == "Int8WeightOnlyConfig" and granularity.get("_type", "PerRow") == "PerRow":

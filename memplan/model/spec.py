@@ -233,6 +233,8 @@ class ModelSpec:
     variant_of: str = ""
     #: the bitsandbytes format a pre-quantized upload stores its weights in ("nf4"): a setup must load it so
     checkpoint_quant: str | None = None
+    #: its quantization_config's group size (GPTQ, AWQ, torchao int4), where not 128
+    checkpoint_group_size: int | None = None
     numel_total: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:

@@ -120,17 +120,17 @@ def prequantized_standin_class():
     group, workspace = 128, 132
 
     class StandInPrequantized(torch.nn.Module):
-        def __init__(self, src: torch.nn.Linear, quant: str, training: bool = False):
+        def __init__(self, src: torch.nn.Linear, quant: str, training: bool = False, group_size: int = group):
             super().__init__()
             k, n, dev = src.in_features, src.out_features, src.weight.device
             self.in_features, self.out_features = k, n
             self.infeatures, self.outfeatures = k, n  # the names peft reads off a GPTQ QuantLinear
             self.training_kernel = training
-            groups = math.ceil(k / group)
+            groups = math.ceil(k / group_size) if group_size > 0 else 1
             i32 = dict(dtype=torch.int32, device=dev)
             if quant.startswith("gptq"):
                 bits = PREQUANTIZED[quant]
-                self.bits, self.group_size = bits, group
+                self.bits, self.group_size = bits, group_size
                 self.register_buffer("qweight", torch.empty(math.ceil(k * bits / 32), n, **i32))
                 if training:
                     self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * bits / 32), **i32))
@@ -152,7 +152,7 @@ def prequantized_standin_class():
                 self.register_buffer("weight_scale", torch.empty(1, n, dtype=torch.float32, device=dev))
             else:  # fp8
                 self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev))
-                self.register_buffer("weight_scale_inv", torch.empty(math.ceil(n / group), groups,
+                self.register_buffer("weight_scale_inv", torch.empty(math.ceil(n / group), math.ceil(k / group),
                                                                      dtype=torch.float32, device=dev))
             self.quant = quant
             self.bias = src.bias
@@ -232,12 +232,12 @@ def awq_training_standin_class():
             return grad_input, None
 
     class StandInAwqTrainable(torch.nn.Module):
-        def __init__(self, src: torch.nn.Linear):
+        def __init__(self, src: torch.nn.Linear, group_size: int = group):
             super().__init__()
             k, n, dev = src.in_features, src.out_features, src.weight.device
             self.in_features, self.out_features = k, n
             self.infeatures, self.outfeatures = k, n  # what peft reads off a gptqmodel layer
-            groups = math.ceil(k / group)
+            groups = math.ceil(k / group_size) if group_size > 0 else 1
             i32 = dict(dtype=torch.int32, device=dev)
             self.register_buffer("qweight", torch.empty(k, math.ceil(n * 4 / 32), **i32))
             self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), **i32))
@@ -335,10 +335,11 @@ def torchao_standin_class():
     group = 128
 
     class StandInTorchao(torch.nn.Linear):
-        def __init__(self, src: torch.nn.Linear, bits: int, dtype):
+        def __init__(self, src: torch.nn.Linear, bits: int, dtype, group_size: int = group):
             torch.nn.Module.__init__(self)
             k, n, dev = src.in_features, src.out_features, src.weight.device
             self.in_features, self.out_features, self.bits = k, n, bits
+            groups = math.ceil(k / group_size) if group_size > 0 else 1
             if bits == 8:
                 self.weight = torch.nn.Parameter(torch.empty(n, k, dtype=torch.int8, device=dev), requires_grad=False)
                 self.register_buffer("scale", torch.empty(n, 1, dtype=torch.float32, device=dev))
@@ -346,8 +347,8 @@ def torchao_standin_class():
             else:
                 self.weight = torch.nn.Parameter(torch.empty(n, k // 2, dtype=torch.int8, device=dev),
                                                  requires_grad=False)
-                self.register_buffer("scale", torch.empty(math.ceil(k / group), n, dtype=dtype, device=dev))
-                self.register_buffer("zero_point", torch.empty(math.ceil(k / group), n, dtype=dtype, device=dev))
+                self.register_buffer("scale", torch.empty(groups, n, dtype=dtype, device=dev))
+                self.register_buffer("zero_point", torch.empty(groups, n, dtype=dtype, device=dev))
             self.bias = src.bias
 
         def forward(self, x):
@@ -467,13 +468,14 @@ def quantize_standins(model, names, setup: Setup, compute_dtype) -> None:
             lin.bias = src.bias
             src = lin
         if setup.quant == "awq" and setup.mode == "train":
-            new = awq_training_standin_class()(src)
+            new = awq_training_standin_class()(src, setup.group_size)
         elif setup.quant == "fp8" and setup.mode == "train":
             new = fp8_training_standin_class()(src)
         elif setup.quant.startswith("torchao"):
-            new = torchao_standin_class()(src, PREQUANTIZED[setup.quant], compute_dtype)
+            new = torchao_standin_class()(src, PREQUANTIZED[setup.quant], compute_dtype, setup.group_size)
         elif setup.quant in PREQUANTIZED:
-            new = prequantized_standin_class()(src, setup.quant, training=setup.mode == "train")
+            new = prequantized_standin_class()(src, setup.quant, training=setup.mode == "train",
+                                               group_size=setup.group_size)
         elif setup.quant == "int8":
             new = StandIn8bit(src, compute_dtype)
         else:

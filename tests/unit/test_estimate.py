@@ -392,7 +392,7 @@ def test_registered_buffers_are_resident_beside_the_weights():
 #: For every Setup field outside memory.context.SELECTION_FIELDS, values that change some estimate. A new Setup
 #: field must be added here: the test then checks that no memoized term silently ignores it.
 _VARIED = {
-    "double_quant": [True], "lora_r": [64], "lora_alpha": [32], "lora_dropout": [0.1], "optimizer": ["adamw", "adamw-8bit", "adafactor"],
+    "double_quant": [True], "group_size": [32, -1], "lora_r": [64], "lora_alpha": [32], "lora_dropout": [0.1], "optimizer": ["adamw", "adamw-8bit", "adafactor"],
     "batch_size": [1, 3], "seq_len": [128, 1024], "target_len": [64], "grad_ckpt": [True], "grad_accum": [4],
     "attn_impl": ["eager"], "added_tokens": [100], "prompt_len": [300], "new_tokens": [40], "padded": [True],
     "num_gpus": [2], "num_nodes": [2], "sharding": ["ddp", "zero3", "fsdp-full-shard"], "offload": ["optimizer"],

@@ -278,7 +278,9 @@ def test_torchao_checkpoints_by_hand_and_by_config():
     assert stored_quant({"quantization_config": int4}) == "torchao-int4"
     assert stored_quant({"quantization_config": int8}) == "torchao-int8"
     int4["quant_type"]["default"]["_data"]["group_size"] = 32
-    assert stored_quant({"quantization_config": int4}) is None  # other group sizes are not modelled
+    assert stored_quant({"quantization_config": int4}) == "torchao-int4"  # with --group-size 32 (stored_group_size)
+    int4["quant_type"]["default"]["_data"]["group_size"] = 48
+    assert stored_quant({"quantization_config": int4}) is None  # not a group size the kernels take
 
 
 def test_lora_on_torchao_follows_peft():
@@ -345,3 +347,23 @@ def test_plan_for_serving_proposes_the_most_faithful_checkpoint_that_fits():
     assert r.exit_code == 1 and r.output.startswith("does not serve")
     r = CliRunner().invoke(main, ["plan", "gpt2", "--gpu", "rtx 3060", "--mode", "infer", "-o", "x.yaml"])
     assert r.exit_code == 2 and "serving plan is printed" in r.output
+
+
+def test_group_size_sets_the_scales_and_comes_from_the_config():
+    """GPTQConfig / AwqConfig / Int4WeightOnlyConfig group_size: a 4096 x 11008 Linear at group 32 holds 128 groups of
+    fp16 scales (and AWQ's packed zeros), at -1 one per output column. A config.json names it."""
+    from memplan.model.catalog import stored_group_size
+    k, n = 4096, 11008
+    assert prequantized_state_bytes("awq", k, n, training=True, group=32) == \
+        alloc_bytes(128 * n * 2) + alloc_bytes(128 * 1376 * 4)
+    assert prequantized_state_bytes("gptq-int4", k, n, group=-1) == alloc_bytes(n * 2) + alloc_bytes(132 * 4)
+    with pytest.raises(SetupError, match="group_size must be one of"):
+        Setup(mode="infer", quant="gptq-int4", group_size=48)
+    with pytest.raises(SetupError, match="group_size applies to"):
+        Setup(mode="infer", quant="fp8", group_size=32)
+    gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}}
+    assert stored_group_size(gptq) == 32
+    assert stored_group_size({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}) is None
+    small = estimate("Qwen/Qwen2.5-0.5B", Setup(mode="infer", quant="gptq-int4", group_size=32, precision="bf16"))
+    default = estimate("Qwen/Qwen2.5-0.5B", Setup(mode="infer", quant="gptq-int4", precision="bf16"))
+    assert small.components["quant_state"] > default.components["quant_state"]

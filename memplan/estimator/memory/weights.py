@@ -151,7 +151,7 @@ def nf4_state_bytes(numel: int, double_quant: bool) -> int:
     return alloc_bytes(blocks) + alloc_bytes(math.ceil(blocks / NESTED_BLOCK) * 4) + alloc_bytes(4)
 
 
-@per_model("double_quant")
+@per_model("double_quant", "group_size")
 def quant_state_bytes(ctx: Ctx) -> int:
     """Bytes of the quantization metadata of every quantized Linear.
 
@@ -164,7 +164,7 @@ def quant_state_bytes(ctx: Ctx) -> int:
         if m.name not in ctx.quantized:
             continue
         if s.quant in PREQUANTIZED:
-            total += prequantized_state_bytes(s.quant, m.in_features, m.out_features, ctx.training)
+            total += prequantized_state_bytes(s.quant, m.in_features, m.out_features, ctx.training, s.group_size)
         elif s.quant == "int8":
             total += alloc_bytes(m.out_features * INT8_ROW_SCALE_BYTES)
         else:
@@ -180,7 +180,7 @@ QUANT_GROUP = 128
 MARLIN_WORKSPACE_INTS = 132
 
 
-def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False) -> int:
+def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False, group: int = QUANT_GROUP) -> int:
     """Bytes beside the packed weight of one stored-quantized Linear [k in, n out] as the default CUDA kernel holds
     it for inference (the packed weight itself: QUANT_WEIGHT_BYTES).
 
@@ -194,7 +194,7 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False)
     scales, no workspace. torchao (quantization/quantize_/workflows, 0.18): Int8Tensor holds int8 qdata [n, k], an fp32
     scale and an int8 zero_point per row; Int4Tensor (the default plain packing) two int4 per byte [n, k / 2], a 16-bit
     scale and zero_point per group of 128 inputs [k / g, n]."""
-    groups = math.ceil(k / QUANT_GROUP)
+    groups = math.ceil(k / group) if group > 0 else 1  # group -1: one scale (and zero) per output column
     workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
     if quant.startswith("gptq") and training:
         bits = PREQUANTIZED[quant]
