@@ -240,6 +240,12 @@ class ModelSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "numel_total", sum(p.numel for p in self.params) + sum(p.numel for p in self.media))
 
+    @property
+    def fused_experts(self) -> bool:
+        """Its experts are fused [experts, out, in] tensors (transformers 5 MoE), not Linears: the stored formats
+        memplan models quantize Linears only, so a quantized upload's experts are not modelled."""
+        return any(p.role == "expert" and len(p.shape) == 3 for p in self.params)
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         arch_keys = {f.name for f in fields(Arch)}

@@ -182,7 +182,8 @@ def option_setups(spec, gpu: Gpu, seq_len: int, options=FIT_OPTIONS, padded: boo
     if a.model_type == "gpt_oss" and options is FIT_OPTIONS:  # its checkpoint's experts are MXFP4: served as stored
         options = options[:1] + (("inference mxfp4 (as stored)", {"mode": "infer", "precision": "{bf}",
                                                                    "quant": "mxfp4"}),) + options[1:]
-    elif a.kind == "causal" and a.has_lm_head and options is FIT_OPTIONS and not spec.checkpoint_quant:
+    elif (a.kind == "causal" and a.has_lm_head and options is FIT_OPTIONS and not spec.checkpoint_quant
+          and not spec.fused_experts):  # fused experts: a quantized upload's are not modelled (ModelSpec)
         # what a 4-bit GPTQ upload of the model (…-GPTQ-Int4, as most families publish) would serve with
         options = options[:3] + (("inference from a 4-bit GPTQ upload", {"mode": "infer", "precision": "{bf}",
                                                                          "quant": "gptq-int4"}),) + options[3:]

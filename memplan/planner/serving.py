@@ -75,7 +75,12 @@ def _formats(spec, gpu: Gpu) -> tuple[tuple[str, str | None], ...]:
         return ((f"{spec.model_id} as stored ({spec.checkpoint_quant})", spec.checkpoint_quant),)
     cc = gpu.compute_capability
     fp8 = bool(cc) and tuple(int(x) for x in str(cc).split(".")) >= FP8_FROM
-    return tuple((label, q) for label, q in SERVING_FORMATS if q != "fp8" or fp8)
+    rows = tuple((label, q) for label, q in SERVING_FORMATS if q != "fp8" or fp8)
+    if spec.fused_experts:  # a quantized upload's fused experts are not modelled: the 16-bit checkpoint alone
+        rows = rows[:1]
+    if spec.arch.model_type == "gpt_oss":  # released with MXFP4 experts: that checkpoint first
+        rows = (("the released checkpoint (MXFP4 experts)", "mxfp4"),) + rows
+    return rows
 
 
 def plan_serving(spec, gpu: Gpu, base: Setup, headroom: float = DEFAULT_HEADROOM,

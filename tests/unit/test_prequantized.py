@@ -342,6 +342,13 @@ def test_plan_for_serving_proposes_the_most_faithful_checkpoint_that_fits():
     upload = json.loads(CliRunner().invoke(main, ["plan", "Qwen/Qwen2.5-7B-Instruct-AWQ", "--gpu", "rtx 3060",
                                                   "--mode", "infer", "--json"]).stdout)
     assert [o["quant"] for o in upload["options"]] == ["awq"]
+    # fused experts (transformers 5 MoE) are no Linears: a quantized upload's experts are not modelled
+    moe = json.loads(CliRunner().invoke(main, ["plan", "Qwen/Qwen3-30B-A3B", "--gpu", "h100", "--mode", "infer",
+                                               "--json"]).stdout)
+    assert [o["quant"] for o in moe["options"]] == [None]
+    oss = json.loads(CliRunner().invoke(main, ["plan", "openai/gpt-oss-20b", "--gpu", "rtx 4090", "--mode", "infer",
+                                               "--json"]).stdout)
+    assert oss["choice"]["quant"] == "mxfp4" and [o["quant"] for o in oss["options"]] == ["mxfp4", None]
     r = CliRunner().invoke(main, ["plan", "mistralai/Mistral-7B-v0.1", "--gpu", "rtx 3060", "--mode", "infer",
                                   "--batch-size", "4096"])
     assert r.exit_code == 1 and r.output.startswith("does not serve")
