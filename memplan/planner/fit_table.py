@@ -42,6 +42,9 @@ FIT_OPTIONS: tuple[tuple[str, dict], ...] = (
     # = completions, 2 per prompt, 2 accumulation steps so that every micro-batch size divides into prompts)
     ("TRL SFT, LoRA r=8 on a {bf} base, checkpointing", {"trainer": "sft", "technique": "lora", "precision": "{bf}",
                                           "grad_ckpt": True}),
+    # TRL over bitsandbytes: no k-bit preparation, adapters cast to bf16 (Setup.trl_kbit): leaner than Trainer's QLoRA
+    ("TRL SFT, QLoRA nf4 ({bf} compute), checkpointing", {"trainer": "sft", "technique": "qlora", "quant": "nf4",
+                                                          "precision": "{bf}", "grad_ckpt": True}),
     # SFTConfig.activation_offloading: the checkpointed blocks' inputs in pinned host memory (memory.offload)
     ("TRL SFT, LoRA r=8 on a {bf} base, checkpointing + activation offloading",
      {"trainer": "sft", "technique": "lora", "precision": "{bf}", "grad_ckpt": True, "activation_offloading": True}),

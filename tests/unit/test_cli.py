@@ -39,7 +39,8 @@ def test_fit_json_contract(run):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["gpu"] == {"name": "GeForce RTX 3060 12GB", "memory_bytes": 12 * 2**30}
-    assert len(d["options"]) == 14  # issue 39: DoRA, Liger, offloading; 38: SFT, DPO, GRPO; 40: a GPTQ upload served
+    # issue 39: DoRA, Liger, offloading; 38: SFT, DPO, GRPO; 40: a GPTQ upload served; TRL's QLoRA (session 34)
+    assert len(d["options"]) == 15
     for row in d["options"]:
         assert {"option", "mode", "setup", "fits", "max_batch_size", "need_bytes_at_batch_1",
                 "device_total_bytes_at_batch_1"} <= set(row)
@@ -48,6 +49,9 @@ def test_fit_json_contract(run):
     by_name = {row["option"]: row for row in d["options"]}
     assert by_name["full fine-tune (bf16-mixed, AdamW)"]["fits"] is False  # 7B x 16 B/param >> 12 GiB
     assert by_name["QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)"]["fits"] is True
+    # TRL prepares no k-bit model (16-bit embeddings and head) and scores through its fused head: more batch
+    trl = by_name["TRL SFT, QLoRA nf4 (bf16 compute), checkpointing"]
+    assert trl["max_batch_size"] > by_name["QLoRA nf4 (double quant, paged 8-bit AdamW, checkpointing)"]["max_batch_size"]
 
 
 def test_fit_nothing_fits_exits_1(run):
