@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from memplan.errors import MemplanError
 from memplan.estimator.breakdown import estimator_for
-from memplan.gpus import Gpu
+from memplan.estimator.memory.context import fp8_dequantized
+from memplan.gpus import Gpu, assume_gpu
 from memplan.planner import budget as _budget
-from memplan.planner.budget import DEFAULT_HEADROOM, fits, need_bytes
+from memplan.planner.budget import DEFAULT_HEADROOM, need_bytes
 from memplan.planner.fit_table import max_batch_size
 from memplan.setup import Setup
 
@@ -29,8 +30,6 @@ SERVING_FORMATS: tuple[tuple[str, str | None], ...] = (
     ("a 4-bit GPTQ upload (-GPTQ-Int4)", "gptq-int4"),
     ("the 16-bit checkpoint quantized on load (bitsandbytes nf4)", "nf4"),
 )
-#: Ada/Hopper and later run FP8 kernels (memplan.estimator.memory.context.FP8_KERNELS_FROM)
-FP8_FROM = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,8 @@ class ServingPlan:
 def _formats(spec, gpu: Gpu) -> tuple[tuple[str, str | None], ...]:
     if spec.checkpoint_quant:  # an upload loads as stored
         return ((f"{spec.model_id} as stored ({spec.checkpoint_quant})", spec.checkpoint_quant),)
-    cc = gpu.compute_capability
-    fp8 = bool(cc) and tuple(int(x) for x in str(cc).split(".")) >= FP8_FROM
+    with assume_gpu(gpu):  # a known card that runs FP8 kernels (context.FP8_KERNELS_FROM)
+        fp8 = bool(gpu.compute_capability) and not fp8_dequantized()
     rows = tuple((label, q) for label, q in SERVING_FORMATS if q != "fp8" or fp8)
     if spec.fused_experts:  # a quantized upload's fused experts are not modelled: the 16-bit checkpoint alone
         rows = rows[:1]
@@ -98,7 +97,6 @@ def plan_serving(spec, gpu: Gpu, base: Setup, headroom: float = DEFAULT_HEADROOM
         except MemplanError as e:
             rows.append(ServingRow(label, base, 0, 0, str(e)))
             continue
-        best = max_batch_size(spec, dataclasses.replace(setup, batch_size=1), budget, estimator) \
-            if fits(estimator(spec, dataclasses.replace(setup, batch_size=1)), budget) else 0
+        best = max_batch_size(spec, setup, budget, estimator)  # 0 where batch 1 does not fit
         rows.append(ServingRow(label, setup, best, need_bytes(est)))
     return ServingPlan(spec.model_id, gpu, base.batch_size, tuple(rows), budget)

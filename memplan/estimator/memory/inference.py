@@ -8,7 +8,7 @@ from memplan.estimator.memory.position_bias import has_position_bias
 from memplan.estimator.memory.qkv import attn_in_linears, rotary_positions
 from memplan.estimator.memory.fused_head import trl_head
 from memplan.estimator.memory.context import Ctx
-from memplan.estimator.memory.quant_kernels import FP8_ROW_QUANT_BYTES
+from memplan.estimator.memory.quant import FP8_ROW_QUANT_BYTES
 from memplan.estimator.memory.weights import mxfp4_experts
 from memplan.estimator.memory.moe import inference_expert_bytes
 from memplan import libs

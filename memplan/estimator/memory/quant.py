@@ -18,6 +18,10 @@ from memplan.estimator.memory.saves import liger_head
 GPTQ_UNPACK_BYTES = {4: 6, 8: 8}
 #: of which the dequantized weight itself (fp16, the scales' dtype)
 GPTQ_WEIGHT_BYTES = 2
+#: bytes per input element live at once while transformers' quantize_fp8_per_row quantizes a Linear's input for
+#: compressed-tensors FP8 (integrations/compressed_tensors.py CompressedTensorsFP8Linear): x.float(), x / scale and its
+#: clamp, 4 bytes each, before the scaled matmul writes the output
+FP8_ROW_QUANT_BYTES = 12
 
 
 def _gptq_unpack_beyond_weight(ctx: Ctx) -> int:

@@ -252,14 +252,14 @@ def lora_bytes(ctx: Ctx) -> int:
     tuners_utils `_cast_adapter_dtype`); on an fp32 base they are fp32 anyway. Includes the adapters on a composite
     model's media parts, which never train (media_lora_numel).
     """
-    return (lora_numel(ctx) + media_lora_numel(ctx) - dora_magnitude_numel(ctx)) * ctx.adapter_bytes + \
-        dora_magnitude_numel(ctx) * 4
+    magnitude = dora_magnitude_numel(ctx, ctx.lora)
+    return (lora_numel(ctx) + media_lora_numel(ctx) - magnitude) * ctx.adapter_bytes + magnitude * 4
 
 
-def dora_magnitude_numel(ctx: Ctx) -> int:
-    """DoRA's magnitude vectors (one per output feature of each adapted Linear): fp32 even where TRL casts the
-    other adapter weights to bf16 (Ctx.adapter_bytes)."""
-    return sum(m.out_features for m in ctx.lora) if ctx.setup.use_dora else 0
+def dora_magnitude_numel(ctx: Ctx, linears) -> int:
+    """DoRA's magnitude vectors on `linears` (one per output feature of each): fp32 even where TRL casts the other
+    adapter weights to bf16 (Ctx.adapter_bytes)."""
+    return sum(m.out_features for m in linears) if ctx.setup.use_dora else 0
 
 
 @per_model("lora_r")
@@ -282,7 +282,7 @@ def trainable_bytes(ctx: Ctx) -> int:
     """Bytes of the trainable tensors themselves (= gradient bytes: grads take the param dtype)."""
     base = sum(numel(ctx, p) for p in ctx.spec.params if p.name in ctx.trainable)
     extra = sum(shape[0] * shape[1] * b for shape, b, _ in new_tokens.extra_trainable(ctx))
-    dora = sum(m.out_features for m in trained_lora(ctx)) if ctx.setup.use_dora else 0
+    dora = dora_magnitude_numel(ctx, trained_lora(ctx))
     return base * ctx.weight_bytes + (trained_lora_numel(ctx) - dora) * ctx.adapter_bytes + dora * 4 + extra
 
 
