@@ -21,8 +21,9 @@ Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "fp16", "bf16"]
 #: bitsandbytes quantizes on load (int8, nf4, fp4); the others are checkpoints stored quantized (issue 40): GPTQ
 #: 4/8-bit and AWQ 4-bit with group size 128 (gptqmodel's QuantLinear layouts), FP8 with 128 x 128 block scales
 #: (transformers' FineGrainedFP8, quant_method "fp8"), compressed-tensors' FP8 with per-channel weight scales and
-#: dynamic per-token activations (the -FP8-Dynamic uploads, served by transformers' CompressedTensorsFP8Linear), torchao's weight-only tensors (TorchAoConfig with
-#: Int4WeightOnlyConfig(group_size=128) / Int8WeightOnlyConfig(), quant_method "torchao")
+#: dynamic per-token activations (the -FP8-Dynamic uploads, served by transformers' CompressedTensorsFP8Linear),
+#: torchao's weight-only tensors (TorchAoConfig with Int4WeightOnlyConfig(group_size=128) / Int8WeightOnlyConfig(),
+#: quant_method "torchao")
 Quant = Literal["int8", "nf4", "fp4", "gptq-int4", "gptq-int8", "awq", "fp8", "fp8-dynamic", "mxfp4", "torchao-int4",
                 "torchao-int8"]
 NewTokens = Literal["modules-to-save", "token-indices"]
@@ -417,7 +418,7 @@ def _training_combinations(s: Setup) -> list[str]:
     if s.quant == "mxfp4" and s.mode == "train":
         p.append("transformers does not train MXFP4 weights: fine-tuning loads them dequantized "
                  "(Mxfp4Config(dequantize=True)), so estimate the 16-bit model: drop --quant mxfp4")
-    fmt = {"awq": "AWQ", "fp8": "FP8"}.get(s.quant, "GPTQ")
+    fmt = "AWQ" if s.quant == "awq" else "GPTQ"  # the gptqmodel formats the two messages below name
     if s.quant in (*GPTQ, "awq") and s.lora_targets == "all-linear" and s.mode == "train":
         p.append(f"peft's all-linear finds no {fmt} layer (it matches nn.Linear, and gptqmodel's QuantLinear is an "
                  "nn.Module: peft tuners_utils._maybe_include_all_linear_layers): name the modules, e.g. "

@@ -279,7 +279,8 @@ def serving_verdict(plan) -> str:
     c, where = plan.choice, f"{plan.model} on {plan.gpu.name}"
     if c is None:
         best = max(plan.rows, key=lambda r: r.max_batch, default=None)
-        more = f"; the most any format serves: batch {best.max_batch} ({best.option})" if best and best.max_batch else ""
+        more = (f"; the most any format serves: batch {best.max_batch} ({best.option})"
+                if best and best.max_batch else "")
         return f"does not serve: no checkpoint format serves batch {plan.batch_size} of {where}{more}"
     worse = [r.option for r in plan.rows[:plan.rows.index(c)]]
     skipped = f"; {', '.join(worse)} cannot" if worse else ""

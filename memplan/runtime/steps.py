@@ -197,7 +197,7 @@ def build_model(spec, setup: Setup, layers: int | None, d: dict, quantizer: Call
         model.is_loaded_in_8bit = setup.quant == "int8"
         if setup.quant.startswith("gptq"):  # what transformers' GptqHfQuantizer sets: peft's k-bit preparation then
             model.quantization_method = "gptq"  # keeps the 16-bit weights (no fp32 upcast) and enables checkpointing
-        elif setup.quant == "awq":  # transformers' AwqQuantizer: peft upcasts the rest to fp32, enables no checkpointing
+        elif setup.quant == "awq":  # transformers' AwqQuantizer: peft upcasts the rest, enables no checkpointing
             model.quantization_method = "awq"
         elif setup.quant.startswith("torchao"):  # TorchAoHfQuantizer: peft keeps the dtype, enables checkpointing
             model.quantization_method = "torchao"

@@ -204,7 +204,8 @@ def _fp8_row_quant_moment(ctx: Ctx, hidden: int, t: int) -> int:
     if ctx.setup.quant != "fp8-dynamic" or not ctx.quantized:
         return 0
     k = max(m.in_features for m in ctx.spec.linears if m.name in ctx.quantized)
-    return hidden * ctx.spec.arch.hidden_size * ctx.compute_bytes * t + (ctx.compute_bytes + FP8_ROW_QUANT_BYTES) * k * t
+    c = ctx.compute_bytes
+    return hidden * ctx.spec.arch.hidden_size * c * t + (c + FP8_ROW_QUANT_BYTES) * k * t
 
 
 def mxfp4_moe_bytes(ctx: Ctx, tokens: int) -> int:
