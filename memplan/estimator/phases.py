@@ -13,7 +13,8 @@ from memplan.estimator.memory import distributed as dist
 from memplan.estimator.memory import inference as inf
 from memplan.estimator.memory import logits as lg
 from memplan.estimator.memory import optimizer as opt
-from memplan.estimator.memory import block_ends, dora, forward_block, moe, offload, quant, recording, weights
+from memplan.estimator.memory import (block_ends, dora, forward_block, moe, offload, quant, recompute_stop,
+                                      recording, weights)
 from memplan.gpus import cublas_workspace_bytes
 from memplan.model import layout
 from memplan.estimator.memory.context import Ctx
@@ -121,22 +122,24 @@ def _quantized_backward(ctx: Ctx, back: dict, before: int, recompute: float) -> 
 
 
 def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict[str, int]:
-    """The last block's recompute at its MLP output projection, as phase components; {} where not needed.
+    """The last block's recompute where it stops, at its MLP output projection, as phase components; {} without
+    checkpointing.
 
-    All it saves, the probabilities it keeps named to its end (forward_block.held_probs_bytes), the projection's
-    input where the projection saves nothing (a frozen or quantized `wo` reads T5's MLP dropout output), its output
-    and the residual stream's gradient from above. Checkpointing only, where something is held: elsewhere the MLP
-    product's backward holds more.
+    All it saves, the probabilities it keeps named to its end (forward_block.held_probs_bytes), and what the early
+    stop holds beyond the saves (recompute_stop.stop_bytes: the MLP's input and product, the projection's output and
+    LoRA cast, the gradients that triggered the recompute).
     """
-    held = forward_block.held_probs_bytes(ctx) if ctx.setup.grad_ckpt else 0
-    if not held or not rows:
+    if not ctx.setup.grad_ckpt or not rows:
         return {}
-    a, last = ctx.spec.arch, rows[-1]
-    k = a.experts_per_token if a.num_experts else 1
-    stream = last.tokens * a.hidden_size * ctx.residual_bytes
-    read = 0 if last.mlp_out else last.tokens * a.intermediate_size * k * ctx.act_bytes
+    last = rows[-1]
+    held = forward_block.held_probs_bytes(ctx)
+    lora = act._lora_names(ctx)
+    stop = max(recompute_stop.stop_bytes(ctx, last.blk, last.tokens, lora),
+               recompute_stop.mlp_in_bytes(ctx, last.blk, last.tokens, lora))
+    if not held and not stop:
+        return {}
     return {**back, **casts, "activations": before,
-            "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + read + 2 * stream}
+            "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + stop}
 
 
 def _mlp_moment(ctx: Ctx, end, before: int, recompute: float, temps: int) -> dict[str, int]:
