@@ -133,11 +133,9 @@ def _recompute_end(ctx: Ctx, back: dict, casts: dict, before: int, rows) -> dict
         return {}
     last = rows[-1]
     held = forward_block.held_probs_bytes(ctx)
-    lora = act._lora_names(ctx)
-    stop = max(recompute_stop.stop_bytes(ctx, last.blk, last.tokens, lora),
-               recompute_stop.mlp_in_bytes(ctx, last.blk, last.tokens, lora))
-    if not held and not stop:
-        return {}
+    if not held and not recompute_stop.dense(ctx, last.blk):
+        return {}  # elsewhere (MoE) the MLP product's backward holds more, unless probabilities are held
+    stop = recompute_stop.stop_bytes(ctx, last.blk, last.tokens, act._lora_names(ctx))
     return {**back, **casts, "activations": before,
             "backward_temporaries": int(block_ends.largest_recompute_bytes(ctx, rows)) + held + stop}
 

@@ -88,6 +88,13 @@ class BlockLayout:
     #: intermediate size, DeepSeek's q_a_layernorm / kv_a_layernorm over the low ranks)
     other_norm_widths: tuple[int, ...] = ()
 
+    def by_slot(self) -> dict[str, list[Linear]]:
+        """The block's Linears per slot, in the block's order."""
+        out: dict[str, list[Linear]] = {}
+        for sl, m in self.linears:
+            out.setdefault(sl, []).append(m)
+        return out
+
 
 #: module names of query/key norms (modeling_qwen3 / modeling_gemma3 / modeling_olmo2 `q_norm`, `k_norm`;
 #: StableLM and Cohere's `q_layernorm`, `k_layernorm`; HunYuan's `query_layernorm`, `key_layernorm`; `q_layer_norm`,

@@ -42,9 +42,7 @@ def block_bytes(ctx: Ctx, blk: BlockLayout, tokens: int, seqs: tuple[int, int], 
     c, r, h = ctx.act_bytes, ctx.residual_bytes, a.hidden_size
     q_dim, kv_dim = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     kernel = attention_kernel(ctx, relative_bias=True)
-    by_slot: dict[str, list] = {}
-    for sl, m in blk.linears:
-        by_slot.setdefault(sl, []).append(m)
+    by_slot = blk.by_slot()
     cross = blk.stack == "decoder" and a.kind == "seq2seq"
     # parallel blocks normalise one input x: two LayerNorms (GPT-NeoX) save the same x, so count it once
     norms = (1 if a.parallel_block else blk.norms) - norms_after_attention(ctx, blk)  # the rest: post_attention_bytes
@@ -187,9 +185,7 @@ def _gradless_mlp_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> flo
     """What block_bytes counted for an MLP whose input carries no gradient (recording.gradless_linears: the first
     LoRA block of a parallel model, no adapter in its MLP): its activation and products record nothing."""
     gradless = gradless_linears(ctx)
-    by_slot: dict[str, list] = {}
-    for sl, m in blk.linears:
-        by_slot.setdefault(sl, []).append(m)
+    by_slot = blk.by_slot()
     if not by_slot.get("mlp_in") or any(m.name not in gradless for m in by_slot["mlp_in"]):
         return 0.0
     return mlp_bytes(ctx, by_slot, lora_names)

@@ -44,9 +44,7 @@ def post_attention_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str], block
     """
     a = ctx.spec.arch
     c, h = ctx.act_bytes, a.hidden_size
-    by_slot: dict[str, list] = {}
-    for sl, m in blk.linears:
-        by_slot.setdefault(sl, []).append(m)
+    by_slot = blk.by_slot()
     eager = kernel != "fused" or fused_output_copied(ctx)  # the attention's output is not the kernel's saved one
     per_tok = norms_after_attention(ctx, blk) * norm_bytes(ctx, h, block_trains)
     if not (a.parallel_block and blk.norms == 1):
@@ -103,10 +101,7 @@ def mlp_out_bytes(ctx: Ctx, blk: BlockLayout, lora_names: set[str]) -> float:
     """
     if expert_params(ctx, blk):
         return 0.0
-    by_slot: dict[str, list] = {}
-    for sl, m in blk.linears:
-        by_slot.setdefault(sl, []).append(m)
-    return mlp_parts(ctx, by_slot, lora_names)[1]
+    return mlp_parts(ctx, blk.by_slot(), lora_names)[1]
 
 
 def mlp_parts(ctx: Ctx, by_slot: dict, lora_names: set[str], shared: bool = False) -> tuple[float, float]:

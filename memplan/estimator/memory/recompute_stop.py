@@ -11,17 +11,10 @@ output, the gradients the engine made before reaching a node with saved tensors.
 """
 from __future__ import annotations
 
-from memplan.estimator.memory.block_tail import mlp_parts, mlp_readers
+from memplan.estimator.memory.block_tail import mlp_out_bytes, mlp_parts, mlp_readers
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.moe import expert_params
 from memplan.estimator.memory.saves import adapter_compute_bytes, shared_input_saves
-
-
-def _by_slot(blk) -> dict[str, list]:
-    by_slot: dict[str, list] = {}
-    for sl, m in blk.linears:
-        by_slot.setdefault(sl, []).append(m)
-    return by_slot
 
 
 def _out_bytes(ctx: Ctx, m) -> int:
@@ -55,49 +48,56 @@ def _held(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     return held
 
 
-def _dense(ctx: Ctx, blk, by_slot: dict) -> bool:
+def dense(ctx: Ctx, blk) -> bool:
+    """The block has one dense MLP (input projections and one output projection), where stop_bytes is exact."""
+    by_slot = blk.by_slot()
     return len(by_slot.get("mlp_out", [])) == 1 and bool(by_slot.get("mlp_in")) and not expert_params(ctx, blk)
 
 
-def stop_bytes(ctx: Ctx, blk, tokens: int, lora_names: set[str]) -> int:
-    """Bytes the block's recompute holds at its early stop beyond the block's saves; 0 for MoE blocks and blocks
-    without a dense MLP.
-
-    The held gradients and MLP input (_held), the product unless the projection saves that tensor itself, the
-    projection's base output and, under autocast, peft's fp32 cast of the product. tokens: the block's tokens.
-    lora_names: the Linears with a LoRA branch (activations._lora_names).
-    """
-    by_slot = _by_slot(blk)
-    if not _dense(ctx, blk, by_slot):
-        return 0
+def _at_output(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
+    """Per token beyond _held, at the early stop: the product unless the projection saves that tensor itself, the
+    projection's base output and, under autocast, peft's fp32 cast of the product."""
     m, act = by_slot["mlp_out"][0], ctx.act_bytes
-    held = _held(ctx, by_slot, lora_names) + m.out_features * _out_bytes(ctx, m)
+    held = m.out_features * _out_bytes(ctx, m)
     if not shared_input_saves(ctx, [m], m.in_features, act, lora_names):
         held += m.in_features * act  # the product, the projection's input, saved by nobody as itself
     x_bytes = adapter_compute_bytes(ctx)
     if m.name in lora_names and ctx.mixed and act != x_bytes:
         held += m.in_features * x_bytes  # peft's cast, which autocast casts again for lora_A
-    return int(tokens * held)
+    return held
 
 
-def mlp_in_bytes(ctx: Ctx, blk, tokens: int, lora_names: set[str]) -> int:
-    """The recompute at the MLP's last input projection with a LoRA branch, beyond the block's saves (negative: it
-    holds less); 0 where that is no larger moment than the stop.
+def _at_input(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
+    """Per token beyond _held (negative: less than the saves), earlier, at the MLP's last input projection with a
+    LoRA branch; 0 without one.
 
     Its base output, lora_B's output and that times the scaling (peft's `lora_B(lora_A(x)) * scaling`), each
     [tokens, out]: in fp32 where fp32 adapters run without autocast, two fp32 tensors of the MLP's width. Not yet
     made: the output projection's saves and what the MLP saves of this projection's output (up's output, which the
     product saves; for a lone projection, a fused gate_up or a plain MLP's fc1, all the MLP's own saves).
     """
-    by_slot = _by_slot(blk)
-    if not _dense(ctx, blk, by_slot):
-        return 0
     ins = [m for m in by_slot["mlp_in"] if m.name in lora_names]
     if not ins:
-        return 0
+        return 0.0
     m = ins[-1]
-    c = ctx.act_bytes
-    parts = mlp_parts(ctx, by_slot, lora_names)
-    later = m.out_features * c if ctx.spec.arch.mlp_gated and len(by_slot["mlp_in"]) > 1 else parts[0]
-    made = m.out_features * (_out_bytes(ctx, m) + 2 * _branch_bytes(ctx))
-    return int(tokens * (_held(ctx, by_slot, lora_names) + made - later - parts[1]))
+    core, out = mlp_parts(ctx, by_slot, lora_names)
+    later = m.out_features * ctx.act_bytes if ctx.spec.arch.mlp_gated and len(by_slot["mlp_in"]) > 1 else core
+    return m.out_features * (_out_bytes(ctx, m) + 2 * _branch_bytes(ctx)) - later - out
+
+
+def stop_bytes(ctx: Ctx, blk, tokens: int, lora_names: set[str]) -> int:
+    """Bytes the block's recompute holds beyond the block's saves at its larger MLP moment: the early stop
+    (_at_output) or, with fp32 LoRA branches, the last input projection (_at_input); both with _held.
+
+    Blocks without a dense MLP (MoE): the coarser count made before this module, the block output's gradient, the
+    MLP's input and the product where the output projection saves nothing. tokens: the block's tokens. lora_names: the Linears with a LoRA branch
+    (activations._lora_names).
+    """
+    if not dense(ctx, blk):
+        a = ctx.spec.arch
+        k = a.experts_per_token if a.num_experts else 1
+        read = 0 if mlp_out_bytes(ctx, blk, lora_names) else a.intermediate_size * k * ctx.act_bytes
+        return int(tokens * (2 * a.hidden_size * ctx.residual_bytes + read))
+    by_slot = blk.by_slot()
+    held = _held(ctx, by_slot, lora_names)
+    return int(tokens * (held + max(_at_output(ctx, by_slot, lora_names), _at_input(ctx, by_slot, lora_names))))
