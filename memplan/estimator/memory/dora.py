@@ -10,7 +10,7 @@ largest is what the step's forward (and a checkpointed recompute) holds on top o
 from __future__ import annotations
 
 from memplan.estimator.memory.context import Ctx, per_model
-from memplan.estimator.memory.saves import adapter_compute_bytes
+from memplan.estimator.memory.saves import branch_bytes
 
 
 @per_model("lora_r")
@@ -31,7 +31,7 @@ def layer_temp_bytes(ctx: Ctx, n_in: int, n_out: int, quantized: bool) -> int:
     [out, in], the base weight cast or dequantized to xb (none when it already is xb), s * lora_weight and
     W + s * lora_weight.
     """
-    xb = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
+    xb = branch_bytes(ctx)
     w = n_out * n_in
     eye = (n_in * n_in + n_in * ctx.setup.lora_r) * xb
     base = w * xb if (quantized or ctx.weight_bytes != xb) else 0

@@ -14,19 +14,13 @@ from __future__ import annotations
 from memplan.estimator.memory.block_tail import mlp_out_bytes, mlp_parts, mlp_readers
 from memplan.estimator.memory.context import Ctx
 from memplan.estimator.memory.moe import expert_params
-from memplan.estimator.memory.saves import adapter_compute_bytes, shared_input_saves
+from memplan.estimator.memory.saves import adapter_compute_bytes, branch_bytes, shared_input_saves
 
 
 def _out_bytes(ctx: Ctx, m) -> int:
     """A base Linear's output dtype: autocast's compute dtype, else its input's (a bitsandbytes layer returns its
     input's dtype)."""
     return ctx.compute_bytes if ctx.mixed and m.name not in ctx.quantized else ctx.act_bytes
-
-
-def _branch_bytes(ctx: Ctx) -> int:
-    """The dtype a LoRA branch's output is in: autocast's compute dtype, else the adapters' (fp32 adapters over a
-    16-bit model add an fp32 branch to a 16-bit base output)."""
-    return ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
 
 
 def _held(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
@@ -38,7 +32,7 @@ def _held(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     c_out = _out_bytes(ctx, m)
     held = a.hidden_size * res
     if m.name in lora_names:
-        branch = _branch_bytes(ctx)
+        branch = branch_bytes(ctx)
         # the scaled branch's gradient, and the base output's where the sum is cast on the way
         held += m.out_features * (branch + (c_out if c_out != res or branch != c_out else 0))
     elif c_out != res:
@@ -82,7 +76,7 @@ def _at_input(ctx: Ctx, by_slot: dict, lora_names: set[str]) -> float:
     m = ins[-1]
     core, out = mlp_parts(ctx, by_slot, lora_names)
     later = m.out_features * ctx.act_bytes if ctx.spec.arch.mlp_gated and len(by_slot["mlp_in"]) > 1 else core
-    return m.out_features * (_out_bytes(ctx, m) + 2 * _branch_bytes(ctx)) - later - out
+    return m.out_features * (_out_bytes(ctx, m) + 2 * branch_bytes(ctx)) - later - out
 
 
 def stop_bytes(ctx: Ctx, blk, tokens: int, lora_names: set[str]) -> int:

@@ -109,7 +109,7 @@ def lora_saves(ctx: Ctx, in_dim: int, in_bytes: int, m=None) -> tuple[float, boo
         (bytes per token, whether it saves the layer's own input tensor instead of a copy).
     """
     s = ctx.setup
-    xb = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
+    xb = branch_bytes(ctx)
     own_copy = ctx.mixed or in_bytes != xb or s.lora_dropout > 0
     x = in_dim * xb if own_copy else 0.0
     if s.lora_dropout > 0:
@@ -130,7 +130,7 @@ def dora_saves(ctx: Ctx, m, in_bytes: int) -> float:
     """
     if not ctx.setup.use_dora:
         return 0.0
-    lora = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
+    lora = branch_bytes(ctx)
     if ctx.setup.lora_dropout > 0:
         # no base_result with dropout: F.linear(dropout(x), W cast to x's dtype) recomputes it (its weight:
         # dora_dropout_weight_bytes); under autocast F.linear also saves a compute-dtype copy of x
@@ -152,7 +152,7 @@ def dora_dropout_weight_bytes(ctx: Ctx, linears, lora_names: set[str]) -> int:
     s = ctx.setup
     if not (s.use_dora and s.lora_dropout > 0):
         return 0
-    xb = ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
+    xb = branch_bytes(ctx)
     total = 0
     for m in linears:
         if m.name in lora_names and (m.name in ctx.quantized or ctx.weight_bytes != xb):
@@ -167,6 +167,13 @@ def adapter_compute_bytes(ctx: Ctx) -> int:
     MixedPrecisionPolicy param_dtype, DeepSpeed's bf16/fp16 module cast), where x needs no fp32 copy.
     """
     return ctx.compute_bytes if ctx.setup.engine in ("fsdp", "deepspeed") else ctx.adapter_bytes
+
+
+def branch_bytes(ctx: Ctx) -> int:
+    """Bytes per element a LoRA branch computes in (x's copy for lora_A, lora_A's and lora_B's outputs): autocast's
+    compute dtype, else the adapters' (adapter_compute_bytes: fp32 adapters over a 16-bit model make an fp32
+    branch)."""
+    return ctx.compute_bytes if ctx.mixed else adapter_compute_bytes(ctx)
 
 
 def liger_patched(ctx: Ctx) -> bool:
