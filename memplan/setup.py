@@ -252,6 +252,12 @@ GROUP_SIZES = (-1, 32, 64, 128)
 GROUPED_QUANTS = ("gptq-int4", "gptq-int8", "awq", "torchao-int4")
 
 
+def quant_groups(in_features: int, group_size: int) -> int:
+    """Rows of scales (and zeros) a grouped format stores for a Linear of `in_features` inputs: one per group of
+    group_size inputs, one in all for group_size -1 (per output column)."""
+    return -(-in_features // group_size) if group_size > 0 else 1
+
+
 def value_problems(fields: dict) -> list[str]:
     """The problems of each given Setup field's own value (its vocabulary, its integer range), without the
     combinations: for pins that a search completes, and for validate()."""

@@ -8,7 +8,7 @@ import contextlib
 import functools
 import math
 
-from memplan.setup import PREQUANTIZED, Setup
+from memplan.setup import PREQUANTIZED, Setup, quant_groups
 
 
 @functools.cache
@@ -126,7 +126,7 @@ def prequantized_standin_class():
             self.in_features, self.out_features = k, n
             self.infeatures, self.outfeatures = k, n  # the names peft reads off a GPTQ QuantLinear
             self.training_kernel = training
-            groups = math.ceil(k / group_size) if group_size > 0 else 1
+            groups = quant_groups(k, group_size)
             i32 = dict(dtype=torch.int32, device=dev)
             if quant.startswith("gptq"):
                 bits = PREQUANTIZED[quant]
@@ -237,7 +237,7 @@ def awq_training_standin_class():
             k, n, dev = src.in_features, src.out_features, src.weight.device
             self.in_features, self.out_features = k, n
             self.infeatures, self.outfeatures = k, n  # what peft reads off a gptqmodel layer
-            groups = math.ceil(k / group_size) if group_size > 0 else 1
+            groups = quant_groups(k, group_size)
             i32 = dict(dtype=torch.int32, device=dev)
             self.register_buffer("qweight", torch.empty(k, math.ceil(n * 4 / 32), **i32))
             self.register_buffer("qzeros", torch.empty(groups, math.ceil(n * 4 / 32), **i32))
@@ -339,7 +339,7 @@ def torchao_standin_class():
             torch.nn.Module.__init__(self)
             k, n, dev = src.in_features, src.out_features, src.weight.device
             self.in_features, self.out_features, self.bits = k, n, bits
-            groups = math.ceil(k / group_size) if group_size > 0 else 1
+            groups = quant_groups(k, group_size)
             if bits == 8:
                 self.weight = torch.nn.Parameter(torch.empty(n, k, dtype=torch.int8, device=dev), requires_grad=False)
                 self.register_buffer("scale", torch.empty(n, 1, dtype=torch.float32, device=dev))

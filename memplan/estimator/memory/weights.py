@@ -9,7 +9,7 @@ from memplan import libs
 from memplan.model import trainable as select
 from memplan.estimator.memory import new_tokens
 from memplan.estimator.memory.context import Ctx, mxfp4_dequantized, per_model
-from memplan.setup import PREQUANTIZED
+from memplan.setup import PREQUANTIZED, quant_groups
 
 # bitsandbytes 4-bit (Params4bit / QuantState, bitsandbytes/functional.py quantize_4bit): two 4-bit codes per uint8,
 # one fp32 absmax per block of 64 weights; with compress_statistics (double quant) the absmax values are themselves
@@ -194,7 +194,7 @@ def prequantized_state_bytes(quant: str, k: int, n: int, training: bool = False,
     scales, no workspace. torchao (quantization/quantize_/workflows, 0.18): Int8Tensor holds int8 qdata [n, k], an fp32
     scale and an int8 zero_point per row; Int4Tensor (the default plain packing) two int4 per byte [n, k / 2], a 16-bit
     scale and zero_point per group of 128 inputs [k / g, n]."""
-    groups = math.ceil(k / group) if group > 0 else 1  # group -1: one scale (and zero) per output column
+    groups = quant_groups(k, group)
     workspace = alloc_bytes(4 * MARLIN_WORKSPACE_INTS)
     if quant.startswith("gptq") and training:
         bits = PREQUANTIZED[quant]
