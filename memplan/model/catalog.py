@@ -261,6 +261,16 @@ def _build_cached(path: str, mtime_ns: int, trust_remote_code: bool, task: str |
     return replace(spec, **stored)
 
 
+def _torchao_config(q: dict) -> tuple[str | None, dict]:
+    """(config class name, its fields) of a torchao quantization_config (TorchAoConfig.to_dict: quant_type
+    {"default": torchao's config_to_dict(config)}, {"_type": ..., "_data": {...}}); (None, {}) where malformed."""
+    qt = q.get("quant_type")
+    qt = qt.get("default") if isinstance(qt, dict) else None
+    if not isinstance(qt, dict):
+        return None, {}
+    return qt.get("_type"), qt["_data"] if isinstance(qt.get("_data"), dict) else {}
+
+
 def stored_group_size(config: dict) -> int | None:
     """A GPTQ / AWQ / torchao int4 quantization_config's group size where it is not 128 (GPTQConfig and AwqConfig
     `group_size`; torchao's Int4WeightOnlyConfig `_data.group_size`), None otherwise or where it is not one memplan
@@ -269,8 +279,7 @@ def stored_group_size(config: dict) -> int | None:
     if not isinstance(q, dict) or stored_quant(config) not in GROUPED_QUANTS:
         return None
     if str(q.get("quant_method", "")).lower() == "torchao":
-        data = q["quant_type"]["default"].get("_data") or {}
-        size = data.get("group_size", 128)
+        size = _torchao_config(q)[1].get("group_size", 128)
     else:
         size = q.get("group_size", q.get("q_group_size", 128))
     return size if size in GROUP_SIZES and size != 128 else None
@@ -295,11 +304,8 @@ def stored_quant(config: dict) -> str | None:
         fp8 = [isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 8
                and w.get("strategy") in ("channel", "tensor") for w in weights]
         return "fp8-dynamic" if fp8 and all(fp8) else None
-    if method == "torchao":  # TorchAoConfig.to_dict: quant_type {"default": torchao's config_to_dict(config)}
-        qt = q.get("quant_type")
-        qt = qt.get("default") if isinstance(qt, dict) else None
-        kind = qt.get("_type") if isinstance(qt, dict) else None
-        data = qt.get("_data") if isinstance(qt, dict) and isinstance(qt.get("_data"), dict) else {}
+    if method == "torchao":
+        kind, data = _torchao_config(q)
         if kind == "Int4WeightOnlyConfig" and data.get("group_size", 128) in GROUP_SIZES:
             return "torchao-int4"
         granularity = data.get("granularity") if isinstance(data.get("granularity"), dict) else {}
