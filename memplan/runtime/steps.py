@@ -273,7 +273,10 @@ def materialize(model, fake: bool, device: str = "cpu") -> None:
             return t
         new = torch.empty(t.shape, dtype=t.dtype, device=device)
         if not fake:
-            if new.is_floating_point():
+            if new.is_floating_point() and new.element_size() == 1:
+                # torch has no normal_ kernel for the float8 dtypes (FP8 checkpoints' weights): draw in bf16, cast
+                new.copy_(torch.empty(t.shape, dtype=torch.bfloat16, device=device).normal_(0, 0.02))
+            elif new.is_floating_point():
                 new.normal_(0, 0.02)
             else:
                 new.zero_()

@@ -386,3 +386,21 @@ def test_repository_measurements_pass_check(tmp_path):
         r = CliRunner().invoke(main, ["check", str(ROOT / folder), "--report", str(tmp_path / "r.md")])
         assert r.exit_code == 0, (folder, (tmp_path / "r.md").read_text())
         assert "rows" in r.output
+
+
+def test_materialize_draws_float8_weights():
+    """An FP8 checkpoint's weights are float8, which has no normal_ kernel on either device (the H200 run of
+    2026-11-27 failed all 18 FP8 rows with "normal_kernel_cuda not implemented for 'Float8_e4m3fn'"): materialize
+    draws them in bf16 and casts, keeping the dtype and the N(0, 0.02) scale."""
+    import torch
+
+    from memplan.runtime.steps import materialize
+    with torch.device("meta"):
+        layer = torch.nn.Linear(64, 32, bias=False)
+    layer.weight = torch.nn.Parameter(torch.empty(32, 64, dtype=torch.float8_e4m3fn, device="meta"),
+                                      requires_grad=False)
+    materialize(layer, fake=False)
+    w = layer.weight
+    assert w.dtype == torch.float8_e4m3fn and not w.is_meta and not w.requires_grad
+    values = w.to(torch.float32)
+    assert torch.isfinite(values).all() and 0.005 < values.std().item() < 0.05
