@@ -260,7 +260,8 @@ def report() -> int:
              "checkpointing: rows of another setup do not count). Planned batches from "
              "results/planner_replay_plans.csv, made on the CPU under the GPU's transformers release "
              "(`planner_check.py plans`).", ""]
-    modes = {"estimate": ("closed-form bound (`memplan plan --no-replay`; the default before `--replay` has run)",
+    modes = {"estimate": ("closed-form bound (`memplan plan --no-replay`, planned today; the default before "
+                          "`--replay` has run)",
                           "cold_default_batch"),
              "replay": ("`memplan plan --replay` (caching-allocator replay)", "replay_batch"),
              "default": ("`memplan plan`, the default, once `--replay` has cached the setup's replays",
@@ -274,7 +275,10 @@ def report() -> int:
             mine = [r for r in rows if r["model"] == model and f"emulating {card}" in r["notes"]
                     and "planner check" in r["notes"] and same_setup(r, setup)]
             status = {int(r["batch_size"]): r["status"] for r in mine}
-            b = int(stored[model, card][column]) if stored.get((model, card), {}).get(column) else None
+            if mode == "estimate":  # today's closed form (milliseconds): never a stale stored batch
+                b = setup.batch_size
+            else:
+                b = int(stored[model, card][column]) if stored.get((model, card), {}).get(column) else None
             largest, ratio, good = verdict(b, status, lambda n, setup=setup: runnable_below(setup, n))
             failed[mode] += not good
             seen = ", ".join(f"{x}: {st}" for x, st in sorted(status.items())) or "not measured"

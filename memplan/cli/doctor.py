@@ -9,7 +9,7 @@ import click
 from memplan.cli.options import given_setup_fields, handle_errors, headroom_option, load_model, setup_options
 from memplan.errors import BadInput
 from memplan.estimator.breakdown import estimator_for
-from memplan.planner.budget import DEFAULT_HEADROOM, budget_bytes
+from memplan.planner.budget import DEFAULT_HEADROOM, budget_bytes, need_terms
 from memplan.planner.doctor import Diagnosis, diagnose, setup_from_plan
 from memplan.planner.oom import OomInfo, parse_oom_message
 from memplan.setup import Setup
@@ -27,7 +27,7 @@ def print_diagnosis(diag: Diagnosis, console=None) -> None:
     colour = "green" if diag.fits and not diag.barely_fits else ("yellow" if diag.resolved else "red")
     console.print(f"[bold {colour}]{diag.first_line}[/]", highlight=False)
     console.print(f"{diag.model} · {describe(diag.setup)} · seq {diag.setup.seq_len}: "
-                  f"needs {fmt_gib(diag.need_bytes)} (peak allocated + largest tensor + memory outside the allocator) "
+                  f"needs {fmt_gib(diag.need_bytes)} ({need_terms(diag.estimate)}) "
                   f"of the budget {fmt_gib(diag.budget_bytes)}"
                   + (f" ({diag.budget_source})" if diag.budget_source else ""), highlight=False)
     if diag.remedies:

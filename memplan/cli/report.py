@@ -5,7 +5,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from memplan.planner.budget import need_bytes
+from memplan.planner.budget import need_bytes, need_terms
 from memplan.units import GiB, fmt_count
 from memplan.planner.explain import describe
 from memplan.setup import sharding_label
@@ -144,7 +144,8 @@ def estimate_table(e) -> Table:
     t.add_row(f"peak allocated ({e.peak_phase})", _gib(e.peak_allocated_bytes), "")
     t.add_row("peak reserved", _gib(e.peak_reserved_bytes), "")
     t.add_row("device total (nvidia-smi)", _gib(e.device_total_bytes), "100.0", style="bold")
-    t.add_row("needs on a full card (fit test: + largest tensor)", _gib(need_bytes(e)), "")
+    t.add_row("needs on a full card (fit test: + largest tensor"
+              + (" + split cache)" if e.cap_fragmentation_bytes else ")"), _gib(need_bytes(e)), "")
     if e.host_bytes:
         t.add_row("host RAM (pinned) per GPU / per node", f"{_gib(e.host_bytes)} / {_gib(e.host_bytes * s.num_gpus)}",
                   "")
@@ -323,8 +324,8 @@ def print_plan(plan, written: str | None = None, console: Console | None = None)
                   + (f" (effective batch {plan.achieved_effective_batch})"
                      if plan.achieved_effective_batch != plan.effective_batch else ""))
     console.print(estimate_table(plan.estimate))
-    console.print(f"needs {_gib(need_bytes(plan.estimate))} GiB (peak allocated + largest tensor + "
-                  f"memory outside the allocator) of the budget {_gib(plan.budget_bytes)} GiB = "
+    console.print(f"needs {_gib(need_bytes(plan.estimate))} GiB ({need_terms(plan.estimate)}) of the budget "
+                  f"{_gib(plan.budget_bytes)} GiB = "
                   f"{_gib(g.memory_bytes)} GiB - headroom {_gib(plan.headroom_bytes)} GiB ({plan.headroom:.1%} of the "
                   f"{_gib(plan.usable_bytes)} GiB usable beyond the CUDA context); spare: {_gib(plan.spare_bytes)} GiB"
                   + ("; the allocator replay below sets the micro-batch (the need is a bound)"

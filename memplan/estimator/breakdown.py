@@ -52,14 +52,15 @@ class Estimate:
     device_total_bytes: int
     notes: tuple[str, ...] = field(default=())
     largest_block_bytes: int = 0  # the largest single tensor (memory.logits.largest_block_bytes)
+    cap_fragmentation_bytes: int = 0  # split cache a capped allocator cannot free (overhead.cap_fragmentation_bytes)
     host_bytes: int = 0  # pinned CPU memory per GPU process (offloaded state); x num_gpus per node
 
     @property
     def allocator_need_bytes(self) -> int:
-        """What an allocator cap must allow for the step not to OOM: the live peak and a fresh block for the
-        largest tensor. The cached-but-free rest of the reserved peak is released and retried under a cap
-        (docs/PLANNER.md, data/measured/planner-check-run1.csv)."""
-        return self.peak_allocated_bytes + self.largest_block_bytes
+        """What an allocator cap must allow for the step not to OOM: the live peak, a fresh block for the
+        largest tensor and, with checkpointing, the split cache the allocator cannot free. The cached-but-free rest
+        of the reserved peak is released and retried under a cap (docs/PLANNER.md, data/measured/planner-check*.csv)."""
+        return self.peak_allocated_bytes + self.largest_block_bytes + self.cap_fragmentation_bytes
 
     @property
     def cap_need_bytes(self) -> int:
@@ -104,6 +105,7 @@ class Estimate:
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
             "allocator_need_bytes": self.allocator_need_bytes,
+            "cap_fragmentation_bytes": self.cap_fragmentation_bytes,
             "need_bytes": self.cap_need_bytes,
             "host_bytes_per_gpu": self.host_bytes,
             "host_bytes_per_node": self.host_bytes * self.setup.num_gpus,
@@ -166,6 +168,7 @@ def _assemble(ctx: Ctx, phases: dict[str, dict[str, int]], rank: dist.RankState 
         peak_allocated_bytes=int(peak), peak_reserved_bytes=int(peak + reserve),
         device_total_bytes=int(peak + reserve + vllm + paged + nccl + overhead.CUDA_CONTEXT_BYTES),
         notes=_notes(ctx, setup), largest_block_bytes=lg.largest_block_bytes(ctx),
+        cap_fragmentation_bytes=overhead.cap_fragmentation_bytes(ctx, int(at_peak.get("activations", 0))),
         host_bytes=(rank.host_bytes if rank else 0) + offload.host_bytes(ctx))
 
 

@@ -3,6 +3,7 @@
     usable = GPU memory - CUDA context (memory.overhead.CUDA_CONTEXT_BYTES)
     budget = GPU memory - headroom x usable               (default 3.5%)
     need   = peak allocated + largest tensor + device-only memory    (Estimate.cap_need_bytes)
+             + with checkpointing, the split cache a capped allocator cannot free (overhead.CAP_FRAGMENTATION_CKPT)
 
 The device total (reserved + device-only) is what an uncapped run shows in nvidia-smi; it is not the limit, because
 under a full card the caching allocator frees its cache and retries before it reports an OOM. docs/PLANNER.md
@@ -38,6 +39,12 @@ def budget_bytes(memory_bytes: int, headroom: float = DEFAULT_HEADROOM) -> int:
 def need_bytes(est) -> int:
     """What a setup needs from the GPU (Estimate.cap_need_bytes)."""
     return est.cap_need_bytes
+
+
+def need_terms(est) -> str:
+    """What need_bytes(est) adds up, in words (plan, estimate and doctor print it)."""
+    split = " + split cache (checkpointing)" if est.cap_fragmentation_bytes else ""
+    return f"peak allocated + largest tensor{split} + memory outside the allocator"
 
 
 def fits(est, budget: int) -> bool:

@@ -27,6 +27,16 @@ ROUND_LARGE = 2 * MiB
 TRANSIENT_FRAGMENTATION = 0.10
 TRANSIENT_FRAGMENTATION_CKPT = 0.28
 
+#: Under a memory cap the allocator frees its unsplit cached segments before it reports an OOM, but not the free
+#: space split inside segments that still hold live tensors. Without checkpointing that space stayed below the
+#: planner's headroom (no planner run without checkpointing ran out of memory with over 0.1% of the usable memory
+#: spare); with it each block's recompute splits the cache between the gradients, and 4 checkpointed planned
+#: batches (QLoRA Llama-2-7B, DPO LoRA and full, GRPO LoRA) ran out with 3.7-5.8% spare. This share of the
+#: activations alive at the peak is held for it; fitted on those runs (in-sample: 8.6% is the smallest share that
+#: predicts all four; 10% costs one fitting planned batch, GRPO on an L4: 64 where 72 fits).
+#: Measured: data/measured/planner-check.csv (H200 capped to each card, 2026-11-27), docs/PLANNER.md "Budget".
+CAP_FRAGMENTATION_CKPT = 0.10
+
 
 def rounding_waste(tensor_bytes: list[int] | tuple[int, ...]) -> int:
     """Bytes lost rounding large persistent tensors to 2 MiB segments (each > 10 MiB request: up to 2 MiB)."""
@@ -53,6 +63,12 @@ def persistent_tensor_sizes(ctx: Ctx) -> list[int]:
 def persistent_rounding_waste(ctx: Ctx) -> int:
     """rounding_waste of the persistent tensors, once per model and selection."""
     return rounding_waste(persistent_tensor_sizes(ctx))
+
+
+def cap_fragmentation_bytes(ctx: Ctx, activation_bytes: int) -> int:
+    """Free space a capped allocator cannot release at the peak (CAP_FRAGMENTATION_CKPT): checkpointed training
+    only; part of the planner's need, not of the allocated or reserved peak."""
+    return int(CAP_FRAGMENTATION_CKPT * activation_bytes) if ctx.training and ctx.setup.grad_ckpt else 0
 
 
 def allocator_reserve_bytes(ctx: Ctx, transient_bytes: int) -> int:
