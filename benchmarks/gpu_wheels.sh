@@ -14,15 +14,15 @@
 # minute), then: carry [".whl", ".whl-t523"] (about 30 MiB of the 64 MiB a call may carry) and so on.
 # Session 33 (H200, 2026-11-27) measured 176 rows in two calls of the whole 2026 pool with [".whl"] alone:
 #   bash benchmarks/gpu_session.sh 470 'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-*.yaml'  (then 250)
-# What is left (issue 43), one call, carry [".whl", ".whl-t523"] (about 30 MiB), timeout_s 600: an H200/H100 context
-# row alone (smoke), the allocator's own trace of a row whose reserved peak sits one fp32 [tokens, vocab] block above
-# the replay's, the planner pairs (the 4 TRL ones, 2 QLoRA ones), the offloading rows again (per training_step now),
-# APOLLO, TRL over bitsandbytes, LoRA on AWQ and torchao int8, torchao and compressed-tensors FP8 served (session 34),
-# then LoRA on FP8 under transformers 5.23 (FP8LinearFunction came in 5.22; the image has 5.17):
-#   bash benchmarks/gpu_session.sh 480 smoke \
-#     'alloctrace:openai-community/gpt2:technique=full,precision=bf16,batch_size=8,seq_len=512,attn_impl=sdpa' \
+# Session 36 (H200, 2026-11-27) ran the call below in two parts (480 s, then 230 s): the alloctrace, the planner
+# pairs, 125 + 52 pool rows; the FP8 rows failed at random init (float8 has no normal_ kernel: fixed since).
+# What is left (issue 43), one call, carry [".whl", ".whl-t523"] (about 30 MiB), timeout_s 600: 19 rows of the
+# 2026 pool (TRL over bitsandbytes, offloading SmolLM2, torchao FP8 served), the planner batches the closed form
+# plans since the split-cache term (DPO LoRA 23, GRPO 132 and 64, their next and bound), then LoRA on FP8 under
+# transformers 5.23 (FP8LinearFunction came in 5.22; the image has 5.17):
+#   bash benchmarks/gpu_session.sh 500 \
 #     'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-trl.yaml benchmarks/sweeps/gpu-2026-techniques.yaml
-#      benchmarks/sweeps/gpu-2026-awq-lora.yaml benchmarks/sweeps/gpu-2026-torchao.yaml' \
+#      benchmarks/sweeps/gpu-2026-torchao.yaml' \
 #     'wheels:.whl-t523:benchmarks/sweeps/gpu-2026-fp8-lora.yaml'
 set -euo pipefail
 cd "$(dirname "$0")/.."
