@@ -8,6 +8,10 @@ where the two first disagree about reserving a segment.
     python benchmarks/gpu_alloc_trace.py record OUTDIR MODEL key=value ...   # GPU: OUTDIR/<model>-<setup>.json.gz
     python benchmarks/gpu_alloc_trace.py compare FILE.json.gz                 # CPU: first divergences
 
+cap=BYTES among the pairs runs under that allocator cap (set_per_process_memory_fraction, as the planner check
+emulates a card) and compare replays under it: where the replay and the GPU disagree about fitting (Qwen2.5-1.5B
+QLoRA b4 s1024 on an RTX 3060's 11.49 GiB: the GPU fitted after one release of its cache, the replay did not).
+
 Why: the replay's reserved peak lands within 0.2% (median) of the GPU's, but some rows sit one [tokens, vocab]
 fp32 block below it (gpt2 and bart-large b8 s512: -0.77 GiB; benchmarks/results/allocator_replay.md); the GPU's own
 trace says which request reserved the extra segment."""
@@ -21,12 +25,14 @@ from pathlib import Path
 
 
 def _setup(pairs: list[str]):
+    """(Setup, cap bytes or None) from key=value pairs."""
     from memplan.setup import Setup
     fields = {}
     for p in pairs:
         k, v = p.split("=", 1)
         fields[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v, v)
-    return Setup(**fields)
+    cap = fields.pop("cap", None)
+    return Setup(**fields), cap
 
 
 def record(outdir: str, model: str, pairs: list[str]) -> Path:
@@ -36,7 +42,9 @@ def record(outdir: str, model: str, pairs: list[str]) -> Path:
     from memplan.model.catalog import config_dict, load_spec
     from memplan.runtime.steps import build_model, make_optimizer, materialize, training_loop
     from memplan.measure.runner import quantize_bnb
-    spec, setup = load_spec(model), _setup(pairs)
+    spec, (setup, cap) = load_spec(model), _setup(pairs)
+    if cap:
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     meter = CudaMeter()
     model_ = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"), real_kernels=True)
     materialize(model_, fake=False, device="cuda")
@@ -48,7 +56,11 @@ def record(outdir: str, model: str, pairs: list[str]) -> Path:
     def enter(phase: str) -> None:
         meter.enter(phase)
         marks.append((len(torch.cuda.memory._snapshot()["device_traces"][0]), phase))
-    training_loop(model_, opt, spec, setup, 3, "cuda", enter)
+    status = "ok"
+    try:
+        training_loop(model_, opt, spec, setup, 3, "cuda", enter)
+    except torch.cuda.OutOfMemoryError:
+        status = "oom"
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = [(e["action"], e["size"], e["addr"]) for e in snap["device_traces"][0]]
@@ -56,8 +68,8 @@ def record(outdir: str, model: str, pairs: list[str]) -> Path:
     out = Path(outdir) / f"{name}.json.gz"
     out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt") as f:
-        json.dump({"model": model, "setup": setup.to_dict(), "marks": marks, "events": events,
-                   "reserved_peak": meter.reserved_peak, "torch": torch.__version__}, f)
+        json.dump({"model": model, "setup": setup.to_dict(), "marks": marks, "events": events, "cap": cap,
+                   "status": status, "reserved_peak": meter.reserved_peak, "torch": torch.__version__}, f)
     print(out, len(events), "events; reserved peak", meter.reserved_peak)
     return out
 
@@ -74,10 +86,15 @@ def compare(path: str) -> None:
     def phase_of(i: int) -> str:
         return next((p for at, p in reversed(marks) if at <= i), "setup")
     gpu = [(phase_of(i), e[1]) for i, e in enumerate(d["events"]) if e[0] == "segment_alloc"]
-    r = replay_allocator(d["model"], setup)
+    r = replay_allocator(d["model"], setup, d.get("cap"))
     print(f"reserved peak: GPU {d['reserved_peak'] / 2**30:.3f} GiB, replay {r.peak_reserved / 2**30:.3f} GiB; segments "
           f"reserved: GPU {len(gpu)}, replay {len(r.segments)}")
+    if d.get("cap"):
+        print(f"under a cap of {d['cap'] / 2**30:.2f} GiB: GPU {d.get('status')}, replay "
+              f"{'oom in ' + r.oom + f' asking {r.oom_request / 2**30:.2f} GiB' if r.oom else 'ok'}; GPU cache "
+              f"releases: {sum(e[0] == 'segment_free' for e in d['events'])} segments freed")
     allocation_sizes(d, phase_of)
+    large_requests(d, phase_of, setup)
     first = next((i for i, (a, b) in enumerate(zip(gpu, r.segments)) if a != b), min(len(gpu), len(r.segments)))
     for i in range(max(0, first - 3), min(max(len(gpu), len(r.segments)), first + 12)):
         a = gpu[i] if i < len(gpu) else ("", 0)
@@ -116,6 +133,33 @@ def allocation_sizes(d: dict, phase_of) -> None:
               "differences (size x count):")
         for size, k in sorted(diff.items(), key=lambda x: -abs(x[0] * x[1]))[:10]:
             print(f"    {size / 2**20:10.2f} MiB x {k:+d}")
+
+
+def large_requests(d: dict, phase_of, setup, floor: int = 256 << 20) -> None:
+    """The first step's allocations and frees of at least `floor` bytes from the loss to the end of backward, GPU
+    and trace side by side: whether a [tokens, vocab] block is freed before the next one is asked for (a cached block
+    to reuse) on one side and not the other."""
+    from memplan.replay.need import traced_events
+    live: dict[int, int] = {}
+    trace = []
+    for serial, n, phase in traced_events(d["model"], setup, 3):
+        if phase == "optimizer":
+            break
+        if n:
+            live[serial] = n
+        size = n or live.pop(serial, 0)
+        if size >= floor and phase in ("forward", "backward"):
+            trace.append(("+" if n else "-") + f"{size / 2**20:.0f}")
+    gpu = []
+    for i, (action, size, _) in enumerate(d["events"]):
+        if phase_of(i) == "optimizer":
+            break
+        if size >= floor and action in ("alloc", "free_completed", "segment_alloc", "segment_free"):
+            gpu.append({"alloc": "+", "free_completed": "-", "segment_alloc": "S+", "segment_free": "S-"}[action]
+                       + f"{size / 2**20:.0f}")
+    print("large requests (MiB, + alloc, - free, S segment) up to the first optimizer step:")
+    print("  GPU:   " + " ".join(gpu[-60:]))
+    print("  trace: " + " ".join(trace[-60:]))
 
 
 if __name__ == "__main__":
