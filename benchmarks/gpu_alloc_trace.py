@@ -36,31 +36,30 @@ def _setup(pairs: list[str]):
 
 
 def record(outdir: str, model: str, pairs: list[str]) -> Path:
+    """validate's run of the setup in this process (memplan.measure.runner: the same build, loop and TRL trainer)
+    with the allocator's history recorded from the meter's start; the events and phase marks into OUTDIR."""
     import torch
 
     from memplan.measure.meter import CudaMeter
+    from memplan.measure.runner import _measure_cuda
     from memplan.model.catalog import config_dict, load_spec
-    from memplan.runtime.steps import build_model, make_optimizer, materialize, training_loop
-    from memplan.measure.runner import quantize_bnb
     spec, (setup, cap) = load_spec(model), _setup(pairs)
-    if cap:
-        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
-    meter = CudaMeter()
-    model_ = build_model(spec, setup, None, config_dict(spec), quantizer=quantize_bnb("cuda"), real_kernels=True)
-    materialize(model_, fake=False, device="cuda")
-    opt = make_optimizer(setup, model_.parameters())
-    meter.start()
     marks: list[tuple[int, str]] = []
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None, stacks="python")
 
-    def enter(phase: str) -> None:
-        meter.enter(phase)
-        marks.append((len(torch.cuda.memory._snapshot()["device_traces"][0]), phase))
-    status = "ok"
-    try:
-        training_loop(model_, opt, spec, setup, 3, "cuda", enter)
-    except torch.cuda.OutOfMemoryError:
-        status = "oom"
+    def position() -> int:
+        return len(torch.cuda.memory._snapshot()["device_traces"][0])
+
+    class TraceMeter(CudaMeter):
+        def start(self) -> None:
+            super().start()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None, stacks="python")
+
+        def enter(self, phase: str) -> None:
+            super().enter(phase)
+            marks.append((position(), phase))
+    fraction = cap / torch.cuda.get_device_properties(0).total_memory if cap else None
+    meter = TraceMeter(fraction)
+    result = _measure_cuda(spec, setup, config_dict(spec), 3, fraction, None, meter=meter)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = [(e["action"], e["size"], e["addr"]) for e in snap["device_traces"][0]]
@@ -69,8 +68,8 @@ def record(outdir: str, model: str, pairs: list[str]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt") as f:
         json.dump({"model": model, "setup": setup.to_dict(), "marks": marks, "events": events, "cap": cap,
-                   "status": status, "reserved_peak": meter.reserved_peak, "torch": torch.__version__}, f)
-    print(out, len(events), "events; reserved peak", meter.reserved_peak)
+                   "status": result.status, "reserved_peak": meter.reserved_peak, "torch": torch.__version__}, f)
+    print(out, len(events), "events;", result.status, "; reserved peak", meter.reserved_peak)
     return out
 
 

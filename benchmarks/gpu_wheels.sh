@@ -17,12 +17,13 @@
 # Session 36 (H200, 2026-11-27) ran the call below in two parts (480 s, then 230 s): the alloctrace, the planner
 # pairs, 125 + 52 pool rows; the FP8 rows failed at random init (float8 has no normal_ kernel: fixed since).
 # What is left (issue 43), one call, carry [".whl", ".whl-t523"] (about 30 MiB), timeout_s 600: the allocator's own
-# trace of the QLoRA planner row the replay calls an OOM and the capped GPU ran (gpu_alloc_trace.py), 19 rows of the
+# traces of the two planner rows where the replay and the capped GPU disagree (gpu_alloc_trace.py), 19 rows of the
 # 2026 pool (TRL over bitsandbytes, offloading SmolLM2, torchao FP8 served), the planner batches the closed form
 # plans since the split-cache term (DPO LoRA 23, GRPO 132 and 64, their next and bound), then LoRA on FP8 under
 # transformers 5.23 (FP8LinearFunction came in 5.22; the image has 5.17):
 #   bash benchmarks/gpu_session.sh 500 \
 #     'alloctrace:Qwen/Qwen2.5-1.5B:technique=qlora,precision=bf16,quant=nf4,double_quant=true,lora_r=16,lora_alpha=32,lora_targets=all-linear,batch_size=4,seq_len=1024,grad_ckpt=true,attn_impl=sdpa,padded=true,cap=12335906816' \
+#     'alloctrace:Qwen/Qwen2.5-0.5B:trainer=dpo,technique=lora,precision=bf16-mixed,lora_r=16,lora_alpha=32,lora_targets=all-linear,batch_size=24,seq_len=1024,grad_ckpt=true,attn_impl=sdpa,padded=true,cap=12335906816' \
 #     'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-trl.yaml benchmarks/sweeps/gpu-2026-techniques.yaml
 #      benchmarks/sweeps/gpu-2026-torchao.yaml' \
 #     'wheels:.whl-t523:benchmarks/sweeps/gpu-2026-fp8-lora.yaml'

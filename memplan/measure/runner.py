@@ -108,10 +108,13 @@ def measure(model_id: str, setup: Setup, device: str = "cuda", steps: int = DEFA
     return m
 
 
-def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_gpu=False) -> Measurement:
+def _measure_cuda(spec, setup, d, steps, memory_fraction, emulate_bytes, shared_gpu=False,
+                  meter: CudaMeter | None = None) -> Measurement:
+    """validate's CUDA run in this process. meter: a CudaMeter made by the caller (benchmarks/gpu_alloc_trace.py
+    records the allocator's history from its start) instead of one from memory_fraction and emulate_bytes."""
     import torch
 
-    meter = CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
+    meter = meter or CudaMeter(memory_fraction, emulate_bytes, shared_gpu)
     try:
         rows = trainer_rows(setup, attn_impl(spec, setup))  # the rows a TRL trainer runs (setup itself otherwise)
         # LoRA on a GPTQ base trains through gptqmodel's torch path, which the stand-in runs op for op on CUDA; on
