@@ -6,6 +6,7 @@ through the allocator under the row's cap, and compare
   reserved peak      every ok row, beside the closed-form estimate's peak_reserved_bytes
 
     python benchmarks/allocator_replay.py run data/measured/planner-check.csv ...   # appends results/allocator_replay.csv
+    python benchmarks/allocator_replay.py run --skip-trainer grpo FILES...           # GRPO's traces take minutes a row
     python benchmarks/allocator_replay.py estimates                                 # the closed-form columns, anew
     python benchmarks/allocator_replay.py report                                    # results/allocator_replay.md
 
@@ -42,7 +43,7 @@ def describe(s) -> str:
     return " ".join(p for p in parts if p)
 
 
-def run(files: list[str]) -> None:
+def run(files: list[str], skip_trainers: tuple[str, ...] = ()) -> None:
     import transformers
 
     from memplan.measure import rows as measured
@@ -54,7 +55,7 @@ def run(files: list[str]) -> None:
     skipped = 0
     for f in files:
         for r in measured.read_rows(f):
-            if r["status"] not in ("ok", "oom") or r["num_gpus"] not in ("", "1"):
+            if r["status"] not in ("ok", "oom") or r["num_gpus"] not in ("", "1") or r.get("trainer") in skip_trainers:
                 continue
             if (Path(f).name, r["key"]) in done:
                 continue
@@ -156,7 +157,10 @@ def report() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
-        run(sys.argv[2:])
+        args, skip = sys.argv[2:], ()
+        if args[:1] == ["--skip-trainer"]:
+            args, skip = args[2:], tuple(args[1].split(","))
+        run(args, skip)
     elif sys.argv[1:2] == ["estimates"]:
         refresh_estimates()
     else:

