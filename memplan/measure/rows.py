@@ -62,7 +62,7 @@ def _cell(value) -> str:
 
 
 #: Setup fields added after measured rows were keyed (issue 39): left out of a row's key at their defaults
-LATER_FIELDS = ("use_dora", "use_liger_kernel", "train_new_tokens", "task")
+LATER_FIELDS = ("use_dora", "use_liger_kernel", "train_new_tokens", "task", "group_size")
 
 
 def setup_columns(setup: Setup) -> dict[str, str]:

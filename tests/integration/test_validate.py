@@ -404,3 +404,22 @@ def test_materialize_draws_float8_weights():
     assert w.dtype == torch.float8_e4m3fn and not w.is_meta and not w.requires_grad
     values = w.to(torch.float32)
     assert torch.isfinite(values).all() and 0.005 < values.std().item() < 0.05
+
+
+def test_stored_rows_keep_their_keys():
+    """A resumed sweep skips a row by its key: a Setup field added later must leave the keys of rows measured
+    before it alone (rows.LATER_FIELDS). Adding group_size without that re-keyed the 167 H200 rows of session 33,
+    and session 36's pooled call measured 107 of them again. Every row since then keys as it did."""
+    import re
+    checked = 0
+    for name in ("gpu-h100.csv", "planner-check.csv"):
+        for r in measured.read_rows(ROOT / "data" / "measured" / name):
+            if r["measured_at"] < "2026-11-27T15":  # earlier sessions keyed with code since changed otherwise
+                continue
+            device = r["device"] or "cuda"
+            card = re.search(r"emulating (.+?) \(", r.get("notes", ""))
+            if card:
+                device += "@" + card.group(1)
+            assert measured.row_key(r["model"], measured.setup_from_row(r), device) == r["key"], r["key"]
+            checked += 1
+    assert checked >= 360
