@@ -15,10 +15,11 @@
 # Session 33 (H200, 2026-11-27) measured 176 rows in two calls of the whole 2026 pool with [".whl"] alone:
 #   bash benchmarks/gpu_session.sh 470 'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-*.yaml'  (then 250)
 # Session 36 (H200, 2026-11-27) ran the call below in two parts (480 s, then 230 s): the alloctrace, the planner
-# pairs, 125 + 52 pool rows; the FP8 rows failed at random init (float8 has no normal_ kernel: fixed since).
+# pairs, 125 + 52 pool rows, 107 of them again (adding Setup.group_size had changed every row key: fixed since,
+# rows.LATER_FIELDS); the FP8 rows failed at random init (float8 has no normal_ kernel: fixed since).
 # What is left (issue 43), one call, carry [".whl", ".whl-t523"] (about 30 MiB), timeout_s 600: the allocator's own
-# traces of the two planner rows where the replay and the capped GPU disagree (gpu_alloc_trace.py), 19 rows of the
-# 2026 pool (TRL over bitsandbytes, offloading SmolLM2, torchao FP8 served), the planner batches the closed form
+# traces of the two planner rows where the replay and the capped GPU disagree (gpu_alloc_trace.py), 10 rows of the
+# 2026 pool (DPO over bitsandbytes, three offloading rows, torchao int4/int8 and FP8), the planner batches the closed form
 # plans since the split-cache term (DPO LoRA 23, GRPO 132 and 64, their next and bound), then LoRA on FP8 under
 # transformers 5.23 (FP8LinearFunction came in 5.22; the image has 5.17):
 #   bash benchmarks/gpu_session.sh 500 \
