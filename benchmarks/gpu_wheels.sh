@@ -18,12 +18,14 @@
 # pairs, 125 + 52 pool rows, 107 of them again (adding Setup.group_size had changed every row key: fixed since,
 # rows.LATER_FIELDS); the FP8 rows failed at random init (float8 has no normal_ kernel: fixed since).
 # What is left (issue 43), one call, carry [".whl", ".whl-t523"] (about 30 MiB), timeout_s 600: the allocator's own
-# traces of the two planner rows where the replay and the capped GPU disagree (gpu_alloc_trace.py), 10 rows of the
+# traces of the two planner rows where the replay and the capped GPU disagree and of a gpt2 row that reserves one
+# fp32 [tokens, vocab] block more than the replay (gpu_alloc_trace.py), 10 rows of the
 # 2026 pool (DPO over bitsandbytes, three offloading rows, torchao int4/int8 and FP8), the planner batches the closed form
 # plans since the split-cache term (DPO LoRA 23, GRPO 132 and 64, their next and bound), then LoRA on FP8 under
 # transformers 5.23 (FP8LinearFunction came in 5.22; the image has 5.17):
 #   bash benchmarks/gpu_session.sh 500 \
 #     'alloctrace:Qwen/Qwen2.5-1.5B:technique=qlora,precision=bf16,quant=nf4,double_quant=true,lora_r=16,lora_alpha=32,lora_targets=all-linear,batch_size=4,seq_len=1024,grad_ckpt=true,attn_impl=sdpa,padded=true,cap=12335906816' \
+#     'alloctrace:openai-community/gpt2:precision=bf16,optimizer=adafactor,attn_impl=sdpa' \
 #     'alloctrace:Qwen/Qwen2.5-0.5B:trainer=dpo,technique=lora,precision=bf16-mixed,lora_r=16,lora_alpha=32,lora_targets=all-linear,batch_size=24,seq_len=1024,grad_ckpt=true,attn_impl=sdpa,padded=true,cap=12335906816' \
 #     'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-trl.yaml benchmarks/sweeps/gpu-2026-techniques.yaml
 #      benchmarks/sweeps/gpu-2026-torchao.yaml' \
