@@ -44,6 +44,7 @@ def measured_errors(data: Path) -> list[dict]:
 
     out = []
     replayed = replay_rows()
+    statuses = replay_statuses()
     for path in measured_files([str(data)]):
         for row in read_rows(path):
             if row.get("device", "cuda") != "cuda" or row.get("status") != "ok":
@@ -51,7 +52,7 @@ def measured_errors(data: Path) -> list[dict]:
             setup = setup_from_row(row)
             est = estimate_row(row)
             rec = {"model": row["model"], "label": row_label(row), "group": group_of(setup), "file": path.name,
-                   "trainer": setup.trainer,
+                   "trainer": setup.trainer, "replay_status": statuses.get((path.name, row.get("key"))),
                    "gated": (row.get("gate") or "yes").lower() not in ("no", "false", "0")}
             for name, attr in QUANTITIES:
                 measured = int_or_none(row.get(f"measured_{name}_bytes"))
@@ -64,6 +65,15 @@ def measured_errors(data: Path) -> list[dict]:
             rec.update(replay_errors(row, replayed.get((path.name, row.get("key")))))
             out.append(rec)
     return out
+
+
+def replay_statuses() -> dict[tuple[str, str], str]:
+    """The allocator replay's verdict ("ok" or "oom" under the row's cap) by (measured file, row key), for every row
+    it replayed; a row missing here has not been replayed."""
+    import csv
+    if not REPLAY.exists():
+        return {}
+    return {(r["file"], r["key"]): r["replay_status"] for r in csv.DictReader(open(REPLAY))}
 
 
 def replay_rows() -> dict[tuple[str, str], dict]:

@@ -90,9 +90,16 @@ def test_accuracy_replay_tier_and_requested_bytes():
     # GRPO rows wait for a replay: the cut-model synthesis does not take GRPO's generation steps yet, and a
     # whole-model trace with generate() takes minutes per row on 2 cores (3 of the H200's GRPO rows replayed so
     # far, within 0.2% of the GPU's allocated peak; allocator_replay.py run --skip-trainer grpo for the rest)
-    waiting = [r for r in rows if r["replay_allocated"] is None]
+    waiting = [r for r in rows if r["replay_status"] is None]
     assert all(r["trainer"] == "grpo" for r in waiting)
     assert sum(r["trainer"] == "grpo" for r in rep) >= 3
+    # two capped planner runs fitted on the GPU where the replay ran out of memory under the same cap (docs/PLANNER.md
+    # "Budget": QLoRA Qwen2.5-1.5B b4 after one release of the GPU's cache; DPO full Llama-3.2-1B b28), the
+    # allocator traces of the next GPU session are to say why; every other ok row fitted in its replay too
+    diverged = sorted((r["model"], r["label"]) for r in rows if r["replay_status"] == "oom")
+    assert diverged == [
+        ("Qwen/Qwen2.5-1.5B", "train qlora r16 all-linear bf16 nf4 adamw-fused b4 s1024 ckpt sdpa padded"),
+        ("meta-llama/Llama-3.2-1B", "train dpo full bf16 adamw-fused b28 s1024 ckpt sdpa padded")]
     assert len(rep) >= 440
     # benchmarks/results/allocator_replay.csv against the H100/H200 rows: the replay's allocated peak (whole blocks)
     # within 0.0% median, worst -0.5% / +0.6%, training and inference rows alike, held to 1% (t5-base inference under
