@@ -4,8 +4,10 @@ For each row (memplan.measure.rows schema) the setup is rebuilt from its columns
   - its status is ok and |predicted - measured| / measured exceeds its tolerance (the row's own `tolerance` column,
     else the command's), for the quantity compared: `measure` (allocated, reserved or device) when the row has it,
     else the first of allocated, reserved, device that it has;
-  - its status is oom and the estimate says it fits: predicted reserved <= the allocator cap (memory_limit_bytes)
-    for rows run under a cap, else predicted device total <= the GPU's memory (gpu_memory_bytes);
+  - its status is oom and the estimate says it fits: for rows run under a cap, the allocator need
+    (Estimate.allocator_need_bytes: live peak, a fresh block for the largest tensor, the split cache under
+    checkpointing) more than the tolerance below the cap (memory_limit_bytes); else predicted device total below
+    the GPU's memory (gpu_memory_bytes);
   - it can no longer be estimated (unknown model, a setup the estimator now refuses).
 Rows with gate=no are reported and never fail; rows with status error are listed as not checked.
 CPU rows (device=cpu, the tracer's accounting) are compared with the estimate less what only CUDA allocates
@@ -146,7 +148,8 @@ def check_row(row: dict, file: str, tolerance: float, measure: str, estimator) -
                             verdict="skip", reason="oom row without memory_limit_bytes or gpu_memory_bytes", **base)
         if quantity == "reserved":
             # under an allocator cap the cache is elastic (freed and retried before an OOM): what must fit is the
-            # live peak plus one fresh block for the largest tensor (docs/PLANNER.md)
+            # live peak plus one fresh block for the largest tensor, and with checkpointing the split cache
+            # (Estimate.allocator_need_bytes, docs/PLANNER.md)
             quantity = "allocated + largest tensor"
             pred = est.allocator_need_bytes
         else:
