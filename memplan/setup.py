@@ -123,7 +123,11 @@ def parse_trainable(value):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Setup:
-    """What the user wants to run. Each field's comment says its memory effect."""
+    """What the user wants to run. Each field's comment says its memory effect.
+
+    A field added here changes the key of every stored measurement unless it joins measure.rows.LATER_FIELDS
+    (left out of keys at its default): a resumed sweep would then measure everything again
+    (tests/integration/test_validate.py test_stored_rows_keep_their_keys)."""
 
     mode: Mode = "train"  # infer: weights + KV cache + prefill activations; no grads/optimizer
     technique: Technique = "full"  # which parameters get gradients and optimizer state
