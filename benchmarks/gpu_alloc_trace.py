@@ -77,23 +77,25 @@ def compare(path: str) -> None:
     """The segments each side reserved after the build (cudaMalloc sizes, in order, with their phase) side by side,
     and the first place they differ."""
     from memplan.setup import Setup
-    from memplan.replay.need import replay_allocator
+    from memplan.replay.need import traced_events
+    from memplan.runtime.allocator import replayed
     d = json.load(gzip.open(path, "rt"))
     setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
     marks = sorted(d["marks"])
+    events = list(traced_events(d["model"], setup, 3))  # one trace for the replay and both listings below
 
     def phase_of(i: int) -> str:
         return next((p for at, p in reversed(marks) if at <= i), "setup")
     gpu = [(phase_of(i), e[1]) for i, e in enumerate(d["events"]) if e[0] == "segment_alloc"]
-    r = replay_allocator(d["model"], setup, d.get("cap"))
+    r = replayed(events, d.get("cap"), setup.mode)
     print(f"reserved peak: GPU {d['reserved_peak'] / 2**30:.3f} GiB, replay {r.peak_reserved / 2**30:.3f} GiB; segments "
           f"reserved: GPU {len(gpu)}, replay {len(r.segments)}")
     if d.get("cap"):
         print(f"under a cap of {d['cap'] / 2**30:.2f} GiB: GPU {d.get('status')}, replay "
               f"{'oom in ' + r.oom + f' asking {r.oom_request / 2**30:.2f} GiB' if r.oom else 'ok'}; GPU cache "
               f"releases: {sum(e[0] == 'segment_free' for e in d['events'])} segments freed")
-    allocation_sizes(d, phase_of)
-    large_requests(d, phase_of, setup)
+    allocation_sizes(d, phase_of, events)
+    large_requests(d, phase_of, events)
     first = next((i for i, (a, b) in enumerate(zip(gpu, r.segments)) if a != b), min(len(gpu), len(r.segments)))
     for i in range(max(0, first - 3), min(max(len(gpu), len(r.segments)), first + 12)):
         a = gpu[i] if i < len(gpu) else ("", 0)
@@ -102,18 +104,15 @@ def compare(path: str) -> None:
               f"{b[1] / 2**20:9.1f} MiB")
 
 
-def allocation_sizes(d: dict, phase_of) -> None:
+def allocation_sizes(d: dict, phase_of, events) -> None:
     """Per phase of the first step, the allocation sizes the GPU made more (or fewer) times than the trace: where
     the GPU's extra allocated bytes come from (a CUDA kernel's own buffers, a different dtype)."""
     from collections import Counter
 
     from memplan.runtime.allocator import round_size
-    from memplan.setup import Setup
-    from memplan.replay.need import traced_events
-    setup = Setup(**{k: v for k, v in d["setup"].items() if v is not None})
     traced: dict[str, Counter] = {}
     seen_optimizer = False
-    for _, n, phase in traced_events(d["model"], setup, 3):
+    for _, n, phase in events:
         seen_optimizer |= phase == "optimizer"
         if n and not seen_optimizer and phase in ("forward", "backward"):
             traced.setdefault(phase, Counter())[round_size(n)] += 1
@@ -134,14 +133,13 @@ def allocation_sizes(d: dict, phase_of) -> None:
             print(f"    {size / 2**20:10.2f} MiB x {k:+d}")
 
 
-def large_requests(d: dict, phase_of, setup, floor: int = 256 << 20) -> None:
+def large_requests(d: dict, phase_of, events, floor: int = 256 << 20) -> None:
     """The first step's allocations and frees of at least `floor` bytes from the loss to the end of backward, GPU
     and trace side by side: whether a [tokens, vocab] block is freed before the next one is asked for (a cached block
     to reuse) on one side and not the other."""
-    from memplan.replay.need import traced_events
     live: dict[int, int] = {}
     trace = []
-    for serial, n, phase in traced_events(d["model"], setup, 3):
+    for serial, n, phase in events:
         if phase == "optimizer":
             break
         if n:
