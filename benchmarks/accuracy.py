@@ -43,16 +43,16 @@ def measured_errors(data: Path) -> list[dict]:
     from memplan.measure.rows import int_or_none, measured_files, read_rows, setup_from_row
 
     out = []
-    replayed = replay_rows()
-    statuses = replay_statuses()
+    replays = replay_results()
     for path in measured_files([str(data)]):
         for row in read_rows(path):
             if row.get("device", "cuda") != "cuda" or row.get("status") != "ok":
                 continue
             setup = setup_from_row(row)
             est = estimate_row(row)
+            rep = replays.get((path.name, row.get("key")))
             rec = {"model": row["model"], "label": row_label(row), "group": group_of(setup), "file": path.name,
-                   "trainer": setup.trainer, "replay_status": statuses.get((path.name, row.get("key"))),
+                   "trainer": setup.trainer, "replay_status": rep and rep["replay_status"],
                    "gated": (row.get("gate") or "yes").lower() not in ("no", "false", "0")}
             for name, attr in QUANTITIES:
                 measured = int_or_none(row.get(f"measured_{name}_bytes"))
@@ -62,26 +62,18 @@ def measured_errors(data: Path) -> list[dict]:
             allocated = int_or_none(row.get("measured_allocated_bytes"))
             rec["measured_unsplit"] = (allocated - requested) / allocated if requested and allocated else None
             rec.update(phase_errors(row, est) if setup.mode == "train" else {})
-            rec.update(replay_errors(row, replayed.get((path.name, row.get("key")))))
+            rec.update(replay_errors(row, rep if rep and rep["replay_status"] == "ok" else None))  # ran to the end
             out.append(rec)
     return out
 
 
-def replay_statuses() -> dict[tuple[str, str], str]:
-    """The allocator replay's verdict ("ok" or "oom" under the row's cap) by (measured file, row key), for every row
-    it replayed; a row missing here has not been replayed."""
+def replay_results() -> dict[tuple[str, str], dict]:
+    """The allocator replay's results by (measured file, row key), its verdict under the row's cap ("ok" or "oom")
+    in replay_status; a row missing here has not been replayed."""
     import csv
     if not REPLAY.exists():
         return {}
-    return {(r["file"], r["key"]): r["replay_status"] for r in csv.DictReader(open(REPLAY))}
-
-
-def replay_rows() -> dict[tuple[str, str], dict]:
-    """The allocator replay's results by (measured file, row key) (rows it replayed to the end)."""
-    import csv
-    if not REPLAY.exists():
-        return {}
-    return {(r["file"], r["key"]): r for r in csv.DictReader(open(REPLAY)) if r["replay_status"] == "ok"}
+    return {(r["file"], r["key"]): r for r in csv.DictReader(open(REPLAY))}
 
 
 def replay_errors(row: dict, rep: dict | None) -> dict:
