@@ -29,7 +29,7 @@ TRANSIENT_FRAGMENTATION_CKPT = 0.28
 
 #: Under a memory cap the allocator frees its unsplit cached segments before it reports an OOM, but not the free
 #: space split inside segments that still hold live tensors. Without checkpointing that space stayed below the
-#: planner's headroom (no planner run without checkpointing ran out of memory with over 0.1% of the usable memory
+#: planner's headroom (no planner run without checkpointing ran out of memory with over 0.4% of the usable memory
 #: spare); with it each block's recompute splits the cache between the gradients, and 4 checkpointed planned
 #: batches (QLoRA Llama-2-7B, DPO LoRA and full, GRPO LoRA) ran out with 3.7-5.8% spare. This share of the
 #: activations alive at the peak is held for it; fitted on those runs (in-sample: 8.6% is the smallest share that
