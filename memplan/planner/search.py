@@ -35,6 +35,7 @@ from memplan.gpus import Gpu, load_gpus, resolve_gpu
 from memplan.model.catalog import load_spec
 from memplan.planner.fit_table import largest_fitting, GPU_COUNTS, gpu_layout
 from memplan.planner.refine import cached_replay_need, refine
+from memplan.replay.affine import applies
 from memplan.replay.need import NotCached
 from memplan.units import fmt_gib, parse_size
 
@@ -221,8 +222,11 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
             refined = refine(result, spec, estimator, cached_replay_need)
             why = refined.replay.get("skipped")
         except NotCached:
+            reach = ("at any micro-batch and on any card" if applies(result.setup) else
+                     "where they probe the same micro-batches (DPO and GRPO runs are traced per micro-batch)")
             refined, why = None, ("the allocator replay of this setup is not cached yet; `--replay` traces it "
-                                  "once (seconds to a minute on the CPU), and later plans of it use it by default")
+                                  f"once (seconds to a minute on the CPU), and later plans of it use it by default, "
+                                  f"{reach}")
         except MemplanError as e:  # a spec the tracer cannot build (no config.json behind it)
             refined, why = None, f"no allocator replay: {e}"
         if refined is not None and "replayed" in refined.replay:

@@ -1,12 +1,14 @@
 """The caching-allocator replay (memplan.runtime.allocator) over a training run's allocation events: the events of
 the whole model (traced, or synthesized from a cut trace: memplan.replay.synth), their replay with the cuBLAS
 workspaces, and the smallest allocator limit they fit under. A replay's result is cached on disk by content
-(cache_dir()/replays): the model's config, the whole Setup, the source and releases that trace it."""
+(cache_dir()/replays): the model's config, the whole Setup, the source and releases that trace it; a training
+setup's events come from its shape's line where it has one (memplan.replay.affine: traced once, every micro-batch)."""
 from __future__ import annotations
 
 import functools
 import json
 
+from memplan.replay import affine
 from memplan.fileio import content_key, read_cached, source_digest, write_cached
 from memplan.runtime.allocator import need_and_replay, replayed
 from memplan.setup import Setup
@@ -49,8 +51,46 @@ def _source() -> bytes:
 def replay_key(spec, setup: Setup, steps: int) -> str:
     """The content key of a replay: the model's config.json content and task, the whole Setup, the step count, the
     tracing source and the library releases (fileio.content_key)."""
-    what = {"config": config_dict(spec), "model": spec.model_id, "setup": setup.to_dict(), "steps": steps}
+    return _key(spec, "setup", setup.to_dict(), steps)
+
+
+def shape_key(spec, setup: Setup, steps: int) -> str:
+    """The content key of a setup shape's line (memplan.replay.affine): replay_key less the micro-batch."""
+    return _key(spec, "shape", affine.shape_of(setup), steps)
+
+
+def _key(spec, name: str, setup: dict, steps: int) -> str:
+    what = {"config": config_dict(spec), "model": spec.model_id, name: setup, "steps": steps}
     return content_key([json.dumps(what, sort_keys=True, default=str).encode(), _source()], _PACKAGES)
+
+
+def run_events(spec, setup: Setup, steps: int, cached_only: bool = False):
+    """The events of `steps` steps of setup: from its shape's line where it has one (cached, or traced at
+    affine.BASES and checked at a third micro-batch, then cached), else traced (traced_events).
+    cached_only: raise NotCached rather than trace."""
+    if not affine.applies(setup):
+        if cached_only:
+            raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
+        return traced_events(spec, setup, steps)
+    key = shape_key(spec, setup, steps)
+    line = affine.from_json(read_cached("shapes", key))
+    traced: dict[int, list] = {}
+    if line is False:  # not cached
+        if cached_only:
+            raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
+        check = setup.batch_size if setup.batch_size not in affine.BASES else affine.CHECK
+        for b in (*affine.BASES, check):
+            traced[b] = traced_events(spec, affine.at(setup, b), steps)
+        line = affine.line_through(traced[affine.BASES[0]], traced[affine.BASES[1]])
+        if line is not None and not affine.holds(line, check, traced[check]):
+            line = None
+        write_cached("shapes", key, affine.to_json(line))
+    made = line.events(setup.batch_size) if line is not None else None
+    if made is not None:
+        return made
+    if cached_only:
+        raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size} (its shape is traced per micro-batch)")
+    return traced.get(setup.batch_size) or traced_events(spec, setup, steps)
 
 
 def replay_need(model, setup: Setup, steps: int = 3, cached_only: bool = False) -> tuple[int, int]:
@@ -58,8 +98,9 @@ def replay_need(model, setup: Setup, steps: int = 3, cached_only: bool = False) 
 
     One whole-model trace, the limit bisected over replays of it (memplan.runtime.allocator.min_limit; cuBLAS
     workspaces included): the exact counterpart of Estimate.allocator_need_bytes and peak_reserved_bytes. Cached
-    on disk (replay_key): a setup traced before answers in milliseconds. cached_only: raise NotCached rather than
-    trace (seconds to a minute on the CPU).
+    on disk (replay_key): a setup replayed before answers in milliseconds, one of a shape traced before (any
+    micro-batch: memplan.replay.affine) in a fraction of a second to a few seconds. cached_only: raise NotCached
+    rather than trace (seconds to a minute on the CPU).
 
     Returns:
         (need bytes, reserved bytes)."""
@@ -68,9 +109,7 @@ def replay_need(model, setup: Setup, steps: int = 3, cached_only: bool = False) 
     hit = read_cached("replays", key)
     if isinstance(hit, dict) and isinstance(hit.get("need_bytes"), int) and isinstance(hit.get("reserved_bytes"), int):
         return hit["need_bytes"], hit["reserved_bytes"]
-    if cached_only:
-        raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
-    need, free = need_and_replay(traced_events(spec, setup, steps))
+    need, free = need_and_replay(run_events(spec, setup, steps, cached_only))
     write_cached("replays", key, {"need_bytes": need, "reserved_bytes": free.peak_reserved,
                                   "model": spec.model_id, "setup": setup.to_dict(), "steps": steps})
     return need, free.peak_reserved

@@ -52,7 +52,9 @@ class StorageTracker:
         self.stack_depth: dict[str, int] = {}  # stack (the blocks' ModuleList path) -> number of blocks
         self.block_kinds: dict[tuple[str, int], tuple] = {}  # (stack, i) -> (parameters, trainable parameters)
         self.segment_peaks: dict[tuple[str, tuple], tuple[int, dict[int, int]]] = {}  # (phase, class) -> peak, live
-        # events=True: (serial, bytes, phase) at each birth, (serial, 0, phase) at each death (runtime.allocator)
+        # events=True: (serial, bytes, phase) at each birth, (serial, 0, phase) at each death (runtime.allocator);
+        # the storage's own bytes, which the allocator replay rounds (a size stays affine in the micro-batch:
+        # memplan.replay.affine)
         self.events: list[tuple[int, int, str]] | None = [] if events else None
 
     def serial_of(self, t) -> int | None:
@@ -64,7 +66,8 @@ class StorageTracker:
         hit = self.live.get(key)
         if hit is not None:
             return hit[0]
-        n = round_block(st.nbytes())
+        raw = st.nbytes()
+        n = round_block(raw)
         if n == 0:
             return None
         serial = next(self.serials)
@@ -76,7 +79,7 @@ class StorageTracker:
             self.excluded.add(serial)
             return serial
         if self.events is not None:
-            self.events.append((serial, n, self.phase))
+            self.events.append((serial, raw, self.phase))
         self.current += n
         self._update()
         return serial

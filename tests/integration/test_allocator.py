@@ -261,8 +261,9 @@ def test_plan_cli_replay_flag(monkeypatch):
 
 
 def test_plan_default_uses_the_replays_cached_by_replay(monkeypatch, tmp_path):
-    # issue 42 item 9: `plan` is exact once `plan --replay` traced the setup: its replays are cached on disk by
-    # content, so the default reads them (no trace) and plans what --replay planned
+    # issue 42 item 9: `plan` is exact once `plan --replay` traced the setup's shape: its line (events at any
+    # micro-batch: memplan.replay.affine) and replays are cached on disk by content, so the default reads them (no
+    # trace) and plans what --replay planned, on that card and on any other
     from types import SimpleNamespace
 
     from memplan.replay import need
@@ -270,23 +271,52 @@ def test_plan_default_uses_the_replays_cached_by_replay(monkeypatch, tmp_path):
     traced: list = []
     unit = 2 * 2**30
 
-    def fake_events(spec, setup, steps):
+    def fake_events(spec, setup, steps):  # one storage of 2 GiB per sample, and its free
         traced.append(setup.batch_size)
-        return setup.batch_size
+        return [(0, setup.batch_size * unit, "forward"), (0, 0, "backward")]
     monkeypatch.setattr(need, "traced_events", fake_events)
-    monkeypatch.setattr(need, "need_and_replay", lambda b: (b * unit, SimpleNamespace(peak_reserved=b * unit + 1)))
-    args = ["plan", "openai-community/gpt2", "--gpu", "RTX 3060", "--technique", "full", "--precision", "bf16-mixed",
+    monkeypatch.setattr(need, "need_and_replay",
+                        lambda ev: (ev[0][1], SimpleNamespace(peak_reserved=ev[0][1] + 1)))
+    args = ["plan", "openai-community/gpt2", "--technique", "full", "--precision", "bf16-mixed",
             "--grad-accum", "1", "--effective-batch", "64", "--seq-len", "1024", "--json"]
-    cold = json.loads(CliRunner().invoke(main, args).output)
+    on_3060 = args + ["--gpu", "RTX 3060"]
+    cold = json.loads(CliRunner().invoke(main, on_3060).output)
     assert "not cached" in cold["replay"]["closed_form"] and not traced
-    r = CliRunner().invoke(main, args + ["--replay"])
+    r = CliRunner().invoke(main, on_3060 + ["--replay"])
     replayed = json.loads(r.output)
-    assert replayed["setup"]["batch_size"] == 5 and traced  # 5 x 2 GiB within the RTX 3060's ~11.4 GiB limit
+    assert replayed["setup"]["batch_size"] == 5  # 5 x 2 GiB within the RTX 3060's ~11.4 GiB limit
+    assert traced[:2] == [2, 3] and len(traced) == 3  # the line, and its check at the first probe
     n = len(traced)
-    warm = json.loads(CliRunner().invoke(main, args).output)
+    warm = json.loads(CliRunner().invoke(main, on_3060).output)
     assert len(traced) == n and warm["setup"] == replayed["setup"] and warm["replay"] == replayed["replay"]
     assert warm["headroom"] == 0.01
-    assert len(list((tmp_path / "replays").glob("*.json"))) == n  # one cached replay per micro-batch traced
+    other = json.loads(CliRunner().invoke(main, args + ["--gpu", "RTX 4090"]).output)
+    assert len(traced) == n and other["setup"]["batch_size"] == other["replay"]["limit_bytes"] // unit == 11
+    assert len(list((tmp_path / "shapes").glob("*.json"))) == 1
+
+
+def test_a_shape_without_a_line_is_traced_per_micro_batch(monkeypatch, tmp_path):
+    # a run whose events are not affine in the micro-batch (here one event more per sample) is recorded as such,
+    # and each micro-batch is traced; the default then needs that micro-batch's own replay
+    from types import SimpleNamespace
+
+    from memplan.model.catalog import load_spec
+    from memplan.replay import need
+    from memplan.setup import Setup
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path))
+    traced: list = []
+
+    def fake_events(spec, setup, steps):
+        traced.append(setup.batch_size)
+        return [(i, 2**20, "forward") for i in range(setup.batch_size)]
+    monkeypatch.setattr(need, "traced_events", fake_events)
+    monkeypatch.setattr(need, "need_and_replay", lambda ev: (len(ev) * 2**20, SimpleNamespace(peak_reserved=0)))
+    gpt2 = load_spec("openai-community/gpt2")
+    assert need.replay_need(gpt2, Setup(batch_size=6)) == (6 * 2**20, 0) and traced == [2, 3, 6]
+    with pytest.raises(need.NotCached):
+        need.replay_need(gpt2, Setup(batch_size=7), cached_only=True)
+    assert need.replay_need(gpt2, Setup(batch_size=7)) == (7 * 2**20, 0) and traced == [2, 3, 6, 7]
+    assert need.replay_need(gpt2, Setup(batch_size=6), cached_only=True) == (6 * 2**20, 0)
 
 
 def test_replay_key_names_the_model_setup_and_steps():
@@ -335,3 +365,17 @@ def test_inference_trace_generates_exactly_the_new_tokens(monkeypatch):
     events = inference_events(load_spec("google-t5/t5-small"), Setup(mode="infer", batch_size=1, seq_len=16,
                                                                      new_tokens=3))
     assert len(calls) == 1 + 3 and {p for _, _, p in events} >= {"prefill", "decode"}
+
+
+def test_gpt2_events_are_affine_in_the_micro_batch():
+    # the fact memplan.replay.affine rests on (benchmarks/results/affine_check.md for 40 setups): traced at 2 and 3,
+    # the events at 5 are the line's event by event, small masks included (events hold a storage's own bytes: a
+    # [b, 128] bool mask is 256 b bytes, which 512 B rounding would make 512, 512, 1024)
+    from memplan.replay import affine
+    from memplan.replay.need import traced_events
+    from memplan.setup import Setup
+    s = Setup(technique="full", precision="fp32", seq_len=128, attn_impl="eager", batch_size=2)
+    runs = {b: traced_events("openai-community/gpt2", affine.at(s, b), 3) for b in (2, 3, 5)}
+    line = affine.line_through(runs[2], runs[3])
+    assert line is not None and affine.holds(line, 5, runs[5])
+    assert any(0 < n < 512 for _, n, _ in runs[2])

@@ -1,0 +1,63 @@
+"""memplan.replay.affine: a shape's events at any micro-batch from the line through two traces."""
+from memplan.replay import affine
+from memplan.setup import Setup
+
+
+def _run(b: int) -> list[tuple]:
+    # a weight (constant), an activation growing 100 bytes per sample, a workspace growing 8, freed in either order
+    return [("w", 4096, "setup"), (7, 100 * b + 12, "forward"), ((7, 2), 8 * b, "forward"),
+            *([(7, 0, "backward"), ((7, 2), 0, "backward")] if b % 2 else [((7, 2), 0, "backward"), (7, 0, "backward")]),
+            ("never born", 0, "backward"), (9, 64, "optimizer")]
+
+
+def test_the_line_gives_every_micro_batch():
+    line = affine.line_through(_run(2), _run(3))
+    assert line is not None and line.base[:3] == (4096, 212, 16) and line.slope[:3] == (0, 100, 8)
+    assert all(affine.holds(line, b, _run(b)) for b in (2, 3, 4, 17, 512))
+    made = line.events(40)
+    assert [n for _, n, _ in made] == [4096, 4012, 320, 0, 0, 0, 64]
+    # a free of a storage never born is -1 whatever its serial was (the replay skips it); the run of frees in id order
+    assert [i for i, n, _ in made if not n] == [-1, 1, 2]
+
+
+def test_a_free_run_is_compared_in_id_order_not_python_s():
+    # the frees of one moment come in no fixed order (_run's odd and even micro-batches differ); a free between
+    # births keeps its place
+    line = affine.line_through(_run(2), _run(3))
+    moved = _run(5)
+    moved[3], moved[4] = moved[4], moved[3]
+    assert affine.holds(line, 5, moved)
+    births_between = _run(5)[:3] + [(7, 0, "forward"), (8, 32, "forward"), ((7, 2), 0, "forward")] + _run(5)[5:]
+    assert not affine.holds(line, 5, births_between)
+
+
+def test_runs_that_differ_have_no_line():
+    grown = _run(3) + [(11, 40, "backward")]  # an event more per sample (TRL's DPO)
+    assert affine.line_through(_run(2), grown) is None
+    other_phase = [(s, n, "backward" if p == "forward" else p) for s, n, p in _run(3)]
+    assert affine.line_through(_run(2), other_phase) is None
+    line = affine.line_through(_run(2), _run(3))
+    off = _run(6)
+    off[1] = (7, 613, "forward")
+    assert not affine.holds(line, 6, off)
+
+
+def test_a_shrinking_size_stops_the_line_where_it_would_not_be_positive():
+    line = affine.line_through([(1, 300, "forward")], [(1, 200, "forward")])
+    assert line.events(4) == [(0, 100, "forward")] and line.events(5) is None
+
+
+def test_the_line_survives_the_cache_and_a_foreign_entry_does_not():
+    line = affine.line_through(_run(2), _run(3))
+    assert affine.from_json(affine.to_json(line)) == line
+    assert affine.from_json(affine.to_json(None)) is None  # a shape recorded as having no line
+    for junk in (None, {}, {"affine": True, "ids": "!!"}, [1, 2], {"affine": True, "phase_names": []}):
+        assert affine.from_json(junk) is False
+
+
+def test_which_setups_take_a_line_and_what_their_shape_is():
+    assert affine.applies(Setup(batch_size=2)) and not affine.applies(Setup(batch_size=1))
+    assert not affine.applies(Setup(batch_size=4, trainer="dpo", technique="lora"))
+    assert not affine.applies(Setup(batch_size=4, mode="infer"))
+    a, b = Setup(batch_size=4, grad_accum=8), Setup(batch_size=9, grad_accum=2)
+    assert affine.shape_of(a) == affine.shape_of(b) != affine.shape_of(Setup(batch_size=4, grad_accum=1))
