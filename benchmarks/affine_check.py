@@ -1,7 +1,7 @@
-"""Is a setup's allocation run affine in its micro-batch? The claim memplan.replay.affine rests on, checked on the
-planner check's setups and a spread of the tracer matrix's: events traced at micro-batches 2 and 3 give a line;
-the events traced at CHECKS are compared with it event by event, and the allocator replay's need from the line with
-the need from the trace.
+"""Is a setup's allocation run affine (or quadratic) in its micro-batch? The claim memplan.replay.affine rests on,
+checked on the planner check's setups and a spread of the tracer matrix's: events traced at micro-batches 2 and 3
+give a line, with 4 a curve; the events traced at CHECKS are compared with them event by event, and the allocator
+replay's need from the line (or curve) with the need from the trace.
 
     python benchmarks/affine_check.py run [REGEX]   # appends results/affine_check.csv (resumable; REGEX over labels)
     python benchmarks/affine_check.py report        # results/affine_check.md
@@ -60,26 +60,31 @@ def check(model: str, fields: dict) -> dict:
     setup = Setup(**{**fields, "batch_size": 2})
     spec = spec_for_task(load_spec(model), setup.task)
     t0 = time.perf_counter()
-    first, second = (traced_events(spec, affine.at(setup, b), 3) for b in affine.BASES)
-    line = affine.line_through(first, second)
-    off, needs_line, needs_traced, replay_s = [], [], [], 0.0
-    for b in CHECKS:
-        traced = traced_events(spec, affine.at(setup, b), 3)
+    bases = [traced_events(spec, affine.at(setup, b), 3) for b in affine.BASES]
+    fits = {"line": affine.line_through(*bases[:2]), "curve": affine.line_through(*bases)}
+    checks = {b: traced_events(spec, affine.at(setup, b), 3) for b in CHECKS}
+    trace_s = time.perf_counter() - t0
+
+    def off(line, b):
         made = line.events(b) if line else None
-        got = list(zip(*affine._numbered(traced)))
-        off.append(len(got) if made is None else
-                   abs(len(made) - len(got)) + sum(x != y for x, y in zip(made, got)))
-        needs_traced.append(need_and_replay(traced)[0])
+        got = list(zip(*affine._numbered(checks[b])))
+        return len(got) if made is None else abs(len(made) - len(got)) + sum(x != y for x, y in zip(made, got))
+    kind = next((k for k, line in fits.items() if line and not any(off(line, b) for b in CHECKS)), "none")
+    shown = fits.get(kind) or fits["line"]
+    needs_line, replay_s = [], 0.0
+    for b in CHECKS:
+        made = shown.events(b) if shown else None
         if made is not None:
             t1 = time.perf_counter()
             needs_line.append(need_and_replay(made)[0])
             replay_s = max(replay_s, time.perf_counter() - t1)
-    return {"model": model, "setup": json.dumps(fields, sort_keys=True), "events": len(first),
-            "affine": int(line is not None), "check_batches": " ".join(map(str, CHECKS)),
-            "events_off": " ".join(map(str, off)), "need_line_bytes": " ".join(map(str, needs_line)),
-            "need_traced_bytes": " ".join(map(str, needs_traced)),
-            "trace_s": f"{time.perf_counter() - t0 - replay_s * len(needs_line):.1f}",
-            "line_replay_s": f"{replay_s:.2f}", "transformers": transformers.__version__, "torch": torch.__version__}
+    return {"model": model, "setup": json.dumps(fields, sort_keys=True), "events": len(bases[0]), "affine": kind,
+            "check_batches": " ".join(map(str, CHECKS)),
+            "events_off": " ".join(str(off(shown, b)) for b in CHECKS),
+            "need_line_bytes": " ".join(map(str, needs_line)),
+            "need_traced_bytes": " ".join(str(need_and_replay(checks[b])[0]) for b in CHECKS),
+            "trace_s": f"{trace_s:.1f}", "line_replay_s": f"{replay_s:.2f}",
+            "transformers": transformers.__version__, "torch": torch.__version__}
 
 
 def run(only: str | None) -> None:
@@ -108,24 +113,26 @@ def report() -> int:
     from memplan.fileio import write_text_atomic
     rows = list(csv.DictReader(RESULTS.open()))
     lines = ["# Are a setup's allocation events affine in the micro-batch? (memplan.replay.affine)", "",
-             "Events traced at micro-batches 2 and 3 give a line; the events traced at " +
-             " and ".join(map(str, CHECKS)) + " are compared with it event by event (storage, size, phase; a run of "
-             "frees in id order), and the replay's need from the line with the need from the trace "
-             "(`python benchmarks/affine_check.py`, 3 steps as validate runs them, 2 CPU cores).", "",
-             "| setup | events | line | events off at " + "/".join(map(str, CHECKS)) +
+             "Events traced at micro-batches 2 and 3 give a line, with 4 a curve (a size quadratic in the micro-batch); "
+             "the events traced at " + " and ".join(map(str, CHECKS)) + " are compared with them event by event "
+             "(storage, size, phase; a run of frees in id order), and the replay's need from the line or curve that "
+             "holds with the need from the trace (`python benchmarks/affine_check.py`, 3 steps as validate runs them, "
+             "2 CPU cores; traces: the seconds of all five).", "",
+             "| setup | events | holds | events off at " + "/".join(map(str, CHECKS)) +
              " | need, line = traced | traces (s) | replay from the line (s) |", "|---|---:|---|---|---|---:|---:|"]
-    affine = equal = 0
+    kinds: dict[str, int] = {}
+    equal = 0
     for r in rows:
         same = r["need_line_bytes"] != "" and r["need_line_bytes"] == r["need_traced_bytes"]
-        affine += r["affine"] == "1"
-        equal += same
-        lines.append(f"| {r['label']} `{r['setup']}` | {r['events']} | "
-                     f"{'yes' if r['affine'] == '1' else r['affine'] or 'no'} | {r['events_off']} | "
+        kinds[r["affine"]] = kinds.get(r["affine"], 0) + 1
+        equal += same and r["affine"] in ("line", "curve")
+        lines.append(f"| {r['label']} `{r['setup']}` | {r['events']} | {r['affine']} | {r['events_off']} | "
                      f"{'yes' if same else 'no'} | {r['trace_s']} | {r['line_replay_s']} |")
-    times = [float(r["line_replay_s"]) for r in rows if r["affine"] == "1"]
-    lines += ["", f"{len(rows)} setups: {affine} affine, {equal} with the line's need equal to the traced need at "
-              f"every check" + (f"; the replay from a cached line took {statistics.median(times):.2f} s median, "
-                                f"{max(times):.2f} s at most" if times else "") + ".",
+    times = [float(r["line_replay_s"]) for r in rows if r["affine"] in ("line", "curve")]
+    lines += ["", f"{len(rows)} setups: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) +
+              f"; the replay's need from the line or curve equal to the traced need at every check on {equal}" +
+              (f"; the replay from a cached line took {statistics.median(times):.2f} s median, "
+               f"{max(times):.2f} s at most" if times else "") + ".",
               f"Versions: transformers {rows[0]['transformers']}, torch {rows[0]['torch']}." if rows else ""]
     write_text_atomic(REPORT, "\n".join(lines) + "\n")
     print("\n".join(lines[-2:]))

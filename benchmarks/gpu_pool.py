@@ -149,11 +149,11 @@ def planner_tasks(pool: Pool) -> list:
         cap = find_gpu(card).memory_bytes - context
 
         def measure(job, notes, cap=cap, card=card):
-            if job.key("cuda") in done_keys(planner_check.OUT):
-                return next(r["status"] for r in csv.DictReader(open(planner_check.OUT))
+            if job.key("cuda") in done_keys(planner_check.out_file()):
+                return next(r["status"] for r in csv.DictReader(open(planner_check.out_file()))
                             if r["key"] == job.key("cuda"))
             return pool.measure(job, cap / pool.device, f"emulating {card} (cap = card - CUDA context measured "
-                                f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", planner_check.OUT)
+                                f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", planner_check.out_file())
 
         def both(model=model, card=card, pinned=pinned, measure=measure, b=replays.get((model, card))):
             planner_check.check_pair(model, card, pinned, measure)

@@ -72,7 +72,7 @@ for step in "$@"; do
 done
 python3 - <<'PY'
 import csv, glob
-for f in sorted(glob.glob("data/measured/gpu-*.csv") + glob.glob("data/measured/planner-check.csv")):
+for f in sorted(glob.glob("data/measured/gpu-*.csv") + glob.glob("data/measured/planner-check*.csv")):
     rows = list(csv.DictReader(open(f)))
     print(f, len(rows), "rows;", {s: sum(r["status"] == s for r in rows) for s in ("ok", "oom", "error")})
     for r in rows:

@@ -3,6 +3,9 @@
 #   .whl        bitsandbytes 0.50.2 and pydantic with its own needs (the device image has neither; peft, accelerate,
 #               transformers 5.17 are there), plus the .whl-2026 wheels, so that one folder travels
 #   .whl-t523   transformers 5.23.0 (T5's per-layer sdpa position-bias masks: benchmarks/sweeps/t5-transformers523.yaml)
+#   .whl-t524   transformers 5.24.0, the release memplan's venv and CI run (issue 43 item 8: the planner pairs and 30
+#               earlier rows again, benchmarks/sweeps/t524-recheck.yaml; 5.23 imported on the image with its own
+#               huggingface-hub, tokenizers and safetensors, and 5.24 asks the same versions of them)
 #   .whl-t448   transformers 4.48.1, peft 0.13.2 and their pins (older code paths: benchmarks/sweeps/t448-*.yaml)
 #   .whl-trl    trl 1.16.0 and pydantic's set, without bitsandbytes: issue 38's TRL sweep (benchmarks/sweeps/
 #               gpu-2026-trl.yaml) carried alone, [".whl-trl"]; gpu_session.sh stubs the `datasets` import trl's
@@ -30,6 +33,9 @@
 #     'pool:--planner --workers 12 benchmarks/sweeps/gpu-2026-trl.yaml benchmarks/sweeps/gpu-2026-techniques.yaml
 #      benchmarks/sweeps/gpu-2026-torchao.yaml' \
 #     'wheels:.whl-t523:benchmarks/sweeps/gpu-2026-fp8-lora.yaml'
+# Then (issue 43 item 8, last in priority), a second call, carry [".whl", ".whl-t524"], timeout_s 400: the planner
+# pairs planned under 5.24 (their rows into data/measured/planner-check-t5.24.0.csv) and 30 earlier rows again:
+#   bash benchmarks/gpu_session.sh 330 'wheels:.whl-t524:--planner benchmarks/sweeps/t524-recheck.yaml'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qsx '/.whl*/' .git/info/exclude || { mkdir -p .git/info; echo '/.whl*/' >> .git/info/exclude; }
@@ -42,6 +48,7 @@ get() {  # DIR SPEC...: Python 3.12 manylinux wheels for the device image, none 
 get .whl bitsandbytes==0.50.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0
 get .whl-t523 transformers==5.23.0
+get .whl-t524 transformers==5.24.0
 get .whl-t448 transformers==4.48.1 peft==0.13.2 tokenizers==0.21.4 huggingface_hub==0.36.2
 get .whl-2026 liger-kernel==0.8.2 torchao==0.18.0 schedulefree==1.4.1 galore-torch==1.0 apollo-torch==1.0.3
 get .whl-trl trl==1.16.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
@@ -51,4 +58,4 @@ get .whl-trl/pandas pandas==2.3.3 python-dateutil==2.9.0.post0 pytz==2025.2 tzda
 # bitsandbytes' native libraries for CUDA 13 only (the device image's torch is cu130): 43 MB -> 3 MB
 python3 benchmarks/slim_wheel.py .whl/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl 13
 cp .whl-2026/*.whl .whl-trl/trl-*.whl .whl/  # 15 MiB: one call carries [".whl"] for every 2026 sweep, TRL's too
-du -sh .whl .whl-t523 .whl-t448 .whl-2026 .whl-trl
+du -sh .whl .whl-t523 .whl-t524 .whl-t448 .whl-2026 .whl-trl

@@ -11,7 +11,9 @@ micro-batch is the largest the planner believes fits with its headroom). On a re
                                       bound - 1 (memory is monotone in batch), and the planner reached >= 90% of it
                                       when b / (bound - 1) >= 0.9 - true from b = 9 on; below, b + 1 must OOM
 
-Rows go to data/measured/planner-check.csv (validator format, resumable; `memplan check` gates them too).
+Rows go to data/measured/planner-check.csv (validator format, resumable; `memplan check` gates them too); a run
+under another transformers release than the device image's to planner-check-tX.Y.Z.csv, reported in
+results/planner_check-tX.Y.Z.md by `report` run under that release.
 
 Two planners are checked: the closed-form search (`memplan plan`) and `memplan plan --replay`, whose micro-batch
 comes from replaying the caching allocator over traced steps (memplan/planner/refine.py). The replay plans are made here,
@@ -36,6 +38,26 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "data" / "measured" / "planner-check.csv"
 REPORT = ROOT / "benchmarks" / "results" / "planner_check.md"
 PLANS = ROOT / "benchmarks" / "results" / "planner_replay_plans.csv"
+#: the transformers release of the device image: its rows and report are OUT and REPORT; a run under another release
+#: (a carried wheel: gpu_session.sh `wheels:DIR:--planner ...`) has its own (out_file, report_file), since the
+#: planned batches move with the release (issue 43 item 8: t5-base on an RTX 4080 plans 7 under 5.17, 12 under 5.24)
+IMAGE_RELEASE = "5.17.0"
+
+
+def _release() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def out_file(release: str | None = None) -> Path:
+    """The rows of the planner check under `release` (default: the installed transformers)."""
+    release = release or _release()
+    return OUT if release == IMAGE_RELEASE else OUT.with_name(f"planner-check-t{release}.csv")
+
+
+def report_file(release: str | None = None) -> Path:
+    release = release or _release()
+    return REPORT if release == IMAGE_RELEASE else REPORT.with_name(f"planner_check-t{release}.md")
 EFFECTIVE = 512  # cap on the planned micro-batch; no pair below comes near it
 
 # (model, card, pinned Setup fields). Cards with bf16 (the H100 runs bf16 whatever card is emulated).
@@ -68,6 +90,10 @@ PAIRS: list[tuple[str, str, dict]] = [
                                            seq_len=256, max_completion_length=512, num_generations=8)),
 ]
 BASE = dict(attn_impl="sdpa", grad_accum=1, grad_ckpt=False)
+#: each pair's card -> the card `planner_check.py plans` also plans it on with the default command, from the cache
+#: the pair's --replay left (the replay's reach beyond the card it was made for)
+OTHER_CARD = {"RTX 3060": "RTX 4060 Ti 16GB", "RTX 4080": "RTX 4090", "RTX 4090": "A100 40GB", "RTX 3070": "RTX 3060",
+              "A10": "L4", "A100 40GB": "A100 80GB", "RTX 4060 Ti 16GB": "RTX 4090", "L4": "A10"}
 
 
 def planned(model: str, card: str, pinned: dict):
@@ -148,19 +174,21 @@ def replay_plans(only: str | None = None) -> None:
     from memplan.planner.search import plan
     os.environ["MEMPLAN_CACHE"] = tempfile.mkdtemp(prefix="memplan-planner-check-")
     header = ["model", "card", "estimate_batch", "replay_batch", "replayed", "cold_default_batch", "cold_default_s",
-              "replay_s", "default_batch", "default_s", "transformers", "peft", "torch"]
-    stored = {(r["model"], r["card"]): r for r in csv.DictReader(open(PLANS))} if PLANS.exists() else {}
+              "replay_s", "default_batch", "default_s", "other_card", "other_batch", "other_s", "other_from",
+              "transformers", "peft", "torch"]
+    stored = stored_plans()
+    release = transformers.__version__
 
     def save() -> None:
         buf = io.StringIO()
         w = csv.DictWriter(buf, header, lineterminator="\n")
         w.writeheader()
-        w.writerows(stored[m, c] for m, c, _ in PAIRS if (m, c) in stored)
+        w.writerows(stored[key] for key in sorted(stored, key=lambda k: (k[2], _order(k[0], k[1]))))
         write_text_atomic(PLANS, buf.getvalue())
 
-    def timed(**kw):
+    def timed(on=None, **kw):
         t = time.perf_counter()
-        p = plan(model, card, effective_batch=EFFECTIVE, **kw, **{**BASE, **pinned})
+        p = plan(model, on or card, effective_batch=EFFECTIVE, **kw, **{**BASE, **pinned})
         return p, time.perf_counter() - t
     for model, card, pinned in PAIRS:
         if only and not re.search(only, f"{model} {card}"):
@@ -168,28 +196,40 @@ def replay_plans(only: str | None = None) -> None:
         cold, cold_s = timed(replay=None)
         p, replay_s = timed(replay=True)
         warm, warm_s = timed(replay=None)
+        # the same pinned setup on another card, after --replay on this one: the cached line answers there too
+        # (memplan.replay.affine) where the search picks the same shape and the run is affine in the micro-batch
+        other, other_s = timed(on=OTHER_CARD[card], replay=None)
+        other_from = "replay" if "replayed" in (other.replay or {}) else \
+            "closed form: " + (other.replay or {}).get("closed_form", "")[:60]
         r = p.replay
         tried = " ".join(f"{b}:{'ok' if x['fits'] else 'oom'}" for b, x in r["replayed"].items())
-        stored[model, card] = dict(zip(header, [
+        stored[model, card, release] = dict(zip(header, [
             model, card, r["estimate_batch_size"], p.setup.batch_size, tried, cold.setup.batch_size, f"{cold_s:.2f}",
-            f"{replay_s:.1f}", warm.setup.batch_size, f"{warm_s:.2f}", transformers.__version__, peft.__version__,
-            torch.__version__]))
+            f"{replay_s:.1f}", warm.setup.batch_size, f"{warm_s:.2f}", OTHER_CARD[card], other.setup.batch_size,
+            f"{other_s:.2f}", other_from, transformers.__version__, peft.__version__, torch.__version__]))
         save()
         print(model, card, r["estimate_batch_size"], "->", p.setup.batch_size, tried,
               f"default {cold.setup.batch_size} ({cold_s:.1f} s) -> {warm.setup.batch_size} ({warm_s:.2f} s), "
               f"--replay {replay_s:.0f} s", flush=True)
 
 
+def _order(model: str, card: str) -> int:
+    return next((i for i, (m, c, _) in enumerate(PAIRS) if (m, c) == (model, card)), len(PAIRS))
+
+
+def stored_plans() -> dict[tuple[str, str, str], dict]:
+    """(model, card, transformers release) -> the row of PLANS (`plans` made it under that release)."""
+    import csv
+    if not PLANS.exists():
+        return {}
+    return {(r["model"], r["card"], r["transformers"]): r for r in csv.DictReader(open(PLANS))}
+
+
 def stored_replay_batches() -> dict[tuple[str, str], int]:
     """(model, card) -> `plan --replay`'s micro-batch, from PLANS where it was made under the transformers installed
     here (the batch depends on the release's code paths)."""
-    import csv
-
-    import transformers
-    if not PLANS.exists():
-        return {}
-    return {(r["model"], r["card"]): int(r["replay_batch"]) for r in csv.DictReader(open(PLANS))
-            if r["transformers"] == transformers.__version__}
+    release = _release()
+    return {(m, c): int(r["replay_batch"]) for (m, c, v), r in stored_plans().items() if v == release}
 
 
 def run() -> None:
@@ -199,9 +239,11 @@ def run() -> None:
     from memplan.measure.runner import require_cuda
     require_cuda()
 
+    out = out_file()
+
     def measure(job, notes):
-        run_sweep([job], OUT, notes=notes)
-        return next(r["status"] for r in read_rows(OUT) if r["key"] == job.key("cuda"))
+        run_sweep([job], out, notes=notes)
+        return next(r["status"] for r in read_rows(out) if r["key"] == job.key("cuda"))
     replays = stored_replay_batches()
     for model, card, pinned in PAIRS:
         check_pair(model, card, pinned, measure)
@@ -247,15 +289,14 @@ def same_setup(row: dict, setup) -> bool:
 def report() -> int:
     """Markdown tables (the closed-form planner, `plan --replay`, the default command) from the measured rows of
     today's planned setups; 1 when a planned batch OOMed or a planner fell below 90%."""
-    import csv
-
     from memplan.fileio import write_text_atomic
     from memplan.measure.rows import read_rows
-    rows = read_rows(OUT) if OUT.exists() else []
-    stored = {(r["model"], r["card"]): r for r in csv.DictReader(open(PLANS))} if PLANS.exists() else {}
-    lines = ["# Planner check (issue 6)", "",
+    out, release = out_file(), _release()
+    rows = read_rows(out) if out.exists() else []
+    stored = {(m, c): r for (m, c, v), r in stored_plans().items() if v == release}
+    lines = [f"# Planner check (issue 6), transformers {release}", "",
              "Planned micro-batch vs the largest that fits, on a GPU capped to each card's memory less the CUDA "
-             "context (`python benchmarks/planner_check.py`; rows in data/measured/planner-check.csv). A verdict "
+             f"context (`python benchmarks/planner_check.py`; rows in data/measured/{out.name}). A verdict "
              "reads every batch measured for the pair with today's planned setup (rank, targets, optimizer, "
              "checkpointing: rows of another setup do not count). Planned batches from "
              "results/planner_replay_plans.csv, made on the CPU under the GPU's transformers release "
@@ -293,18 +334,24 @@ def report() -> int:
         lines += ["## What the default costs", "",
                   "Seconds of `plan()` in one process on 2 CPU cores (the CLI adds ~0.35 s of start-up): the "
                   "default on an empty cache (the closed form: today's batch, the seconds of the stored run), "
-                  "`--replay` tracing, then the default again.", "",
-                  "| model | card | default, cold: b (s) | --replay: b (s) | default, cached: b (s) |",
-                  "|---|---|---|---|---|"]
+                  "`--replay` tracing, then the default again, on the pair's card and on another (the same pinned "
+                  "setup, from what --replay cached: a line of the setup's events at every micro-batch, "
+                  "memplan.replay.affine; DPO, GRPO and Liger are replayed per micro-batch).", "",
+                  "| model | card | default, cold: b (s) | --replay: b (s) | default, cached: b (s) | "
+                  "another card: b (s), from |",
+                  "|---|---|---|---|---|---|"]
         for model, card, pinned in PAIRS:
             r = stored.get((model, card))
             if r and r.get("default_s"):
                 cold = planned(model, card, pinned).batch_size  # today's closed form; the seconds are the stored run's
+                other = f"{r['other_card']}: {r['other_batch']} ({r['other_s']}), {r['other_from']}" \
+                    if r.get("other_card") else ""
                 lines.append(f"| {model} | {card} | {cold} ({r['cold_default_s']}) | "
-                             f"{r['replay_batch']} ({r['replay_s']}) | {r['default_batch']} ({r['default_s']}) |")
+                             f"{r['replay_batch']} ({r['replay_s']}) | {r['default_batch']} ({r['default_s']}) | "
+                             f"{other} |")
         lines.append("")
     REPORT.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(REPORT, "\n".join(lines))
+    write_text_atomic(report_file(), "\n".join(lines))
     print("\n".join(lines))
     return 1 if any(failed.values()) else 0
 

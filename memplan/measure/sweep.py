@@ -9,6 +9,7 @@ A sweep file (YAML):
       batch_size: [1, 4]
     include:                                  # extra runs (each merged over base), outside the product
       - {technique: qlora, double_quant: true, grad_ckpt: true}
+      - {model: Qwen/Qwen2.5-0.5B, technique: lora}   # a run of that model only (models may then be empty)
     exclude:                                  # drop runs matching every field given
       - {technique: full, batch_size: 4}
     emulate: [null, "RTX 3060"]               # optional: also run capped to these cards' memory
@@ -70,7 +71,8 @@ class SweepFile(BaseModel):
 def _unknown_fields(doc: SweepFile) -> list[str]:
     where = [("base", doc.base), ("matrix", doc.matrix), *((f"include[{i}]", d) for i, d in enumerate(doc.include)),
              *((f"exclude[{i}]", d) for i, d in enumerate(doc.exclude))]
-    return [f"{place}.{k}" for place, d in where for k in d if k not in SETUP_FIELDS]
+    return [f"{place}.{k}" for place, d in where for k in d
+            if k not in SETUP_FIELDS and not (k == "model" and place.startswith("include"))]
 
 
 def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
@@ -95,26 +97,30 @@ def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
     if unknown:
         raise BadInput(f"sweep file {path}: unknown Setup field(s) {unknown}; fields: {', '.join(SETUP_FIELDS)}")
     models = doc.models or ([doc.model] if doc.model else [])
-    if not models:
+    if not models and not any("model" in d for d in doc.include):
         raise BadInput(f"sweep file {path} names no model: add `models: [gpt2, ...]`")
     base, matrix, include, exclude, emulate, steps = doc.base, doc.matrix, doc.include, doc.exclude, doc.emulate, doc.steps
-    runs = (math.prod(len(v) for v in matrix.values()) if matrix else (0 if include else 1)) + len(include)
-    if runs * len(models) * len(emulate) > doc.max_runs:
-        raise BadInput(f"sweep file {path} expands to {runs * len(models) * len(emulate):,} runs, more than "
+    own = [d for d in include if "model" in d]
+    shared = [d for d in include if "model" not in d]
+    runs = (math.prod(len(v) for v in matrix.values()) if matrix else (0 if shared or own else 1)) + len(shared)
+    total = runs * len(models) + len(own)
+    if total * len(emulate) > doc.max_runs:
+        raise BadInput(f"sweep file {path} expands to {total * len(emulate):,} runs, more than "
                        f"max_runs ({doc.max_runs:,}): narrow the matrix, or raise max_runs in the file")
     combos = [dict(zip(matrix, values)) for values in itertools.product(*matrix.values())] if matrix else []
     if not matrix and not include:
         combos = [{}]
-    runs = [{**base, **c} for c in combos] + [{**base, **d} for d in include]
-    runs = [r for r in runs if not any(all(r.get(k) == v for k, v in ex.items()) for ex in exclude)]
+    runs = [({**base, **c}, models) for c in combos] + [({**base, **d}, models) for d in shared] + \
+        [({**base, **{k: v for k, v in d.items() if k != "model"}}, [d["model"]]) for d in own]
+    runs = [(r, m) for r, m in runs if not any(all(r.get(k) == v for k, v in ex.items()) for ex in exclude)]
     jobs, skipped, seen = [], [], set()
-    for fields in runs:
+    for fields, run_models in runs:
         try:
             setup = Setup(**fields)
         except SetupError as e:
             skipped.append(f"{fields}: {'; '.join(e.problems)}")
             continue
-        for model in models:
+        for model in run_models:
             for card in emulate:
                 job = Job(str(model), setup, card)
                 if job not in seen:

@@ -1,12 +1,14 @@
 """A training setup's allocation events as a function of its micro-batch, so that one setup shape (the Setup less its
 micro-batch) traced once answers the allocator replay at every micro-batch and on every card.
 
-Measured (session 36, transformers 5.24 on fake tensors): from micro-batch 2 on, a plain training run's events come in
-the same order for the same storages, and each event's size is affine in the micro-batch - Qwen2.5-0.5B LoRA
-checkpointed at 7 and 24 from traces at 2 and 3: 0 of 52,540 sizes off; gpt2 full at 6: 0 of 7,816. Micro-batch 1
-differs (kernels pick other paths for one sample), and TRL's DPO adds events per sample. So the events at 2 and 3
-are traced and a third micro-batch checks the line, event by event, before a shape is trusted; a shape that fails
-is recorded as such and its setups are traced one by one (memplan.replay.need).
+Measured (benchmarks/results/affine_check.md, transformers 5.24 on fake tensors): from micro-batch 2 on, a training
+run's events come in the same order for the same storages, and each event's size is affine in the micro-batch - or,
+where a tensor spans the whole packed batch twice (TRL's packing under sdpa: a [b x s, b x s] mask), quadratic.
+Micro-batch 1 differs (kernels pick other paths for one sample); TRL's DPO adds events per sample and Liger's fused
+cross-entropy steps its chunk count with the tokens (applies() leaves them out). So the events at 2 and 3 give a
+line, checked event by event at a third micro-batch before a shape is trusted; where the check fails, the events at
+4 give the curve through 2, 3 and 4, checked likewise; a shape that fails both is recorded as such and its setups
+are traced one by one (memplan.replay.need).
 
 Cached on disk (cache_dir()/shapes) under the replay's own content key with the micro-batch taken out and the
 accumulation as the trace runs it (min(grad_accum, 2): memplan.runtime.steps.run_steps).
@@ -19,17 +21,19 @@ import dataclasses
 import sys
 import zlib
 
-#: the two micro-batches a shape is traced at (1 is no point of the line: see the module docstring)
-BASES = (2, 3)
-#: the micro-batch that checks the line when the one asked for is a base
-CHECK = 4
+#: the micro-batches a shape is traced at: the line through the first two, the curve through all three (1 is no
+#: point of either: see the module docstring)
+BASES = (2, 3, 4)
 
 
 def applies(setup) -> bool:
     """Whether setup's events can come from its shape's line: training at micro-batch 2 or more, outside TRL's DPO
-    (its events grow by about a hundred per sample: Qwen2.5-0.5B LoRA, session 36) and GRPO (whose micro-batch
-    holds whole generation groups, so 2 and 3 are no valid setups of it)."""
-    return setup.mode == "train" and setup.batch_size >= 2 and setup.trainer not in ("dpo", "grpo")
+    (its events grow by about a hundred per sample: Qwen2.5-0.5B LoRA, session 36), GRPO (whose micro-batch holds
+    whole generation groups, so 2 and 3 are no valid setups of it) and Liger's fused linear cross-entropy (its chunk
+    count steps with the tokens: Mistral-7B LoRA s256 has 24 events fewer at 3 than at 2,
+    benchmarks/results/affine_check.md)."""
+    return (setup.mode == "train" and setup.batch_size >= 2 and setup.trainer not in ("dpo", "grpo")
+            and not setup.use_liger_kernel)
 
 
 def shape_of(setup) -> dict:
@@ -44,17 +48,19 @@ def at(setup, batch_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class Line:
-    """A shape's events: storage ids numbered by first event, phases, and each size at micro-batch BASES[0] and its
-    growth per sample (0 for frees)."""
+    """A shape's events: storage ids numbered by first event, phases, and each size at micro-batch BASES[0] with its
+    first and second differences per sample (Newton's forward differences; 0 for frees, curve 0 on a line)."""
     ids: tuple[int, ...]
     phases: tuple[str, ...]
     base: tuple[int, ...]
     slope: tuple[int, ...]
+    curve: tuple[int, ...]
 
     def events(self, batch_size: int) -> list[tuple] | None:
         """The events at batch_size (StorageTracker.events' 3-tuples), or None where a size would not be positive."""
         k = batch_size - BASES[0]
-        sizes = [b + k * s for b, s in zip(self.base, self.slope)]
+        bend = k * (k - 1) // 2
+        sizes = [b + k * s + bend * c for b, s, c in zip(self.base, self.slope, self.curve)]
         if any(n <= 0 and b > 0 for n, b in zip(sizes, self.base)):
             return None
         return list(zip(self.ids, sizes, self.phases))
@@ -80,17 +86,39 @@ def _numbered(events) -> tuple[list[int], list[int], list[str]]:
     return [e[0] for e in out], [e[1] for e in out], [e[2] for e in out]
 
 
-def line_through(first, second) -> Line | None:
-    """The line through the events traced at BASES, or None where they are not the same run (storages, order,
-    phases or which events free)."""
-    ids, sizes2, phases = _numbered(first)
-    ids3, sizes3, phases3 = _numbered(second)
-    if ids != ids3 or phases != phases3 or any((a == 0) != (b == 0) for a, b in zip(sizes2, sizes3)):
+def line_through(*runs) -> Line | None:
+    """The line through the events traced at BASES[0] and BASES[1] (two runs), or the curve through all three
+    (three runs); None where they are not the same run (storages, order, phases or which events free)."""
+    numbered = [_numbered(run) for run in runs]
+    ids, phases = numbered[0][0], numbered[0][2]
+    if any(n[0] != ids or n[2] != phases for n in numbered[1:]):
         return None
-    per = BASES[1] - BASES[0]
-    if any((b - a) % per for a, b in zip(sizes2, sizes3)):
+    sizes = [n[1] for n in numbered]
+    if any((a == 0) != (b == 0) for other in sizes[1:] for a, b in zip(sizes[0], other)):
         return None
-    return Line(tuple(ids), tuple(phases), tuple(sizes2), tuple((b - a) // per for a, b in zip(sizes2, sizes3)))
+    slope = tuple(b - a for a, b in zip(sizes[0], sizes[1]))
+    curve = tuple(c - 2 * b + a for a, b, c in zip(*sizes)) if len(sizes) == 3 else (0,) * len(ids)
+    return Line(tuple(ids), tuple(phases), tuple(sizes[0]), slope, curve)
+
+
+def fit(trace, batch_size: int) -> Line | None:
+    """The shape's line or curve (module docstring), checked at batch_size (at the next micro-batch past the bases
+    it was made from where batch_size is one of them); None where neither holds. trace(b) -> the events at micro-batch
+    b (each traced once here)."""
+    runs: dict[int, list] = {}
+
+    def at_(b: int) -> list:
+        if b not in runs:
+            runs[b] = trace(b)
+        return runs[b]
+    for used in (BASES[:2], BASES):
+        line = line_through(*(at_(b) for b in used))
+        if line is None:
+            return None  # not the same run: no curve either
+        check = batch_size if batch_size not in used else max(used) + 1
+        if holds(line, check, at_(check)):
+            return line
+    return None
 
 
 def holds(line: Line, batch_size: int, traced) -> bool:
@@ -121,7 +149,7 @@ def to_json(line: Line | None) -> dict:
         return {"affine": False}
     names = sorted(set(line.phases))
     return {"affine": True, "phase_names": names, "ids": _pack(line.ids), "base": _pack(line.base),
-            "slope": _pack(line.slope), "phases": _pack(names.index(p) for p in line.phases)}
+            "slope": _pack(line.slope), "curve": _pack(line.curve), "phases": _pack(names.index(p) for p in line.phases)}
 
 
 def from_json(data) -> Line | None | bool:
@@ -131,9 +159,9 @@ def from_json(data) -> Line | None | bool:
             return None
         names = data["phase_names"]
         line = Line(_unpack(data["ids"]), tuple(names[i] for i in _unpack(data["phases"])), _unpack(data["base"]),
-                    _unpack(data["slope"]))
+                    _unpack(data["slope"]), _unpack(data["curve"]))
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, zlib.error):
         return False
-    if not len(line.ids) == len(line.phases) == len(line.base) == len(line.slope):
+    if not len(line.ids) == len(line.phases) == len(line.base) == len(line.slope) == len(line.curve):
         return False
     return line

@@ -65,8 +65,9 @@ def _key(spec, name: str, setup: dict, steps: int) -> str:
 
 
 def run_events(spec, setup: Setup, steps: int, cached_only: bool = False):
-    """The events of `steps` steps of setup: from its shape's line where it has one (cached, or traced at
-    affine.BASES and checked at a third micro-batch, then cached), else traced (traced_events).
+    """The events of `steps` steps of setup: from its shape's line where it has one (cached, or fitted to traces at
+    two or three micro-batches and checked at another, then cached: memplan.replay.affine.fit), else traced
+    (traced_events).
     cached_only: raise NotCached rather than trace."""
     if not affine.applies(setup):
         if cached_only:
@@ -78,12 +79,11 @@ def run_events(spec, setup: Setup, steps: int, cached_only: bool = False):
     if line is False:  # not cached
         if cached_only:
             raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
-        check = setup.batch_size if setup.batch_size not in affine.BASES else affine.CHECK
-        for b in (*affine.BASES, check):
+
+        def trace(b: int) -> list:
             traced[b] = traced_events(spec, affine.at(setup, b), steps)
-        line = affine.line_through(traced[affine.BASES[0]], traced[affine.BASES[1]])
-        if line is not None and not affine.holds(line, check, traced[check]):
-            line = None
+            return traced[b]
+        line = affine.fit(trace, setup.batch_size)
         write_cached("shapes", key, affine.to_json(line))
     made = line.events(setup.batch_size) if line is not None else None
     if made is not None:

@@ -13,6 +13,7 @@ def _run(b: int) -> list[tuple]:
 def test_the_line_gives_every_micro_batch():
     line = affine.line_through(_run(2), _run(3))
     assert line is not None and line.base[:3] == (4096, 212, 16) and line.slope[:3] == (0, 100, 8)
+    assert set(line.curve) == {0}
     assert all(affine.holds(line, b, _run(b)) for b in (2, 3, 4, 17, 512))
     made = line.events(40)
     assert [n for _, n, _ in made] == [4096, 4012, 320, 0, 0, 0, 64]
@@ -42,6 +43,36 @@ def test_runs_that_differ_have_no_line():
     assert not affine.holds(line, 6, off)
 
 
+def _packed(b: int) -> list[tuple]:
+    # TRL's packing under sdpa: a [b x 256, b x 256] bool mask beside the [b x 256] tokens
+    return [(1, 2048 * b, "forward"), (2, (256 * b) ** 2, "forward"), (2, 0, "forward"), (1, 0, "backward")]
+
+
+def test_a_mask_over_the_packed_batch_takes_the_curve_through_three_micro_batches():
+    assert not affine.holds(affine.line_through(_packed(2), _packed(3)), 5, _packed(5))
+    curve = affine.line_through(_packed(2), _packed(3), _packed(4))
+    assert curve.curve == (0, 2 * 65536, 0, 0) and all(affine.holds(curve, b, _packed(b)) for b in (5, 9, 64))
+    traced: list = []
+
+    def trace(b):
+        traced.append(b)
+        return _packed(b)
+    assert affine.fit(trace, 7) == curve and traced == [2, 3, 7, 4]  # the line fails its check at 7, the curve holds
+    traced.clear()
+    assert affine.fit(trace, 4) == curve and traced == [2, 3, 4, 5]  # 4 is a base: the curve's check is 5
+    traced.clear()
+    line = affine.line_through(_run(2), _run(3))
+    assert affine.fit(lambda b: traced.append(b) or _run(b), 3) == line and traced == [2, 3, 4]
+
+
+def test_fit_gives_up_where_the_runs_differ_or_neither_holds():
+    traced: list = []
+    grows = lambda b: traced.append(b) or [(i, 512, "forward") for i in range(b)]  # noqa: E731
+    assert affine.fit(grows, 9) is None and traced == [2, 3]  # no line: no curve either, nothing more traced
+    cubic = lambda b: [(1, b ** 3, "forward")]  # noqa: E731
+    assert affine.fit(cubic, 9) is None
+
+
 def test_a_shrinking_size_stops_the_line_where_it_would_not_be_positive():
     line = affine.line_through([(1, 300, "forward")], [(1, 200, "forward")])
     assert line.events(4) == [(0, 100, "forward")] and line.events(5) is None
@@ -50,6 +81,8 @@ def test_a_shrinking_size_stops_the_line_where_it_would_not_be_positive():
 def test_the_line_survives_the_cache_and_a_foreign_entry_does_not():
     line = affine.line_through(_run(2), _run(3))
     assert affine.from_json(affine.to_json(line)) == line
+    curve = affine.line_through(_packed(2), _packed(3), _packed(4))
+    assert affine.from_json(affine.to_json(curve)) == curve
     assert affine.from_json(affine.to_json(None)) is None  # a shape recorded as having no line
     for junk in (None, {}, {"affine": True, "ids": "!!"}, [1, 2], {"affine": True, "phase_names": []}):
         assert affine.from_json(junk) is False
@@ -59,5 +92,6 @@ def test_which_setups_take_a_line_and_what_their_shape_is():
     assert affine.applies(Setup(batch_size=2)) and not affine.applies(Setup(batch_size=1))
     assert not affine.applies(Setup(batch_size=4, trainer="dpo", technique="lora"))
     assert not affine.applies(Setup(batch_size=4, mode="infer"))
+    assert not affine.applies(Setup(batch_size=4, use_liger_kernel=True))
     a, b = Setup(batch_size=4, grad_accum=8), Setup(batch_size=9, grad_accum=2)
     assert affine.shape_of(a) == affine.shape_of(b) != affine.shape_of(Setup(batch_size=4, grad_accum=1))

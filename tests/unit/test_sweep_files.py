@@ -38,3 +38,19 @@ def test_a_sweep_expanding_past_max_runs_is_refused_unless_the_file_raises_it(tm
     path.write_text(f"models: [gpt2]\nmax_runs: 200\nmatrix: {{batch_size: {values[:10]}, grad_accum: {values[:10]}}}\n")
     jobs, skipped, steps = load_sweep(path)
     assert len(jobs) == 100 and steps == 3
+
+
+def test_an_include_may_name_its_own_model(tmp_path):
+    # a re-measurement of rows of several models (benchmarks/sweeps/t524-recheck.yaml) lists each row with its model
+    path = tmp_path / "s.yaml"
+    path.write_text("base: {batch_size: 2}\ninclude:\n  - {model: gpt2, technique: lora}\n"
+                    "  - {model: Qwen/Qwen2.5-0.5B, technique: full, seq_len: 128}\n")
+    jobs, _, _ = load_sweep(path)
+    assert [(j.model, j.setup.technique, j.setup.batch_size) for j in jobs] == [
+        ("gpt2", "lora", 2), ("Qwen/Qwen2.5-0.5B", "full", 2)]
+    path.write_text("models: [gpt2, t5-small]\ninclude:\n  - {technique: lora}\n  - {model: gpt2, technique: full}\n")
+    assert [(j.model, j.setup.technique) for j in load_sweep(path)[0]] == [
+        ("gpt2", "lora"), ("t5-small", "lora"), ("gpt2", "full")]
+    path.write_text("models: [gpt2]\nbase: {model: gpt2}\n")
+    with pytest.raises(BadInput, match=r"unknown Setup field\(s\) \['base.model'\]"):
+        load_sweep(path)
