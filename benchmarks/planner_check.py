@@ -336,7 +336,7 @@ def report() -> int:
                   "default on an empty cache (the closed form: today's batch, the seconds of the stored run), "
                   "`--replay` tracing, then the default again, on the pair's card and on another (the same pinned "
                   "setup, from what --replay cached: a line of the setup's events at every micro-batch, "
-                  "memplan.replay.affine; DPO, GRPO and Liger are replayed per micro-batch).", "",
+                  "memplan.replay.affine; DPO, GRPO, Liger and offloading are replayed per micro-batch).", "",
                   "| model | card | default, cold: b (s) | --replay: b (s) | default, cached: b (s) | "
                   "another card: b (s), from |",
                   "|---|---|---|---|---|---|"]

@@ -223,7 +223,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
             why = refined.replay.get("skipped")
         except NotCached:
             reach = ("at any micro-batch and on any card" if applies(result.setup) else
-                     "where they probe the same micro-batches (DPO, GRPO and Liger runs are traced per micro-batch)")
+                     "where they probe the same micro-batches (DPO, GRPO, Liger and offloaded runs are traced per "
+                     "micro-batch)")
             refined, why = None, ("the allocator replay of this setup is not cached yet; `--replay` traces it "
                                   f"once (seconds to a minute on the CPU), and later plans of it use it by default, "
                                   f"{reach}")
