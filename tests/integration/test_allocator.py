@@ -209,6 +209,27 @@ def test_refine_with_less_than_a_sample_of_room_probes_the_neighbour():
     assert got.setup.batch_size == b0 and calls == [b0, b0 + 1]
 
 
+def test_refine_steps_at_the_closed_form_rate_where_the_replayed_need_dips():
+    # the caching allocator's fragmentation can make b0 + 1 need less than b0: the line through them does not grow,
+    # and the next probe follows the closed form's rate (Qwen2.5-1.5B QLoRA on an RTX 4060 Ti 16GB: 5, 6, 7 where
+    # bisecting from the cap probed 259, 132, 69, ... 7)
+    from memplan.estimator.breakdown import estimate
+    from memplan.planner.refine import allocator_limit, refine
+    from memplan.planner.search import plan
+    p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
+             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
+    b0, limit = p.setup.batch_size, allocator_limit(p)
+    calls: list = []
+
+    def fn(spec, setup):
+        calls.append(setup.batch_size)
+        b = setup.batch_size
+        need = limit - 2**20 if b == b0 else limit - 2**21 if b == b0 + 1 else limit + (b - b0) * 2**30
+        return need, need
+    got = refine(p, p.model, lambda spec, s: estimate(spec, s), fn)
+    assert got.setup.batch_size == b0 + 1 and calls == [b0, b0 + 1, b0 + 2]
+
+
 def test_refine_splits_the_effective_batch_when_accumulation_is_free():
     from memplan.estimator.breakdown import estimate
     from memplan.planner.refine import refine

@@ -79,6 +79,11 @@ def test_planner_check_verdict_reads_every_measured_batch():
     groups = lambda n: (n - 1) // 4 * 4  # noqa: E731
     assert mod.verdict(8, {8: "ok", 12: "oom"}, groups) == ("8", ">= 100%", True)
     assert mod.verdict(8, {8: "ok", 12: "ok", 16: "oom"}, groups) == ("12", ">= 67%", False)
+    # issue 43 item 8: a run under another transformers release than the device image's keeps its own rows and
+    # report, since the planned batches move with the release
+    assert mod.out_file(mod.IMAGE_RELEASE) == mod.OUT and mod.report_file(mod.IMAGE_RELEASE) == mod.REPORT
+    assert mod.out_file("5.24.0").name == "planner-check-t5.24.0.csv"
+    assert mod.report_file("5.24.0").name == "planner_check-t5.24.0.md"
 
 
 def test_accuracy_replay_tier_and_requested_bytes():
