@@ -170,13 +170,14 @@ def test_refine_sets_the_largest_micro_batch_the_replay_fits(largest):
     assert len(calls) <= 2 * max(1, abs(largest - p.setup.batch_size)).bit_length() + 3
 
 
-def test_refine_guesses_from_the_first_need():
-    # where the need grows at the closed form's own rate, the guess lands on the answer: b0, the guess, guess + 1
+def _refine_gpt2(need_of, **kw):
+    """refine() of gpt2's plan on an RTX 3060 with need_of(b, b0, limit, per-sample closed-form need) as the replayed
+    need of micro-batch b; (b0, the refined micro-batch, the micro-batches probed in order)."""
     from memplan.estimator.breakdown import estimate
     from memplan.planner.refine import allocator_limit, refine
     from memplan.planner.search import plan
     p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
-             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False, headroom=0.3)
+             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False, **kw)
     b0, limit = p.setup.batch_size, allocator_limit(p)
     per = estimate(p.model, p.setup.__class__(**{**p.setup.to_dict(), "batch_size": b0 + 1})).allocator_need_bytes \
         - p.estimate.allocator_need_bytes
@@ -184,50 +185,32 @@ def test_refine_guesses_from_the_first_need():
 
     def fn(spec, setup):
         calls.append(setup.batch_size)
-        need = limit - 3 * per + (setup.batch_size - b0) * per  # b0 + 3 is the largest that fits
+        need = need_of(setup.batch_size, b0, limit, per)
         return need, need
-    got = refine(p, p.model, lambda spec, s: estimate(spec, s), fn)
-    assert got.setup.batch_size == b0 + 3 and calls == [b0, b0 + 3, b0 + 4]
+    return b0, refine(p, p.model, lambda spec, s: estimate(spec, s), fn).setup.batch_size, calls
+
+
+def test_refine_guesses_from_the_first_need():
+    # where the need grows at the closed form's own rate, the guess lands on the answer: b0, the guess, guess + 1
+    b0, got, calls = _refine_gpt2(lambda b, b0, limit, per: limit - 3 * per + (b - b0) * per, headroom=0.3)
+    assert got == b0 + 3 and calls == [b0, b0 + 3, b0 + 4]  # b0 + 3 is the largest that fits
 
 
 def test_refine_with_less_than_a_sample_of_room_probes_the_neighbour():
     # b0 fits with less than one sample's need to spare: b0 + 1 is probed next (not a bisection up to the cap:
     # the planner check's replay plans probed 259 for gpt2 before)
-    from memplan.estimator.breakdown import estimate
-    from memplan.planner.refine import allocator_limit, refine
-    from memplan.planner.search import plan
-    p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
-             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
-    b0, limit = p.setup.batch_size, allocator_limit(p)
-    calls: list = []
-
-    def fn(spec, setup):
-        calls.append(setup.batch_size)
-        need = limit - 1 + (setup.batch_size - b0) * 2**30  # b0 fits by one byte
-        return need, need
-    got = refine(p, p.model, lambda spec, s: estimate(spec, s), fn)
-    assert got.setup.batch_size == b0 and calls == [b0, b0 + 1]
+    b0, got, calls = _refine_gpt2(lambda b, b0, limit, per: limit - 1 + (b - b0) * 2**30)  # b0 fits by one byte
+    assert got == b0 and calls == [b0, b0 + 1]
 
 
 def test_refine_steps_at_the_closed_form_rate_where_the_replayed_need_dips():
     # the caching allocator's fragmentation can make b0 + 1 need less than b0: the line through them does not grow,
     # and the next probe follows the closed form's rate (Qwen2.5-1.5B QLoRA on an RTX 4060 Ti 16GB: 5, 6, 7 where
     # bisecting from the cap probed 259, 132, 69, ... 7)
-    from memplan.estimator.breakdown import estimate
-    from memplan.planner.refine import allocator_limit, refine
-    from memplan.planner.search import plan
-    p = plan("openai-community/gpt2", "RTX 3060", seq_len=1024, effective_batch=512, technique="full",
-             precision="bf16-mixed", grad_accum=1, attn_impl="sdpa", grad_ckpt=False)
-    b0, limit = p.setup.batch_size, allocator_limit(p)
-    calls: list = []
-
-    def fn(spec, setup):
-        calls.append(setup.batch_size)
-        b = setup.batch_size
-        need = limit - 2**20 if b == b0 else limit - 2**21 if b == b0 + 1 else limit + (b - b0) * 2**30
-        return need, need
-    got = refine(p, p.model, lambda spec, s: estimate(spec, s), fn)
-    assert got.setup.batch_size == b0 + 1 and calls == [b0, b0 + 1, b0 + 2]
+    def need(b, b0, limit, per):
+        return limit - 2**20 if b == b0 else limit - 2**21 if b == b0 + 1 else limit + (b - b0) * 2**30
+    b0, got, calls = _refine_gpt2(need)
+    assert got == b0 + 1 and calls == [b0, b0 + 1, b0 + 2]
 
 
 def test_refine_splits_the_effective_batch_when_accumulation_is_free():
