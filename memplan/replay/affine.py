@@ -6,10 +6,11 @@ run's events come in the same order for the same storages, and each event's size
 where a tensor spans the whole packed batch twice (TRL's packing under sdpa: a [b x s, b x s] mask), quadratic.
 Micro-batch 1 differs (kernels pick other paths for one sample); TRL's DPO adds events per sample, Liger's fused
 cross-entropy steps its chunk count with the tokens and activation offloading moves a free (applies() leaves them out);
-AWQ's kernel changes path at 1,024 tokens (the check finds it). So the events at 2 and 3 give a
-line, checked event by event at a third micro-batch before a shape is trusted; where the check fails, the events at
-4 give the curve through 2, 3 and 4, checked likewise; a shape that fails both is recorded as such and its setups
-are traced one by one (memplan.replay.need).
+AWQ's kernel changes path at 1,024 tokens (the checks find it). So the events at 2 and 3 give a line, checked event
+by event at the micro-batch asked for and at far_check of it before a shape is trusted; where a check fails, the
+events at 4 give the curve through 2, 3 and 4, checked likewise; a shape that fails both is recorded as such and its
+setups are traced one by one (memplan.replay.need). A line answers up to the largest micro-batch it was checked at;
+a trace past it that agrees extends it.
 
 Cached on disk (cache_dir()/shapes) under the replay's own content key with the micro-batch taken out and the
 accumulation as the trace runs it (min(grad_accum, 2): memplan.runtime.steps.run_steps).
@@ -25,6 +26,13 @@ import zlib
 #: the micro-batches a shape is traced at: the line through the first two, the curve through all three (1 is no
 #: point of either: see the module docstring)
 BASES = (2, 3, 4)
+
+
+def far_check(batch_size: int) -> int:
+    """The second micro-batch a line is checked at, beside the one asked for: a kernel that changes path at some
+    token count (AWQ's at 1,024) breaks a line past it, so a line answers up to the largest micro-batch it was
+    checked at; this one covers what a plan probes on cards up to a few times larger."""
+    return max(4 * batch_size, 32)
 
 
 def applies(setup) -> bool:
@@ -51,15 +59,20 @@ def at(setup, batch_size: int):
 @dataclasses.dataclass(frozen=True)
 class Line:
     """A shape's events: storage ids numbered by first event, phases, and each size at micro-batch BASES[0] with its
-    first and second differences per sample (Newton's forward differences; 0 for frees, curve 0 on a line)."""
+    first and second differences per sample (Newton's forward differences; 0 for frees, curve 0 on a line); upto:
+    the largest micro-batch it was checked at (0: not checked yet)."""
     ids: tuple[int, ...]
     phases: tuple[str, ...]
     base: tuple[int, ...]
     slope: tuple[int, ...]
     curve: tuple[int, ...]
+    upto: int = 0
 
-    def events(self, batch_size: int) -> list[tuple] | None:
-        """The events at batch_size (StorageTracker.events' 3-tuples), or None where a size would not be positive."""
+    def events(self, batch_size: int, checked: bool = True) -> list[tuple] | None:
+        """The events at batch_size (StorageTracker.events' 3-tuples); None past the largest micro-batch checked
+        (checked=False: any) or where a size would not be positive."""
+        if checked and batch_size > self.upto:
+            return None
         k = batch_size - BASES[0]
         bend = k * (k - 1) // 2
         sizes = [b + k * s + bend * c for b, s, c in zip(self.base, self.slope, self.curve)]
@@ -108,8 +121,8 @@ def line_through(*runs) -> Line | None:
 
 def fit(trace, batch_size: int) -> Line | None:
     """The shape's line or curve (module docstring), checked at batch_size (at the next micro-batch past the bases
-    it was made from where batch_size is one of them); None where neither holds. trace(b) -> the events at micro-batch
-    b (each traced once here)."""
+    it was made from where batch_size is one of them) and at far_check(batch_size); None where neither holds.
+    trace(b) -> the events at micro-batch b (each traced once here)."""
     runs: dict[int, list] = {}
 
     def at_(b: int) -> list:
@@ -120,15 +133,15 @@ def fit(trace, batch_size: int) -> Line | None:
         line = line_through(*(at_(b) for b in used))
         if line is None:
             return None  # not the same run: no curve either
-        check = batch_size if batch_size not in used else max(used) + 1
-        if holds(line, check, at_(check)):
-            return line
+        checks = (batch_size if batch_size not in used else max(used) + 1, far_check(batch_size))
+        if all(holds(line, b, at_(b)) for b in checks):
+            return dataclasses.replace(line, upto=max(checks))
     return None
 
 
 def holds(line: Line, batch_size: int, traced) -> bool:
-    """Whether the events traced at batch_size are the line's, event by event."""
-    made = line.events(batch_size)
+    """Whether the events traced at batch_size are the line's, event by event (checked or not)."""
+    made = line.events(batch_size, checked=False)
     return made is not None and list(zip(*_numbered(traced))) == made
 
 
@@ -155,7 +168,7 @@ def to_json(line: Line | None) -> dict:
     names = sorted(set(line.phases))
     return {"affine": True, "phase_names": names, "ids": _pack(line.ids), "base": _pack(line.base),
             "slope": _pack(line.slope), "curve": _pack(line.curve),
-            "phases": _pack(names.index(p) for p in line.phases)}
+            "phases": _pack(names.index(p) for p in line.phases), "upto": line.upto}
 
 
 def from_json(data) -> Line | None | bool:
@@ -165,7 +178,7 @@ def from_json(data) -> Line | None | bool:
             return None
         names = data["phase_names"]
         line = Line(_unpack(data["ids"]), tuple(names[i] for i in _unpack(data["phases"])), _unpack(data["base"]),
-                    _unpack(data["slope"]), _unpack(data["curve"]))
+                    _unpack(data["slope"]), _unpack(data["curve"]), int(data["upto"]))
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, zlib.error):
         return False
     if not len(line.ids) == len(line.phases) == len(line.base) == len(line.slope) == len(line.curve):

@@ -5,6 +5,7 @@ workspaces, and the smallest allocator limit they fit under. A replay's result i
 setup's events come from its shape's line where it has one (memplan.replay.affine: traced once, every micro-batch)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -89,8 +90,13 @@ def run_events(spec, setup: Setup, steps: int, cached_only: bool = False):
     if made is not None:
         return made
     if cached_only:
-        raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size} (its shape is traced per micro-batch)")
-    return traced.get(setup.batch_size) or traced_events(spec, setup, steps)
+        raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size} " +
+                        ("(its shape is traced per micro-batch)" if line is None else
+                         f"(its shape's line is checked up to {line.upto})"))
+    events = traced.get(setup.batch_size) or traced_events(spec, setup, steps)
+    if line is not None and affine.holds(line, setup.batch_size, events):  # the line holds further: say so
+        write_cached("shapes", key, affine.to_json(dataclasses.replace(line, upto=setup.batch_size)))
+    return events
 
 
 def replay_need(model, setup: Setup, steps: int = 3, cached_only: bool = False) -> tuple[int, int]:

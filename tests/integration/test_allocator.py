@@ -289,7 +289,7 @@ def test_plan_default_uses_the_replays_cached_by_replay(monkeypatch, tmp_path):
     r = CliRunner().invoke(main, on_3060 + ["--replay"])
     replayed = json.loads(r.output)
     assert replayed["setup"]["batch_size"] == 5  # 5 x 2 GiB within the RTX 3060's ~11.4 GiB limit
-    assert traced[:2] == [2, 3] and len(traced) == 3  # the line, and its check at the first probe
+    assert traced[:2] == [2, 3] and len(traced) == 4  # the line, its checks at the first probe and 4 times it
     n = len(traced)
     warm = json.loads(CliRunner().invoke(main, on_3060).output)
     assert len(traced) == n and warm["setup"] == replayed["setup"] and warm["replay"] == replayed["replay"]
@@ -321,6 +321,31 @@ def test_a_shape_without_a_line_is_traced_per_micro_batch(monkeypatch, tmp_path)
         need.replay_need(gpt2, Setup(batch_size=7), cached_only=True)
     assert need.replay_need(gpt2, Setup(batch_size=7)) == (7 * 2**20, 0) and traced == [2, 3, 6, 7]
     assert need.replay_need(gpt2, Setup(batch_size=6), cached_only=True) == (6 * 2**20, 0)
+
+
+def test_a_line_answers_up_to_its_largest_check_and_grows_where_a_trace_agrees(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from memplan.model.catalog import load_spec
+    from memplan.replay import affine, need
+    from memplan.setup import Setup
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path))
+    traced: list = []
+
+    def fake_events(spec, setup, steps):
+        traced.append(setup.batch_size)
+        return [(0, setup.batch_size * 2**20, "forward")]
+    monkeypatch.setattr(need, "traced_events", fake_events)
+    monkeypatch.setattr(need, "need_and_replay", lambda ev: (ev[0][1], SimpleNamespace(peak_reserved=0)))
+    gpt2 = load_spec("openai-community/gpt2")
+    assert need.replay_need(gpt2, Setup(batch_size=5))[0] == 5 * 2**20 and traced == [2, 3, 5, 32]
+    assert need.replay_need(gpt2, Setup(batch_size=32), cached_only=True)[0] == 32 * 2**20
+    with pytest.raises(need.NotCached, match="checked up to 32"):
+        need.replay_need(gpt2, Setup(batch_size=33), cached_only=True)
+    assert need.replay_need(gpt2, Setup(batch_size=60))[0] == 60 * 2**20 and traced[-1] == 60  # traced, and agrees
+    assert need.replay_need(gpt2, Setup(batch_size=41), cached_only=True)[0] == 41 * 2**20 and traced[-1] == 60
+    shape = affine.from_json(need.read_cached("shapes", need.shape_key(gpt2, Setup(batch_size=41), 3)))
+    assert shape.upto == 60
 
 
 def test_replay_key_names_the_model_setup_and_steps():

@@ -1,4 +1,6 @@
 """memplan.replay.affine: a shape's events at any micro-batch from the line through two traces."""
+import dataclasses
+
 from memplan.replay import affine
 from memplan.setup import Setup
 
@@ -15,7 +17,8 @@ def test_the_line_gives_every_micro_batch():
     assert line is not None and line.base[:3] == (4096, 212, 16) and line.slope[:3] == (0, 100, 8)
     assert set(line.curve) == {0}
     assert all(affine.holds(line, b, _run(b)) for b in (2, 3, 4, 17, 512))
-    made = line.events(40)
+    assert line.upto == 0 and line.events(40) is None  # a line answers only where it was checked
+    made = line.events(40, checked=False)
     assert [n for _, n, _ in made] == [4096, 4012, 320, 0, 0, 0, 64]
     # a free of a storage never born is -1 whatever its serial was (the replay skips it); the run of frees in id order
     assert [i for i, n, _ in made if not n] == [-1, 1, 2]
@@ -36,7 +39,7 @@ def test_frees_after_the_last_birth_do_not_count():
     # a process's first trace can free more of the model at its end than its second (no peak moves there)
     line = affine.line_through(_run(2) + [("w", 0, "between"), (9, 0, "between")], _run(3))
     assert line is not None and affine.holds(line, 4, _run(4) + [(9, 0, "between")])
-    assert len(line.events(4)) == len(_run(4))
+    assert len(line.events(4, checked=False)) == len(_run(4))
 
 
 def test_runs_that_differ_have_no_line():
@@ -64,12 +67,23 @@ def test_a_mask_over_the_packed_batch_takes_the_curve_through_three_micro_batche
     def trace(b):
         traced.append(b)
         return _packed(b)
-    assert affine.fit(trace, 7) == curve and traced == [2, 3, 7, 4]  # the line fails its check at 7, the curve holds
+    # the line fails its check at 7; the curve holds there and at the far check, 32, up to which it answers
+    got = affine.fit(trace, 7)
+    assert got == dataclasses.replace(curve, upto=32) and traced == [2, 3, 7, 4, 32]
+    assert got.events(32) is not None and got.events(33) is None and affine.far_check(10) == 40
     traced.clear()
-    assert affine.fit(trace, 4) == curve and traced == [2, 3, 4, 5]  # 4 is a base: the curve's check is 5
+    assert affine.fit(trace, 4).upto == 32 and traced == [2, 3, 4, 5, 32]  # 4 is a base: the curve's check is 5
     traced.clear()
     line = affine.line_through(_run(2), _run(3))
-    assert affine.fit(lambda b: traced.append(b) or _run(b), 3) == line and traced == [2, 3, 4]
+    got = affine.fit(lambda b: traced.append(b) or _run(b), 3)
+    assert got == dataclasses.replace(line, upto=32) and traced == [2, 3, 4, 32]
+
+
+def test_a_line_broken_past_the_asked_micro_batch_is_not_trusted():
+    # a kernel that changes path at a token count (AWQ's at 1,024): affine up to 5 samples here, another size past them
+    def kinked(b):
+        return [(1, 4096 * b if b <= 5 else 999_999, "forward")]
+    assert affine.fit(kinked, 4) is None
 
 
 def test_fit_gives_up_where_the_runs_differ_or_neither_holds():
@@ -82,7 +96,7 @@ def test_fit_gives_up_where_the_runs_differ_or_neither_holds():
 
 def test_a_shrinking_size_stops_the_line_where_it_would_not_be_positive():
     line = affine.line_through([(1, 300, "forward")], [(1, 200, "forward")])
-    assert line.events(4) == [(0, 100, "forward")] and line.events(5) is None
+    assert line.events(4, checked=False) == [(0, 100, "forward")] and line.events(5, checked=False) is None
 
 
 def test_the_line_survives_the_cache_and_a_foreign_entry_does_not():
