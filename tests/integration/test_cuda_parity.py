@@ -111,7 +111,7 @@ def _optimizer_allocations(dev: str, optimizer: str) -> dict:
 
     from memplan.setup import Setup
     from memplan.runtime.steps import make_optimizer
-    from memplan.runtime.tracker import StorageTracker, dispatch_mode
+    from memplan.runtime.tracker import StorageTracker, dispatch_mode, round_block
 
     class OnDevice(StorageTracker):  # GPU memory only: Adafactor's torch.zeros(...).to(grad) makes a CPU temporary
         def serial_of(self, t):
@@ -132,8 +132,8 @@ def _optimizer_allocations(dev: str, optimizer: str) -> dict:
                     p.grad = None
     sizes: dict[str, list[int]] = {}
     for _, n, phase in tracker.events:
-        if n and phase != "between":
-            sizes.setdefault(phase, []).append(n)
+        if n and phase != "between":  # events hold a storage's own bytes; the allocator hands out 512 B blocks
+            sizes.setdefault(phase, []).append(round_block(n))
     return {"peaks": dict(tracker.phase_peaks), "sizes": {k: sorted(v) for k, v in sizes.items()}}
 
 
