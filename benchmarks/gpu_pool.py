@@ -144,16 +144,16 @@ def planner_tasks(pool: Pool) -> list:
     from memplan.measure.rows import done_keys
     context = alone_context_bytes()
     replays = planner_check.stored_replay_batches()
+    out = planner_check.out_file()  # the installed transformers release's rows
     tasks = []
     for model, card, pinned in planner_check.PAIRS:
         cap = find_gpu(card).memory_bytes - context
 
         def measure(job, notes, cap=cap, card=card):
-            if job.key("cuda") in done_keys(planner_check.out_file()):
-                return next(r["status"] for r in csv.DictReader(open(planner_check.out_file()))
-                            if r["key"] == job.key("cuda"))
+            if job.key("cuda") in done_keys(out):
+                return next(r["status"] for r in csv.DictReader(open(out)) if r["key"] == job.key("cuda"))
             return pool.measure(job, cap / pool.device, f"emulating {card} (cap = card - CUDA context measured "
-                                f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", planner_check.out_file())
+                                f"alone, {cap / 2**30:.2f} GiB); shared GPU; {notes}", out)
 
         def both(model=model, card=card, pinned=pinned, measure=measure, b=replays.get((model, card))):
             planner_check.check_pair(model, card, pinned, measure)

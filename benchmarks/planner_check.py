@@ -58,6 +58,8 @@ def out_file(release: str | None = None) -> Path:
 def report_file(release: str | None = None) -> Path:
     release = release or _release()
     return REPORT if release == IMAGE_RELEASE else REPORT.with_name(f"planner_check-t{release}.md")
+
+
 EFFECTIVE = 512  # cap on the planned micro-batch; no pair below comes near it
 
 # (model, card, pinned Setup fields). Cards with bf16 (the H100 runs bf16 whatever card is emulated).
@@ -177,7 +179,7 @@ def replay_plans(only: str | None = None) -> None:
               "replay_s", "default_batch", "default_s", "other_card", "other_batch", "other_s", "other_from",
               "transformers", "peft", "torch"]
     stored = stored_plans()
-    release = transformers.__version__
+    release = _release()
 
     def save() -> None:
         buf = io.StringIO()

@@ -102,7 +102,7 @@ def load_sweep(path: str | Path) -> tuple[list[Job], list[str], int]:
     base, matrix, include, exclude, emulate, steps = doc.base, doc.matrix, doc.include, doc.exclude, doc.emulate, doc.steps
     own = [d for d in include if "model" in d]
     shared = [d for d in include if "model" not in d]
-    runs = (math.prod(len(v) for v in matrix.values()) if matrix else (0 if shared or own else 1)) + len(shared)
+    runs = (math.prod(len(v) for v in matrix.values()) if matrix else (0 if include else 1)) + len(shared)
     total = runs * len(models) + len(own)
     if total * len(emulate) > doc.max_runs:
         raise BadInput(f"sweep file {path} expands to {total * len(emulate):,} runs, more than "

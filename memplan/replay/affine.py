@@ -119,11 +119,11 @@ def line_through(*runs) -> Line | None:
     return Line(tuple(ids), tuple(phases), tuple(sizes[0]), slope, curve)
 
 
-def fit(trace, batch_size: int) -> Line | None:
+def fit(trace, batch_size: int, runs: dict[int, list] | None = None) -> Line | None:
     """The shape's line or curve (module docstring), checked at batch_size (at the next micro-batch past the bases
     it was made from where batch_size is one of them) and at far_check(batch_size); None where neither holds.
-    trace(b) -> the events at micro-batch b (each traced once here)."""
-    runs: dict[int, list] = {}
+    trace(b) -> the events at micro-batch b, each traced once here into `runs` (micro-batch -> events)."""
+    runs = {} if runs is None else runs
 
     def at_(b: int) -> list:
         if b not in runs:

@@ -70,22 +70,15 @@ def run_events(spec, setup: Setup, steps: int, cached_only: bool = False):
     two or three micro-batches and checked at another, then cached: memplan.replay.affine.fit), else traced
     (traced_events).
     cached_only: raise NotCached rather than trace."""
-    if not affine.applies(setup):
-        if cached_only:
-            raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
-        return traced_events(spec, setup, steps)
-    key = shape_key(spec, setup, steps)
-    line = affine.from_json(read_cached("shapes", key))
-    traced: dict[int, list] = {}
-    if line is False:  # not cached
-        if cached_only:
-            raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
-
-        def trace(b: int) -> list:
-            traced[b] = traced_events(spec, affine.at(setup, b), steps)
-            return traced[b]
-        line = affine.fit(trace, setup.batch_size)
-        write_cached("shapes", key, affine.to_json(line))
+    line, traced = None, {}
+    if affine.applies(setup):
+        key = shape_key(spec, setup, steps)
+        line = affine.from_json(read_cached("shapes", key))
+        if line is False:  # not cached
+            if cached_only:
+                raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
+            line = affine.fit(lambda b: traced_events(spec, affine.at(setup, b), steps), setup.batch_size, traced)
+            write_cached("shapes", key, affine.to_json(line))
     made = line.events(setup.batch_size) if line is not None else None
     if made is not None:
         return made
