@@ -48,7 +48,7 @@ def segment_size(n: int) -> int:
     return -(-n // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     addr: int
     size: int
@@ -99,10 +99,13 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int) -> _Block | None:
         """The block serving a request of `nbytes`, or None when the cap leaves no room (the OOM)."""
-        size = round_size(nbytes)
+        size = MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small)
-        if block is None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1))  # best fit: the smallest free block, then the lowest address
+        if i < len(pool):
+            block = pool.pop(i)[2]
+        else:  # a new segment, used at once (never indexed as free)
             block = self._reserve(size, small)
             if block is None:
                 self.retries += 1
@@ -110,14 +113,13 @@ class CachingAllocator:
                 block = self._reserve(size, small)
                 if block is None:
                     return None
-        self._unindex(block)
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
             rest = _Block(block.addr + size, remaining, block.segment, small, True, block, block.next)
             if block.next:
                 block.next.prev = rest
             block.next, block.size = rest, size
-            self._index(rest)
+            bisect.insort(pool, (remaining, rest.addr, rest))
         block.free = False
         block.requested = size
         self.allocated += block.size
@@ -128,21 +130,22 @@ class CachingAllocator:
         block.free = True
         self.allocated -= block.size
         self.requested -= block.requested
-        for other in (block.prev, block.next):  # try_merge_blocks
-            if other is not None and other.free:
-                self._unindex(other)
-                if other is block.prev:
-                    other.size += block.size
-                    other.next = block.next
-                    if block.next:
-                        block.next.prev = other
-                    block = other
-                else:
-                    block.size += other.size
-                    block.next = other.next
-                    if other.next:
-                        other.next.prev = block
-        self._index(block)
+        pool = self._free[block.small]
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.free:  # try_merge_blocks, with the block before
+            _unindex(pool, prev)
+            prev.size += block.size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            block = prev
+        if nxt is not None and nxt.free:  # and after
+            _unindex(pool, nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+        bisect.insort(pool, (block.size, block.addr, block))
 
     def release_cached(self) -> None:
         """Free every segment that is one free block (release_cached_blocks; also what empty_cache does)."""
@@ -163,22 +166,17 @@ class CachingAllocator:
         self.reserved += n
         self.max_reserved = max(self.max_reserved, self.reserved)
         self.segment_log.append(n)
-        self._index(block)
         return block
 
-    def _best_fit(self, size: int, small: bool) -> _Block | None:
-        pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1))
-        return pool[i][2] if i < len(pool) else None
-
-    def _index(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.addr, block))
-
     def _unindex(self, block: _Block) -> None:
-        pool = self._free[block.small]
-        i = bisect.bisect_left(pool, (block.size, block.addr))
-        if i < len(pool) and pool[i][2] is block:
-            del pool[i]
+        _unindex(self._free[block.small], block)
+
+
+def _unindex(pool: list, block: _Block) -> None:
+    """Take a free block out of its pool's best-fit index (sorted by size, then address)."""
+    i = bisect.bisect_left(pool, (block.size, block.addr))
+    if i < len(pool) and pool[i][2] is block:
+        del pool[i]
 
 
 def replay(events, limit: int | None = None, workspaces: dict[str, int] | None = None) -> Replay:
@@ -195,29 +193,32 @@ def replay(events, limit: int | None = None, workspaces: dict[str, int] | None =
     peaks = (out.phase_reserved, out.phase_allocated, out.phase_requested)
     current = None
     res = alo = req = 0  # the current phase's peaks, kept in locals (the loop runs once per storage event)
+    malloc, free = alloc.malloc, alloc.free
     for serial, nbytes, phase in events:
-        if not started and phase not in ("setup", "between"):
-            alloc.release_cached()
-            started = True
-        if started and phase != current:  # the meter's reset: the new phase's peaks start from what is live
-            if current is not None:
+        if phase != current and (started or phase not in ("setup", "between")):
+            if not started:  # the meter's empty_cache after the build
+                alloc.release_cached()
+                started = True
+            if current is not None:  # the meter's reset: the new phase's peaks start from what is live
                 _keep(peaks, current, res, alo, req)
             current = phase
             res, alo, req = alloc.reserved, alloc.allocated, alloc.requested
+        if not nbytes:
+            block = live.pop(serial, None)
+            if block is not None:
+                free(block)
+            continue  # a free sets no peak
         logged = len(log)
-        if nbytes:
-            if phase in pending:
-                workspace = pending.pop(phase)
-                if alloc.malloc(workspace) is None:
-                    out.oom, out.oom_request = phase, workspace
-                    break
-            block = alloc.malloc(nbytes)
-            if block is None:
-                out.oom, out.oom_request = phase, nbytes
+        if pending and phase in pending:
+            workspace = pending.pop(phase)
+            if malloc(workspace) is None:
+                out.oom, out.oom_request = phase, workspace
                 break
-            live[serial] = block
-        elif serial in live:
-            alloc.free(live.pop(serial))
+        block = malloc(nbytes)
+        if block is None:
+            out.oom, out.oom_request = phase, nbytes
+            break
+        live[serial] = block
         if started:  # the peaks validate's meter reports: from its reset after the build on
             if len(log) != logged:
                 out.segments += [(phase, n) for n in log[logged:]]
