@@ -108,14 +108,14 @@ def synthesize(cut: Run, opt: Run) -> list[tuple]:
     batch = {s for s, nbytes, phase, _, _ in cut.events
              if nbytes and phase in ("setup", "between") and s not in cut.weight_names}
     per_step = collections.defaultdict(list)
-    for e in cut.events:
-        if e[2] in ("forward", "backward") or (e[2] in ("setup", "between") and e[0] in batch):
+    for e in cut.events:  # every pass through the blocks (TRL's reference forward, GRPO's generation too)
+        if e[2] not in ("setup", "between", "optimizer", "zero_grad") or e[0] in batch:
             per_step[e[3]].append(e)
     for step, es in sorted(per_step.items()):
         for (seg, phase), run in itertools.groupby(es, key=lambda e: (e[4], e[2])):
             if seg[0] == "block" and seg[2] == TEMPLATE:  # the template's run: one copy per middle block
                 run = list(run)
-                for j in copies(seg[1]) if phase == "forward" else reversed(copies(seg[1])):
+                for j in reversed(copies(seg[1])) if phase == "backward" else copies(seg[1]):
                     out += [((s, j), nbytes, phase) if nbytes else (ref(s, j, TEMPLATE, seg[1]), 0, phase)
                             for s, nbytes, _, _, _ in run]
                 continue

@@ -215,8 +215,8 @@ def block_kind(block) -> tuple[int, int]:
 
 
 def watch_blocks(model, tracker: StorageTracker) -> None:
-    """Hooks that keep tracker.segment: forward hooks in the forward (not in checkpointing's recompute, which runs
-    in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
+    """Hooks that keep tracker.segment: forward hooks in every pass through the blocks (the forward, TRL's
+    reference forward, generation; not checkpointing's recompute, which runs in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
     block's input (the stack's backward is done)."""
     import torch
 
@@ -235,14 +235,14 @@ def watch_blocks(model, tracker: StorageTracker) -> None:
             tracker.block_kinds[stack, i] = block_kind(block)
 
             def pre(_module, args, kwargs, i=i, stack=stack):
-                if tracker.phase == "forward":
+                if tracker.phase != "backward":
                     tracker.segment = ("block", stack, i)
                     x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
                     if i == 0 and x is not None:
                         x.register_hook(enter(("after", stack)))
 
             def post(_module, _args, output, i=i, stack=stack, last=len(blocks) - 1):
-                if tracker.phase == "forward":
+                if tracker.phase != "backward":
                     tracker.segment = ("after", stack) if i == last else ("block", stack, i)
                     y = first_tensor(output)
                     if y is not None:

@@ -32,6 +32,28 @@ def test_synthesized_gpt2_events_equal_the_whole_trace(fields):
     assert (a.peak_reserved, a.peak_allocated) == (b.peak_reserved, b.peak_allocated)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(trainer="dpo", technique="lora", precision="bf16-mixed", grad_ckpt=True),
+    dict(trainer="grpo", technique="lora", precision="bf16-mixed", grad_ckpt=True, max_completion_length=8,
+         num_generations=2),
+])
+def test_trl_passes_through_the_blocks_are_synthesized(fields):
+    """DPO's reference forward and GRPO's generate() pass through the blocks outside the training forward: each
+    pass's template run is copied per middle block like the forward's (SmolLM2-135M: 30 blocks)."""
+    from memplan.replay import synth
+    from memplan.model.catalog import load_spec
+    from memplan.runtime.allocator import replayed
+
+    setup = Setup(batch_size=2, seq_len=128, attn_impl="sdpa", padded=True, **fields)
+    made = synth.events(load_spec("HuggingFaceTB/SmolLM2-135M"), setup, 3)
+    assert made is not None, f"{fields['trainer']}'s passes are synthesized"
+    whole = _events("HuggingFaceTB/SmolLM2-135M", setup, synthesize=False)
+    assert synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
+    a, b = replayed(made), replayed(whole)
+    assert (a.peak_reserved, a.peak_allocated, a.phase_allocated) == (b.peak_reserved, b.peak_allocated,
+                                                                      b.phase_allocated)
+
+
 def test_seq2seq_two_stacks_and_a_first_block_of_its_own():
     """T5: encoder and decoder stacks, block 0 holds the relative position bias."""
     from memplan.replay import synth
