@@ -1,6 +1,6 @@
 """How tight is the closed-form fit test? For a grid of training setups, the smallest allocator limit the caching
 allocator's replay fits under (memplan.replay.need.replay_need: the whole model traced once, the limit bisected over
-replays) beside the closed form's bound, Estimate.allocator_need_bytes = peak allocated + the largest tensor.
+replays) beside the closed form's bound, Estimate.allocator_need_bytes (peak allocated + the largest tensor + checkpointing's split cache).
 
     python benchmarks/replay_need.py run [SHARD/NSHARDS]   # appends results/replay_need.csv (resumable)
     python benchmarks/replay_need.py report                # results/replay_need.md
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "replay_need.csv"
 FIELDS = ["model", "setup", "peak_allocated_bytes", "largest_block_bytes", "closed_form_bytes", "replay_need_bytes",
-          "estimate_reserved_bytes", "replay_reserved_bytes", "seconds"]
+          "estimate_reserved_bytes", "replay_reserved_bytes", "seconds", "transformers"]
 
 SMALL = ["openai-community/gpt2", "openai-community/gpt2-medium", "google-bert/bert-large-uncased",
          "google-t5/t5-base", "facebook/bart-large", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-1.5B",
@@ -52,6 +52,8 @@ def describe(s) -> str:
 
 
 def run(shard: int = 0, shards: int = 1) -> None:
+    import transformers
+
     from memplan.errors import MemplanError
     from memplan.estimator.breakdown import estimate
     from memplan.fileio import append_csv_row_atomic
@@ -71,7 +73,8 @@ def run(shard: int = 0, shards: int = 1) -> None:
         row = dict(model=model, setup=describe(setup), peak_allocated_bytes=e.peak_allocated_bytes,
                    largest_block_bytes=e.largest_block_bytes, closed_form_bytes=e.allocator_need_bytes,
                    replay_need_bytes=need, estimate_reserved_bytes=e.peak_reserved_bytes,
-                   replay_reserved_bytes=reserved, seconds=round(time.time() - t, 1))
+                   replay_reserved_bytes=reserved, seconds=round(time.time() - t, 1),
+                   transformers=transformers.__version__)
         append_csv_row_atomic(out, FIELDS, row)
         slack = (e.allocator_need_bytes - need) / need
         print(f"{model} {describe(setup)}: closed form {slack:+.1%} vs the replay's need", flush=True)
@@ -86,11 +89,13 @@ def report() -> None:
     slack = sorted(((int(r["closed_form_bytes"]) - int(r["replay_need_bytes"])) / int(r["replay_need_bytes"]), r)
                    for r in rows)
     values = [s for s, _ in slack]
+    releases = ", ".join(sorted({r.get("transformers") or "unrecorded" for r in rows}))
     lines = ["# The closed-form fit test against the allocator replay", "",
              "`python benchmarks/replay_need.py`: per setup, the closed form's bound (peak allocated + the largest "
-             "tensor, Estimate.allocator_need_bytes) against the smallest allocator limit the caching allocator's "
+             "tensor + the split cache of checkpointed steps, Estimate.allocator_need_bytes) against the smallest allocator limit the caching allocator's "
              "replay fits under (memplan.replay.need.replay_need). slack = (closed form - replay need) / replay need: "
-             "negative where the closed form would accept a limit the step runs out of memory under.", "",
+             "negative where the closed form would accept a limit the step runs out of memory under. Traced under "
+             f"transformers {releases}.", "",
              f"{len(rows)} setups: slack median {statistics.median(values):+.1%}, min {values[0]:+.1%}, "
              f"max {values[-1]:+.1%}; below zero: {sum(v < 0 for v in values)}.", "",
              "| model | setup | peak allocated GiB | largest GiB | closed form GiB | replay need GiB | slack |",
