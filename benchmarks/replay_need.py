@@ -1,6 +1,7 @@
 """How tight is the closed-form fit test? For a grid of training setups, the smallest allocator limit the caching
 allocator's replay fits under (memplan.replay.need.replay_need: the whole model traced once, the limit bisected over
-replays) beside the closed form's bound, Estimate.allocator_need_bytes (peak allocated + the largest tensor + checkpointing's split cache).
+replays) beside the closed form's bound, Estimate.allocator_need_bytes (peak allocated + the largest tensor +
+checkpointing's split cache).
 
     python benchmarks/replay_need.py run [SHARD/NSHARDS]   # appends results/replay_need.csv (resumable)
     python benchmarks/replay_need.py report                # results/replay_need.md
