@@ -216,8 +216,9 @@ def block_kind(block) -> tuple[int, int]:
 
 def watch_blocks(model, tracker: StorageTracker) -> None:
     """Hooks that keep tracker.segment: forward hooks in every pass through the blocks (the forward, TRL's
-    reference forward, generation; not checkpointing's recompute, which runs in backward), and in backward, gradient hooks on each block's output (its backward starts) and on the first
-    block's input (the stack's backward is done)."""
+    reference forward, generation; not checkpointing's recompute, which runs in backward), and in backward,
+    gradient hooks on each block's output (its backward starts) and on the first block's input (the stack's
+    backward is done)."""
     import torch
 
     def first_tensor(x):
