@@ -225,9 +225,10 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
             reach = ("at any micro-batch and on any card" if applies(result.setup) else
                      "where they probe the same micro-batches (DPO, GRPO, Liger and offloaded runs are traced per "
                      "micro-batch)")
+            cost = ("minutes for each micro-batch it probes: GRPO's generate() is traced token by token"
+                    if result.setup.trainer == "grpo" else "seconds to a minute on the CPU")
             refined, why = None, ("the allocator replay of this setup is not cached yet; `--replay` traces it "
-                                  f"once (seconds to a minute on the CPU), and later plans of it use it by default, "
-                                  f"{reach}")
+                                  f"once ({cost}), and later plans of it use it by default, {reach}")
         except MemplanError as e:  # a spec the tracer cannot build (no config.json behind it)
             refined, why = None, f"no allocator replay: {e}"
         if refined is not None and "replayed" in refined.replay:

@@ -328,3 +328,14 @@ def test_the_split_cache_needs_checkpointing():
     e = estimate("meta-llama/Llama-3.2-1B", technique="lora", batch_size=2, seq_len=512)
     assert e.cap_fragmentation_bytes == 0
     assert e.allocator_need_bytes == e.peak_allocated_bytes + e.largest_block_bytes
+
+
+def test_the_default_says_what_tracing_the_replay_costs(monkeypatch, tmp_path):
+    # an empty replay cache: the default plans with the closed form and says what `--replay` would cost;
+    # GRPO's generate() is traced token by token for each probed micro-batch (benchmarks/results/allocator_replay.md)
+    monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path))
+    grpo = plan("Qwen/Qwen2.5-0.5B", "RTX 4060 Ti 16GB", trainer="grpo", technique="lora", seq_len=256,
+                max_completion_length=256, num_generations=4)
+    assert "minutes for each micro-batch it probes" in grpo.replay["closed_form"]
+    sft = plan("Qwen/Qwen2.5-0.5B", "RTX 4060 Ti 16GB", technique="lora", seq_len=256)
+    assert "seconds to a minute" in sft.replay["closed_form"]
