@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import json
 
-from memplan.replay import affine
+from memplan.replay import affine, decode
 from memplan.fileio import content_key, read_cached, source_digest, write_cached
 from memplan.runtime.allocator import need_and_replay, replayed
 from memplan.setup import Setup
@@ -17,21 +17,40 @@ from memplan.model.catalog import config_dict, load_spec, spec_for_task
 from memplan.model.compat import check_setup
 from memplan.replay.synth import events as synthesized
 from memplan.runtime.tracker import StorageTracker
+from memplan.runtime.trl_step import GENERATED
 from memplan.tracer.inference import inference_events
 from memplan.tracer.training import run_traced
 
 
 def traced_events(model, setup: Setup, steps: int, synthesize: bool = True):
-    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); for a deep
-    model synthesized from a trace cut to a few blocks where that is exact (memplan.replay.synth), else traced whole.
+    """The allocation events of `steps` traced training steps of the whole model (StorageTracker.events); GRPO's long
+    generations synthesized from runs that generate a few tokens (memplan.replay.decode), a deep model's blocks from a
+    trace cut to a few blocks (memplan.replay.synth), where that is exact; else traced whole.
     Inference setups: validate's prefill and generate() (memplan.tracer.inference; `steps` does not apply)."""
     spec = spec_for_task(load_spec(model), setup.task)
     check_setup(spec, setup)
     if setup.mode != "train":
         return inference_events(spec, setup)
-    made = synthesized(spec, setup, steps) if synthesize else None
+    made = None
+    if synthesize and decode.applies(setup):
+        made = decode.events(spec, setup, steps, lambda tokens: _generating(spec, setup, steps, tokens))
+    if synthesize and made is None:
+        made = synthesized(spec, setup, steps)
     return made if made is not None else \
         run_traced(spec, setup, config_dict(spec), None, steps, True, tracker=StorageTracker(events=True)).events
+
+
+def _generating(spec, setup: Setup, steps: int, tokens: int) -> tuple[list, list[int]]:
+    """A traced run whose GRPO generations make `tokens` tokens: its events and where each call of the model starts
+    (memplan.replay.decode)."""
+    tracker = StorageTracker(events=True)
+    tracker.calls = []
+    token = GENERATED.set(tokens)
+    try:
+        run_traced(spec, setup, config_dict(spec), None, steps, True, tracker=tracker)
+    finally:
+        GENERATED.reset(token)
+    return tracker.events, tracker.calls
 
 
 #: what a traced replay depends on besides the model and the Setup: memplan's code that traces and replays it, and

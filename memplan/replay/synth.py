@@ -183,7 +183,7 @@ def canonical(events) -> list:
     return out + ([tuple(sorted(burst))] if burst else [])
 
 
-def _through_last_step(events) -> list:
+def through_last_step(events) -> list:
     """Events up to the last zero_grad one (what follows is the run's teardown)."""
     last = max(i for i, e in enumerate(events) if e[2] == "zero_grad")
     return list(events[:last + 1])
@@ -220,9 +220,9 @@ def events(spec, setup, steps: int) -> list | None:
         cut = cut_run(spec, setup, d, CUT, steps)
         if key not in _verified:
             whole = cut_run(spec, setup, d, VERIFY, steps)
-            _verified[key] = _kinds_alike(cut, _optimizer_runs[key]) and canonical(_through_last_step(
+            _verified[key] = _kinds_alike(cut, _optimizer_runs[key]) and canonical(through_last_step(
                 synthesize(cut, optimizer_run(spec, setup, d, VERIFY, steps)))) == canonical(
-                _through_last_step([e[:3] for e in whole.events]))
+                through_last_step([e[:3] for e in whole.events]))
         return synthesize(cut, _optimizer_runs[key]) if _verified[key] else None
     except (_Mismatch, MemplanError, RuntimeError, ValueError, KeyError, IndexError):
         _verified[key] = False

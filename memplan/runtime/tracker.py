@@ -56,6 +56,7 @@ class StorageTracker:
         # the storage's own bytes, which the allocator replay rounds (a size stays affine in the micro-batch:
         # memplan.replay.affine)
         self.events: list[tuple[int, int, str]] | None = [] if events else None
+        self.calls: list[int] | None = None  # a list: where each call of the generating model starts in events
 
     def serial_of(self, t) -> int | None:
         import torch

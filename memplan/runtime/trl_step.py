@@ -4,12 +4,17 @@ DPO's reference forward inside the loss, GRPO's generation and reference scoring
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 
 from memplan.runtime.steps import autocast_for, make_batch, materialize, run_steps
 from memplan.runtime.trl import add_head, cuda_head, scored
 from memplan.setup import Setup, generation_steps, needs_reference_model, prompt_tokens, recomputes_old_logps
+
+#: the tokens GRPO's generate() makes where not max_completion_length: a tracer run that generates a few tokens only,
+#: the rest of the step at the setup's length (memplan.replay.decode synthesizes the other decode steps)
+GENERATED = contextvars.ContextVar("memplan_generated_tokens", default=None)
 
 
 def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device: str,
@@ -96,9 +101,9 @@ def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phas
     if not user.use_vllm:  # vLLM generates in its own engine (measured separately: vllm_gpu_memory_utilization)
         enter_phase("generation")
         with torch.no_grad(), (contextlib.nullcontext() if peft_model else autocast):
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=user.max_completion_length,
-                           min_new_tokens=user.max_completion_length, do_sample=False, use_cache=True,
-                           pad_token_id=0)
+            length = GENERATED.get() or user.max_completion_length
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=length, min_new_tokens=length,
+                           do_sample=False, use_cache=True, pad_token_id=0)
     del ids, mask
     passes = [("reference_forward", lambda b, lab: _reference(model, ref, b, lab))] if user.beta > 0 else []
     if recomputes_old_logps(user):  # the policy's own log-probs of the generated batch, under no_grad

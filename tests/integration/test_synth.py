@@ -27,7 +27,7 @@ def test_synthesized_gpt2_events_equal_the_whole_trace(fields):
     made = synth.events(load_spec("openai-community/gpt2"), setup, 3)
     assert made is not None, "gpt2's 12 identical blocks are synthesized"
     whole = _events("openai-community/gpt2", setup, synthesize=False)
-    assert synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
+    assert synth.canonical(synth.through_last_step(made)) == synth.canonical(synth.through_last_step(whole))
     a, b = replayed(made), replayed(whole)
     assert (a.peak_reserved, a.peak_allocated) == (b.peak_reserved, b.peak_allocated)
 
@@ -48,10 +48,28 @@ def test_trl_passes_through_the_blocks_are_synthesized(fields):
     made = synth.events(load_spec("HuggingFaceTB/SmolLM2-135M"), setup, 3)
     assert made is not None, f"{fields['trainer']}'s passes are synthesized"
     whole = _events("HuggingFaceTB/SmolLM2-135M", setup, synthesize=False)
-    assert synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
+    assert synth.canonical(synth.through_last_step(made)) == synth.canonical(synth.through_last_step(whole))
     a, b = replayed(made), replayed(whole)
     assert (a.peak_reserved, a.peak_allocated, a.phase_allocated) == (b.peak_reserved, b.peak_allocated,
                                                                       b.phase_allocated)
+
+
+def test_a_long_grpo_generation_is_made_from_short_ones(monkeypatch):
+    """GRPO's generate() of 24 tokens from runs generating 8 and 9 (memplan.replay.decode), checked against one of
+    12 first: the same events as the run that generates all 24 (GPT-2 LoRA)."""
+    from memplan.replay import decode, synth
+    from memplan.runtime.allocator import replayed
+
+    monkeypatch.setattr(decode, "MIN_TOKENS", 16)
+    monkeypatch.setattr(decode, "_verified", {})
+    setup = Setup(trainer="grpo", technique="lora", precision="bf16-mixed", grad_ckpt=True, batch_size=4, seq_len=64,
+                  attn_impl="sdpa", padded=True, max_completion_length=24, num_generations=4)
+    made = _events("openai-community/gpt2", setup, synthesize=True)
+    assert list(decode._verified.values()) == [True]
+    whole = _events("openai-community/gpt2", setup, synthesize=False)
+    assert synth.canonical(synth.through_last_step(made)) == synth.canonical(synth.through_last_step(whole))
+    a, b = replayed(made), replayed(whole)
+    assert (a.peak_reserved, a.phase_allocated) == (b.peak_reserved, b.phase_allocated)
 
 
 def test_seq2seq_two_stacks_and_a_first_block_of_its_own():
@@ -63,7 +81,7 @@ def test_seq2seq_two_stacks_and_a_first_block_of_its_own():
     made = synth.events(load_spec("google-t5/t5-base"), setup, 3)
     assert made is not None
     whole = _events("google-t5/t5-base", setup, synthesize=False)
-    assert synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
+    assert synth.canonical(synth.through_last_step(made)) == synth.canonical(synth.through_last_step(whole))
 
 
 def test_blocks_of_different_kinds_are_traced_whole():
@@ -91,7 +109,7 @@ def test_a_broken_synthesis_is_caught_by_the_canonical_comparison():
     assert made is not None
     broken = [e for e in made if not (isinstance(e[0], tuple) and e[0][1:] == (5,))]
     assert len(broken) < len(made)
-    assert synth.canonical(synth._through_last_step(broken)) != synth.canonical(synth._through_last_step(made))
+    assert synth.canonical(synth.through_last_step(broken)) != synth.canonical(synth.through_last_step(made))
 
 
 def test_a_failing_cut_trace_falls_back_to_the_whole_trace(monkeypatch):
