@@ -79,7 +79,7 @@ def main() -> int:
         whole = traced_events(model, setup, 3, synthesize=False)
         t3 = time.time()
         used = any(isinstance(e[0], tuple) for e in made)
-        equal = synth.canonical(synth._through_last_step(made)) == synth.canonical(synth._through_last_step(whole))
+        equal = synth.canonical(synth.through_last_step(made)) == synth.canonical(synth.through_last_step(whole))
         bad += not equal
         r = replayed(made)
         need = min_limit(made, cuda_workspaces(), uncapped=r)
