@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from memplan.planner.candidates import split_batch
+from memplan.planner.candidates import grpo_batch_unit, grpo_group_step, split_batch
 from memplan.planner.types import Plan
 from memplan.replay.need import replay_need as traced
 
@@ -61,9 +61,15 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
     pinned_ga = plan.pinned.get("grad_accum")
     effective = plan.effective_batch
     needs: dict[int, tuple[int, int]] = {}
+    # GRPO: whole groups of num_generations per generation batch (micro-batch x accumulation), as the search keeps
+    unit = grpo_batch_unit(plan.pinned)
+
+    def accum(b: int, ga: int) -> int:
+        step = grpo_group_step(plan.pinned, b)
+        return ga if pinned_ga else math.ceil(ga / step) * step
 
     def setup_at(b: int):
-        return dataclasses.replace(plan.setup, batch_size=b, grad_accum=pinned_ga or max(1, math.ceil(effective / b)))
+        return dataclasses.replace(plan.setup, batch_size=b, grad_accum=accum(b, pinned_ga or math.ceil(effective / b)))
 
     def fits(b: int) -> bool:
         if b not in needs:
@@ -73,11 +79,18 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
     b0 = plan.setup.batch_size
     if plan.pinned.get("batch_size"):
         largest = b0 if fits(b0) else 0
-    else:
-        cap = math.ceil(effective / pinned_ga) if pinned_ga else effective
-        fits(b0)
-        rate = _rate(plan, spec, estimator, setup_at, cap)
-        largest = _search(needs, fits, limit, cap, _guess(b0, rate, needs[b0][0], limit, cap), rate)
+    else:  # searched in units (whole GRPO groups where the accumulation is pinned; else single samples)
+        cap = (math.ceil(effective / pinned_ga) if pinned_ga else effective) // unit
+        units: dict[int, tuple[int, int]] = {}
+
+        def fits_units(k: int) -> bool:
+            ok = fits(k * unit)
+            units[k] = needs[k * unit]
+            return ok
+        k0 = b0 // unit
+        fits_units(k0)
+        rate = _rate(plan, spec, estimator, setup_at, cap * unit, unit)
+        largest = unit * _search(units, fits_units, limit, cap, _guess(k0, rate, units[k0][0], limit, cap), rate)
     record = {"limit_bytes": limit, "estimate_batch_size": b0, "largest_batch_size": largest,
               "replayed": {b: {"fits": n <= limit, "need_bytes": n, "reserved_bytes": r}
                            for b, (n, r) in sorted(needs.items())}}
@@ -87,16 +100,17 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
         b, ga = largest, setup_at(largest).grad_accum
     else:
         b, ga = split_batch(effective, largest)
+        ga = accum(b, ga)
     setup = dataclasses.replace(plan.setup, batch_size=b, grad_accum=ga)
     record.update(batch_size=b, grad_accum=ga)
     return dataclasses.replace(plan, setup=setup, estimate=estimator(spec, setup), replay=record)
 
 
-def _rate(plan: Plan, spec, estimator, setup_at, cap: int) -> int:
-    """The closed form's need per sample at the plan's micro-batch (its bound moves with the activations as the
-    replay's need does); 0 where the plan's micro-batch is the cap."""
+def _rate(plan: Plan, spec, estimator, setup_at, cap: int, unit: int = 1) -> int:
+    """The closed form's need per `unit` samples at the plan's micro-batch (its bound moves with the activations as
+    the replay's need does); 0 where the plan's micro-batch is the cap."""
     b0 = plan.setup.batch_size
-    nxt = min(b0 + 1, cap)
+    nxt = min(b0 + unit, cap)
     return (estimator(spec, setup_at(nxt)).allocator_need_bytes - plan.estimate.allocator_need_bytes) if nxt > b0 else 0
 
 

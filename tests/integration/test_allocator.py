@@ -224,6 +224,25 @@ def test_refine_splits_the_effective_batch_when_accumulation_is_free():
     assert (got.setup.batch_size, got.setup.grad_accum) == (8, 4)  # 32 = 8 x 4, the largest divisor <= 9
 
 
+@pytest.mark.parametrize("pinned", [dict(grad_accum=1), {}])
+def test_refine_probes_whole_grpo_groups(pinned):
+    # GRPO's generation batch (micro-batch x accumulation) divides by num_generations: with the accumulation
+    # pinned to 1 every probe is a multiple of 4; free, the accumulation makes up the groups (a probe of 137
+    # raised SetupError in the planner check's GRPO pair)
+    from memplan.estimator.breakdown import estimate
+    from memplan.planner.refine import allocator_limit, refine
+    from memplan.planner.search import plan
+    p = plan("Qwen/Qwen2.5-0.5B", "RTX 4060 Ti 16GB", seq_len=256, effective_batch=512, trainer="grpo",
+             technique="lora", max_completion_length=256, num_generations=4, attn_impl="sdpa", **pinned)
+    calls: list = []
+    got = refine(p, p.model, lambda spec, s: estimate(spec, s), _replay_fake(37, allocator_limit(p), calls))
+    assert all(b * ga % 4 == 0 for b, ga in calls) and got.setup.batch_size * got.setup.grad_accum % 4 == 0
+    if pinned:
+        assert all(b % 4 == 0 for b, _ in calls) and got.setup.batch_size == 36
+    else:
+        assert got.replay["largest_batch_size"] == 37
+
+
 def test_refine_leaves_multi_gpu_and_nothing_fits_plans_alone():
     from memplan.planner.refine import refine
     from memplan.planner.search import plan
