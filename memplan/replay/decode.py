@@ -12,13 +12,16 @@ in copy t, what copy t - 1 allocated. The rest of the step (the loss over prompt
 setup's own length in every run, so only the generation phases change.
 
 Checked, not assumed: a shape's first synthesis reproduces a run at CHECK tokens event by event (canonical, as
-memplan.replay.synth checks its blocks); anything else, and the caller traces the whole generation.
+memplan.replay.synth checks its blocks); anything else, and the caller traces the whole generation - as it does
+where a layer's cache stops growing within the completion (a sliding window, attention chunks), past any check here.
 """
 from __future__ import annotations
 
 import json
 
+from memplan.model.catalog import config_dict
 from memplan.replay.synth import canonical, through_last_step
+from memplan.setup import prompt_tokens
 
 #: generated tokens of the two runs the windows come from, and of the run a shape's first synthesis must reproduce
 TRACED = (8, 9)
@@ -46,7 +49,7 @@ def events(spec, setup, steps: int, run) -> list | None:
     the windows do not allocate alike or the check fails (module docstring). run(tokens) -> (events, call starts):
     a traced run generating `tokens` tokens, the rest of the step at the setup's length."""
     key = (spec.model_id, json.dumps({**setup.to_dict(), "batch_size": None}, sort_keys=True, default=str), steps)
-    if _verified.get(key) is False:
+    if _verified.get(key) is False or _windowed(config_dict(spec), prompt_tokens(setup) + setup.max_completion_length):
         return None
     try:
         a, b = run(TRACED[0]), run(TRACED[1])
@@ -58,6 +61,16 @@ def events(spec, setup, steps: int, run) -> list | None:
     except _Mismatch:
         _verified[key] = False
         return None
+
+
+def _windowed(d: dict, length: int) -> bool:
+    """Whether a layer's cache stops growing before `length` tokens (a sliding window, Llama 4's attention chunks):
+    the steps past it are not the template's."""
+    for c in (d, d.get("text_config") or {}):
+        for name in ("sliding_window", "attention_chunk_size"):
+            if isinstance(c.get(name), int) and c[name] < length:
+                return True
+    return False
 
 
 def _generations(events, calls) -> list[tuple[int, list[int], int]]:

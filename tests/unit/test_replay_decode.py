@@ -53,6 +53,7 @@ def test_a_shape_that_fails_its_check_is_traced_whole(monkeypatch):
 
     from memplan.setup import Setup
     monkeypatch.setattr(decode, "_verified", {})
+    monkeypatch.setattr(decode, "config_dict", lambda spec: {"sliding_window": 4096})
     spec = SimpleNamespace(model_id="m")
     setup = Setup(trainer="grpo", technique="lora", batch_size=4, max_completion_length=64, num_generations=4)
     assert decode.applies(setup) and not decode.applies(Setup(trainer="grpo", batch_size=4, num_generations=4,
@@ -67,3 +68,11 @@ def test_a_shape_that_fails_its_check_is_traced_whole(monkeypatch):
     assert decode.events(spec, setup, 3, run) is not None and ran[3:] == [8, 9]  # the check runs once per shape
     monkeypatch.setattr(decode, "_verified", {})
     assert decode.events(spec, setup, 3, lambda tokens: _run(tokens, quirk=tokens == 12)) is None
+
+
+def test_a_cache_that_stops_growing_is_not_synthesized():
+    # a sliding window (Gemma-3's 512 tokens) or Llama 4's attention chunks shorter than prompt + completion: the
+    # steps past it allocate otherwise
+    assert decode._windowed({"sliding_window": 512}, 768)
+    assert decode._windowed({"text_config": {"attention_chunk_size": 8192}}, 9000)
+    assert not decode._windowed({"sliding_window": None, "text_config": {"sliding_window": 4096}}, 768)
