@@ -20,8 +20,11 @@ from __future__ import annotations
 import array
 import base64
 import dataclasses
+import math
 import sys
 import zlib
+
+from memplan.setup import generation_steps
 
 #: the micro-batches a shape is traced at: the line through the first two, the curve through all three (1 is no
 #: point of either: see the module docstring)
@@ -36,19 +39,28 @@ def far_check(batch_size: int) -> int:
 
 
 def applies(setup) -> bool:
-    """Whether setup's events can come from its shape's line: training at micro-batch 2 or more, outside TRL's DPO
-    (its events grow by about a hundred per sample: Qwen2.5-0.5B LoRA, session 36), GRPO (whose micro-batch holds
-    whole generation groups, so 2 and 3 are no valid setups of it), Liger's fused linear cross-entropy (its chunk
-    count steps with the tokens: Mistral-7B LoRA s256 has 24 events fewer at 3 than at 2) and TRL's activation
-    offloading (a free comes a few events later at 5 than the line puts it: SmolLM2-135M SFT;
-    benchmarks/results/affine_check.md for both)."""
-    return (setup.mode == "train" and setup.batch_size >= 2 and setup.trainer not in ("dpo", "grpo")
+    """Whether setup's events can come from its shape's line: training at micro-batch 2 or more (GRPO: 2 units or
+    more, unit()), outside TRL's DPO (TRL's fused head runs a pass per 4,096 tokens, so its event count steps every
+    2 samples at 1,024 tokens), Liger's fused linear cross-entropy (its chunk count steps with the tokens: Mistral-7B
+    LoRA s256 has 24 events fewer at 3 than at 2) and TRL's activation offloading (a free comes a few events later
+    at 5 than the line puts it: SmolLM2-135M SFT; benchmarks/results/affine_check.md for both)."""
+    return (setup.mode == "train" and setup.batch_size >= 2 * unit(setup) and setup.trainer != "dpo"
             and not setup.use_liger_kernel and not setup.activation_offloading)
 
 
+def unit(setup) -> int:
+    """The step between the micro-batches of a shape: 1, but GRPO's generation batch (micro-batch x steps per
+    generation) holds whole groups of num_generations, so its micro-batches come in multiples of this."""
+    if setup.trainer != "grpo":
+        return 1
+    return setup.num_generations // math.gcd(setup.num_generations, generation_steps(setup) * setup.world_size)
+
+
 def shape_of(setup) -> dict:
-    """The Setup's fields that decide its line: all but the micro-batch, accumulation as the trace runs it."""
-    return {**setup.to_dict(), "batch_size": None, "grad_accum": min(setup.grad_accum, 2)}
+    """The Setup's fields that decide its line: all but the micro-batch, accumulation as the trace runs it (GRPO's
+    whole: its generation batch is micro-batch x accumulation)."""
+    ga = setup.grad_accum if setup.trainer == "grpo" else min(setup.grad_accum, 2)
+    return {**setup.to_dict(), "batch_size": None, "grad_accum": ga}
 
 
 def at(setup, batch_size: int):
@@ -58,22 +70,24 @@ def at(setup, batch_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class Line:
-    """A shape's events: storage ids numbered by first event, phases, and each size at micro-batch BASES[0] with its
-    first and second differences per sample (Newton's forward differences; 0 for frees, curve 0 on a line); upto:
-    the largest micro-batch it was checked at (0: not checked yet)."""
+    """A shape's events: storage ids numbered by first event, phases, and each size at micro-batch `first` with its
+    first and second differences per `step` samples (Newton's forward differences; 0 for frees, curve 0 on a line);
+    upto: the largest micro-batch it was checked at (0: not checked yet)."""
     ids: tuple[int, ...]
     phases: tuple[str, ...]
     base: tuple[int, ...]
     slope: tuple[int, ...]
     curve: tuple[int, ...]
     upto: int = 0
+    first: int = BASES[0]
+    step: int = 1
 
     def events(self, batch_size: int, checked: bool = True) -> list[tuple] | None:
         """The events at batch_size (StorageTracker.events' 3-tuples); None past the largest micro-batch checked
-        (checked=False: any) or where a size would not be positive."""
-        if checked and batch_size > self.upto:
+        (checked=False: any), off the shape's micro-batches, or where a size would not be positive."""
+        if (checked and batch_size > self.upto) or batch_size < self.first or (batch_size - self.first) % self.step:
             return None
-        k = batch_size - BASES[0]
+        k = (batch_size - self.first) // self.step
         bend = k * (k - 1) // 2
         sizes = [b + k * s + bend * c for b, s, c in zip(self.base, self.slope, self.curve)]
         if any(n <= 0 and b > 0 for n, b in zip(sizes, self.base)):
@@ -104,9 +118,10 @@ def _numbered(events) -> tuple[list[int], list[int], list[str]]:
     return [e[0] for e in out], [e[1] for e in out], [e[2] for e in out]
 
 
-def line_through(*runs) -> Line | None:
-    """The line through the events traced at BASES[0] and BASES[1] (two runs), or the curve through all three
-    (three runs); None where they are not the same run (storages, order, phases or which events free)."""
+def line_through(*runs, first: int = BASES[0], step: int = 1) -> Line | None:
+    """The line through the events traced at `first` and `first + step` (two runs), or the curve through those and
+    `first + 2 step` (three runs); None where they are not the same run (storages, order, phases or which events
+    free)."""
     numbered = [_numbered(run) for run in runs]
     ids, phases = numbered[0][0], numbered[0][2]
     if any(n[0] != ids or n[2] != phases for n in numbered[1:]):
@@ -116,24 +131,27 @@ def line_through(*runs) -> Line | None:
         return None
     slope = tuple(b - a for a, b in zip(sizes[0], sizes[1]))
     curve = tuple(c - 2 * b + a for a, b, c in zip(*sizes)) if len(sizes) == 3 else (0,) * len(ids)
-    return Line(tuple(ids), tuple(phases), tuple(sizes[0]), slope, curve)
+    return Line(tuple(ids), tuple(phases), tuple(sizes[0]), slope, curve, first=first, step=step)
 
 
-def fit(trace, batch_size: int, runs: dict[int, list] | None = None) -> Line | None:
+def fit(trace, batch_size: int, runs: dict[int, list] | None = None, step: int = 1) -> Line | None:
     """The shape's line or curve (module docstring), checked at batch_size (at the next micro-batch past the bases
     it was made from where batch_size is one of them) and at far_check(batch_size); None where neither holds.
-    trace(b) -> the events at micro-batch b, each traced once here into `runs` (micro-batch -> events)."""
+    trace(b) -> the events at micro-batch b, each traced once here into `runs` (micro-batch -> events). step: the
+    shape's micro-batches are its multiples (unit()); the bases are BASES of them."""
     runs = {} if runs is None else runs
 
     def at_(b: int) -> list:
         if b not in runs:
             runs[b] = trace(b)
         return runs[b]
-    for used in (BASES[:2], BASES):
-        line = line_through(*(at_(b) for b in used))
+    bases = tuple(b * step for b in BASES)
+    for used in (bases[:2], bases):
+        line = line_through(*(at_(b) for b in used), first=used[0], step=step)
         if line is None:
             return None  # not the same run: no curve either
-        checks = (batch_size if batch_size not in used else max(used) + 1, far_check(batch_size))
+        far = -(-far_check(batch_size) // step) * step
+        checks = (batch_size if batch_size not in used else max(used) + step, far)
         if all(holds(line, b, at_(b)) for b in checks):
             return dataclasses.replace(line, upto=max(checks))
     return None
@@ -168,7 +186,8 @@ def to_json(line: Line | None) -> dict:
     names = sorted(set(line.phases))
     return {"affine": True, "phase_names": names, "ids": _pack(line.ids), "base": _pack(line.base),
             "slope": _pack(line.slope), "curve": _pack(line.curve),
-            "phases": _pack(names.index(p) for p in line.phases), "upto": line.upto}
+            "phases": _pack(names.index(p) for p in line.phases), "upto": line.upto, "first": line.first,
+            "step": line.step}
 
 
 def from_json(data) -> Line | None | bool:
@@ -178,7 +197,8 @@ def from_json(data) -> Line | None | bool:
             return None
         names = data["phase_names"]
         line = Line(_unpack(data["ids"]), tuple(names[i] for i in _unpack(data["phases"])), _unpack(data["base"]),
-                    _unpack(data["slope"]), _unpack(data["curve"]), int(data["upto"]))
+                    _unpack(data["slope"]), _unpack(data["curve"]), int(data["upto"]),
+                    int(data.get("first", BASES[0])), int(data.get("step", 1)))
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, zlib.error):
         return False
     if not len(line.ids) == len(line.phases) == len(line.base) == len(line.slope) == len(line.curve):

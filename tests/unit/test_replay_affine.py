@@ -117,3 +117,24 @@ def test_which_setups_take_a_line_and_what_their_shape_is():
     assert not affine.applies(Setup(batch_size=4, trainer="sft", activation_offloading=True, grad_ckpt=True))
     a, b = Setup(batch_size=4, grad_accum=8), Setup(batch_size=9, grad_accum=2)
     assert affine.shape_of(a) == affine.shape_of(b) != affine.shape_of(Setup(batch_size=4, grad_accum=1))
+
+
+def _groups(b: int) -> list[tuple]:
+    # GRPO: generations of b completions (b a multiple of 4 when num_generations is 4 and accumulation 1)
+    return [(1, 1000 * b, "generation"), (2, 64 * b + 8, "forward"), (1, 0, "forward"), (2, 0, "backward")]
+
+
+def test_grpo_takes_a_line_over_whole_groups():
+    # the micro-batch holds whole groups of num_generations: the shape's micro-batches are multiples of the unit,
+    # the bases 2 and 3 units, and a line answers only on them
+    four = Setup(trainer="grpo", technique="lora", batch_size=8, num_generations=4, max_completion_length=64)
+    assert affine.unit(four) == 4 and affine.applies(four)
+    assert not affine.applies(dataclasses.replace(four, batch_size=4))
+    assert affine.unit(dataclasses.replace(four, grad_accum=2)) == 2 and affine.unit(Setup(batch_size=3)) == 1
+    assert affine.shape_of(four) != affine.shape_of(dataclasses.replace(four, grad_accum=2))  # its generation batch
+    traced: list = []
+    line = affine.fit(lambda b: traced.append(b) or _groups(b), 20, step=4)
+    assert traced == [8, 12, 20, 80] and (line.first, line.step, line.upto) == (8, 4, 80)
+    assert line.events(44) == [(0, 44000, "generation"), (1, 2824, "forward")]  # frees past the last birth dropped
+    assert line.events(42) is None and line.events(4) is None  # off the groups, before the first base
+    assert affine.from_json(affine.to_json(line)) == line
