@@ -223,9 +223,9 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
             why = refined.replay.get("skipped")
         except NotCached:
             reach = ("at any micro-batch and on any card" if applies(result.setup) else
-                     "where they probe the same micro-batches (DPO, GRPO, Liger and offloaded runs are traced per "
-                     "micro-batch)")
-            cost = ("minutes for each micro-batch it probes: GRPO's generate() is traced token by token"
+                     "where they probe the same micro-batches (DPO, Liger and offloaded runs, and GRPO's single "
+                     "groups, are traced per micro-batch)")
+            cost = ("a few minutes on the CPU: GRPO's generate() is traced"
                     if result.setup.trainer == "grpo" else "seconds to a minute on the CPU")
             refined, why = None, ("the allocator replay of this setup is not cached yet; `--replay` traces it "
                                   f"once ({cost}), and later plans of it use it by default, {reach}")

@@ -4,8 +4,10 @@ micro-batch) traced once answers the allocator replay at every micro-batch and o
 Measured (benchmarks/results/affine_check.md, transformers 5.24 on fake tensors): from micro-batch 2 on, a training
 run's events come in the same order for the same storages, and each event's size is affine in the micro-batch - or,
 where a tensor spans the whole packed batch twice (TRL's packing under sdpa: a [b x s, b x s] mask), quadratic.
-Micro-batch 1 differs (kernels pick other paths for one sample); TRL's DPO adds events per sample, Liger's fused
-cross-entropy steps its chunk count with the tokens and activation offloading moves a free (applies() leaves them out);
+Micro-batch 1 differs (kernels pick other paths for one sample); TRL's fused head under DPO (a pass per 4,096 of the
+chosen and rejected tokens) and Liger's fused cross-entropy step their chunk count with the tokens, and activation
+offloading moves a free (applies() leaves them out); GRPO's micro-batches come in whole generation groups, so its
+line runs over those (unit());
 AWQ's kernel changes path at 1,024 tokens (the checks find it). So the events at 2 and 3 give a line, checked event
 by event at the micro-batch asked for and at far_check of it before a shape is trusted; where a check fails, the
 events at 4 give the curve through 2, 3 and 4, checked likewise; a shape that fails both is recorded as such and its
