@@ -338,7 +338,8 @@ def report() -> int:
                   "default on an empty cache (the closed form: today's batch, the seconds of the stored run), "
                   "`--replay` tracing, then the default again, on the pair's card and on another (the same pinned "
                   "setup, from what --replay cached: a line of the setup's events at every micro-batch, "
-                  "memplan.replay.affine; DPO, GRPO, Liger and offloading are replayed per micro-batch).", "",
+                  "memplan.replay.affine; GRPO over whole generation groups within one pass of TRL's head; DPO, "
+                  "Liger and offloading are replayed per micro-batch).", "",
                   "| model | card | default, cold: b (s) | --replay: b (s) | default, cached: b (s) | "
                   "another card: b (s), from |",
                   "|---|---|---|---|---|---|"]

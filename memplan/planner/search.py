@@ -223,8 +223,8 @@ def plan(spec, gpu: Gpu | str | None = None, seq_len: int = 512, effective_batch
             why = refined.replay.get("skipped")
         except NotCached:
             reach = ("at any micro-batch and on any card" if applies(result.setup) else
-                     "where they probe the same micro-batches (DPO, Liger and offloaded runs, and GRPO's single "
-                     "groups, are traced per micro-batch)")
+                     "where they probe the same micro-batches (DPO, Liger and offloaded runs are traced per "
+                     "micro-batch, as are TRL's SFT and GRPO where the head scores more than 4,096 tokens)")
             cost = ("a few minutes on the CPU: GRPO's generate() is traced"
                     if result.setup.trainer == "grpo" else "seconds to a minute on the CPU")
             refined, why = None, ("the allocator replay of this setup is not cached yet; `--replay` traces it "

@@ -26,7 +26,8 @@ import math
 import sys
 import zlib
 
-from memplan.setup import generation_steps
+from memplan.runtime.trl import scored
+from memplan.setup import generation_steps, prompt_tokens, trainer_rows
 
 #: the micro-batches a shape is traced at: the line through the first two, the curve through all three (1 is no
 #: point of either: see the module docstring)
@@ -46,8 +47,34 @@ def applies(setup) -> bool:
     2 samples at 1,024 tokens), Liger's fused linear cross-entropy (its chunk count steps with the tokens: Mistral-7B
     LoRA s256 has 24 events fewer at 3 than at 2) and TRL's activation offloading (a free comes a few events later
     at 5 than the line puts it: SmolLM2-135M SFT; benchmarks/results/affine_check.md for both)."""
-    return (setup.mode == "train" and setup.batch_size >= 2 * unit(setup) and setup.trainer != "dpo"
-            and not setup.use_liger_kernel and not setup.activation_offloading)
+    if not (setup.mode == "train" and setup.batch_size >= 2 * unit(setup) and setup.trainer != "dpo"
+            and not setup.use_liger_kernel and not setup.activation_offloading):
+        return False
+    end = head_limit(setup)
+    return end is None or BASES[1] * unit(setup) <= end and setup.batch_size <= end
+
+
+def head_limit(setup) -> int | None:
+    """The largest micro-batch whose TRL fused head runs one pass (trl/kernels/chunked_logprob.py: a pass per
+    TOKEN_CHUNK_SIZE = 4,096 scored tokens, each with its own events), for the trainers that run that head; None for
+    the others. A line runs within one pass: past it the events change (memplan.runtime.trl.scored counts them)."""
+    if setup.trainer not in ("sft", "grpo"):
+        return None
+    try:
+        from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+    except ImportError:  # no TRL: its runs are not traced either
+        return 0
+    step = unit(setup)
+
+    def tokens(b: int) -> int:
+        rows = trainer_rows(at(setup, b), setup.attn_impl or "sdpa")
+        return scored(rows.batch_size, rows.seq_len, prompt_tokens(setup) if setup.trainer == "grpo" else 0,
+                      rows.padded)
+    per = tokens(2 * step) - tokens(step)  # the scored tokens are affine in the micro-batch
+    if per <= 0:
+        return None
+    k = max(0, (TOKEN_CHUNK_SIZE - tokens(step)) // per)
+    return (k + 1) * step
 
 
 def unit(setup) -> int:
@@ -136,11 +163,13 @@ def line_through(*runs, first: int = BASES[0], step: int = 1) -> Line | None:
     return Line(tuple(ids), tuple(phases), tuple(sizes[0]), slope, curve, first=first, step=step)
 
 
-def fit(trace, batch_size: int, runs: dict[int, list] | None = None, step: int = 1) -> Line | None:
+def fit(trace, batch_size: int, runs: dict[int, list] | None = None, step: int = 1,
+        limit: int | None = None) -> Line | None:
     """The shape's line or curve (module docstring), checked at batch_size (at the next micro-batch past the bases
     it was made from where batch_size is one of them) and at far_check(batch_size); None where neither holds.
     trace(b) -> the events at micro-batch b, each traced once here into `runs` (micro-batch -> events). step: the
-    shape's micro-batches are its multiples (unit()); the bases are BASES of them."""
+    shape's micro-batches are its multiples (unit()); the bases are BASES of them. limit: the far check's largest
+    micro-batch (head_limit())."""
     runs = {} if runs is None else runs
 
     def at_(b: int) -> list:
@@ -153,6 +182,8 @@ def fit(trace, batch_size: int, runs: dict[int, list] | None = None, step: int =
         if line is None:
             return None  # not the same run: no curve either
         far = -(-far_check(batch_size) // step) * step
+        if limit is not None:
+            far = min(far, limit)
         checks = (batch_size if batch_size not in used else max(used) + step, far)
         if all(holds(line, b, at_(b)) for b in checks):
             return dataclasses.replace(line, upto=max(checks))

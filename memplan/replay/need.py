@@ -97,7 +97,7 @@ def run_events(spec, setup: Setup, steps: int, cached_only: bool = False):
             if cached_only:
                 raise NotCached(f"{spec.model_id}, micro-batch {setup.batch_size}")
             line = affine.fit(lambda b: traced_events(spec, affine.at(setup, b), steps), setup.batch_size, traced,
-                              affine.unit(setup))
+                              affine.unit(setup), affine.head_limit(setup))
             write_cached("shapes", key, affine.to_json(line))
     made = line.events(setup.batch_size) if line is not None else None
     if made is not None:

@@ -335,7 +335,8 @@ def test_the_default_says_what_tracing_the_replay_costs(monkeypatch, tmp_path):
     # GRPO's generate() is traced (memplan.replay.decode: runs of 8, 9 and 12 tokens)
     monkeypatch.setenv("MEMPLAN_CACHE", str(tmp_path))
     grpo = plan("Qwen/Qwen2.5-0.5B", "RTX 4060 Ti 16GB", trainer="grpo", technique="lora", seq_len=256,
-                max_completion_length=256, num_generations=4)
-    assert "a few minutes" in grpo.replay["closed_form"] and "on any card" in grpo.replay["closed_form"]
+                max_completion_length=256, num_generations=4, grad_accum=1, effective_batch=512, grad_ckpt=True)
+    assert grpo.setup.batch_size > 16  # past one pass of TRL's head: traced per micro-batch
+    assert "a few minutes" in grpo.replay["closed_form"] and "4,096 tokens" in grpo.replay["closed_form"]
     sft = plan("Qwen/Qwen2.5-0.5B", "RTX 4060 Ti 16GB", technique="lora", seq_len=256)
     assert "seconds to a minute" in sft.replay["closed_form"]

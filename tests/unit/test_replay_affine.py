@@ -138,3 +138,18 @@ def test_grpo_takes_a_line_over_whole_groups():
     assert line.events(44) == [(0, 44000, "generation"), (1, 2824, "forward")]  # frees past the last birth dropped
     assert line.events(42) is None and line.events(4) is None  # off the groups, before the first base
     assert affine.from_json(affine.to_json(line)) == line
+
+
+def test_trl_s_head_keeps_a_line_within_one_pass():
+    # TRL's fused head runs a pass per 4,096 scored tokens, each with its own events: a line runs up to the last
+    # micro-batch of the first pass (GRPO: 16 completions of 256 tokens; SFT: 4 rows of 1,024), no further
+    grpo = Setup(trainer="grpo", technique="lora", batch_size=8, seq_len=256, max_completion_length=256,
+                 num_generations=4)
+    assert affine.head_limit(grpo) == 16 and affine.applies(grpo)
+    assert not affine.applies(dataclasses.replace(grpo, batch_size=20))
+    assert affine.head_limit(Setup(trainer="sft", batch_size=4, seq_len=1024)) == 4
+    assert not affine.applies(Setup(trainer="sft", batch_size=4, seq_len=2048))  # not even the bases in one pass
+    assert affine.head_limit(Setup(batch_size=4)) is None
+    traced: list = []
+    line = affine.fit(lambda b: traced.append(b) or _groups(b), 8, step=4, limit=16)
+    assert traced == [8, 12, 16] and line.upto == 16  # the far check stops at the pass's last micro-batch
