@@ -6,8 +6,8 @@ run's events come in the same order for the same storages, and each event's size
 where a tensor spans the whole packed batch twice (TRL's packing under sdpa: a [b x s, b x s] mask), quadratic.
 Micro-batch 1 differs (kernels pick other paths for one sample); TRL's fused head under DPO (a pass per 4,096 of the
 chosen and rejected tokens) and Liger's fused cross-entropy step their chunk count with the tokens, and activation
-offloading moves a free (applies() leaves them out); GRPO's micro-batches come in whole generation groups, so its
-line runs over those (unit());
+offloading moves a free (applies() leaves them out); the head under SFT and GRPO keeps a line within its first pass
+(head_limit()); GRPO's micro-batches come in whole generation groups, so its line runs over those (unit());
 AWQ's kernel changes path at 1,024 tokens (the checks find it). So the events at 2 and 3 give a line, checked event
 by event at the micro-batch asked for and at far_check of it before a shape is trusted; where a check fails, the
 events at 4 give the curve through 2, 3 and 4, checked likewise; a shape that fails both is recorded as such and its
