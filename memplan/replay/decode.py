@@ -113,11 +113,11 @@ def synthesize(a: tuple, b: tuple, tokens: int) -> list[tuple]:
         """What run a's free of s, seen in window `home` of generation g (None: outside the windows, seen from the
         last window of s's own generation), frees in window `at` of the synthesized run: the storage of the window
         as far before `at` as s's was before `home`; run a's own where that window is traced (before TEMPLATE, and
-        the last window)."""
+        the last window) and for the prefill's storages, which are no step's."""
         if s not in born:
             return s
         bg, k, j = born[s]
-        if k == n - 1:
+        if k in (0, n - 1):  # the prefill's (autocast's weight casts, freed as generate() returns) and the last's
             return s
         if g is None or bg != g:
             return s if k < TEMPLATE else ("d", bg, tokens - n + k, j)
