@@ -99,7 +99,7 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int) -> _Block | None:
         """The block serving a request of `nbytes`, or None when the cap leaves no room (the OOM)."""
-        size = MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
+        size = round_size(nbytes)
         small = size <= SMALL_SIZE
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1))  # best fit: the smallest free block, then the lowest address
@@ -151,7 +151,7 @@ class CachingAllocator:
         """Free every segment that is one free block (release_cached_blocks; also what empty_cache does)."""
         for seg, first in list(self._segments.items()):
             if first.free and first.next is None:
-                self._unindex(first)
+                _unindex(self._free[first.small], first)
                 self.reserved -= first.size
                 del self._segments[seg]
 
@@ -167,9 +167,6 @@ class CachingAllocator:
         self.max_reserved = max(self.max_reserved, self.reserved)
         self.segment_log.append(n)
         return block
-
-    def _unindex(self, block: _Block) -> None:
-        _unindex(self._free[block.small], block)
 
 
 def _unindex(pool: list, block: _Block) -> None:
