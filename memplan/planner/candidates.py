@@ -135,6 +135,14 @@ def grpo_group_step(pinned: Mapping, other: int) -> int:
     return n // math.gcd(n, other)
 
 
+def grpo_accum(pinned: Mapping, batch: int, accum: int = 1) -> int:
+    """The smallest accumulation >= `accum` at which a GRPO micro-batch's generation batch (batch x accum
+    completions, TRL's steps_per_generation = gradient_accumulation_steps) divides by num_generations: the rule
+    GRPOTrainer enforces. `accum` itself for the other trainers."""
+    step = grpo_group_step(pinned, batch)
+    return math.ceil(accum / step) * step
+
+
 def grpo_batch_unit(pinned: Mapping) -> int:
     """The micro-batches a search may try come in multiples of this: 1, but for GRPO with the accumulation pinned
     the smallest micro-batch that holds whole groups (grpo_group_step)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from memplan.planner.candidates import grpo_batch_unit, grpo_group_step, split_batch
+from memplan.planner.candidates import grpo_accum, grpo_batch_unit, split_batch
 from memplan.planner.types import Plan
 from memplan.replay.need import replay_need as traced
 
@@ -62,14 +62,12 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
     effective = plan.effective_batch
     needs: dict[int, tuple[int, int]] = {}
     # GRPO: whole groups of num_generations per generation batch (micro-batch x accumulation), as the search keeps
+    # (a pinned accumulation holds them at the unit's multiples: grpo_accum leaves it as it is)
     unit = grpo_batch_unit(plan.pinned)
 
-    def accum(b: int, ga: int) -> int:
-        step = grpo_group_step(plan.pinned, b)
-        return ga if pinned_ga else math.ceil(ga / step) * step
-
     def setup_at(b: int):
-        return dataclasses.replace(plan.setup, batch_size=b, grad_accum=accum(b, pinned_ga or math.ceil(effective / b)))
+        ga = grpo_accum(plan.pinned, b, pinned_ga or max(1, math.ceil(effective / b)))
+        return dataclasses.replace(plan.setup, batch_size=b, grad_accum=ga)
 
     def fits(b: int) -> bool:
         if b not in needs:
@@ -100,7 +98,7 @@ def refine(plan: Plan, spec, estimator, replay_fn=replay_need) -> Plan:
         b, ga = largest, setup_at(largest).grad_accum
     else:
         b, ga = split_batch(effective, largest)
-        ga = accum(b, ga)
+        ga = grpo_accum(plan.pinned, b, ga)
     setup = dataclasses.replace(plan.setup, batch_size=b, grad_accum=ga)
     record.update(batch_size=b, grad_accum=ga)
     return dataclasses.replace(plan, setup=setup, estimate=estimator(spec, setup), replay=record)

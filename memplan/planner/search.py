@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 from memplan.errors import BadInput, MemplanError
 from memplan.planner.budget import DEFAULT_HEADROOM, REPLAY_HEADROOM, budget_bytes, fits, need_bytes, split
-from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, grpo_batch_unit, grpo_group_step, quality_key,
+from memplan.planner.candidates import (RANKS, TECHNIQUE_ORDER, Pool, grpo_accum, grpo_batch_unit, quality_key,
                                         speed_score, split_batch, world_size)
 from memplan.planner.explain import describe, lost_reason
 from memplan.planner.types import Alternative, Candidate, Plan
@@ -104,11 +104,8 @@ class Search:
         return self.pinned.get("grad_accum") or self.prompts_accum(batch, max(1, math.ceil(self.effective / batch)))
 
     def prompts_accum(self, batch: int, accum: int = 1) -> int:
-        """The smallest accumulation >= `accum` at which a GRPO micro-batch's generation batch (batch x accum
-        completions, TRL's steps_per_generation = gradient_accumulation_steps) divides by num_generations: the
-        rule GRPOTrainer enforces. `accum` itself for the other trainers."""
-        step = grpo_group_step(self.pinned, batch)
-        return math.ceil(accum / step) * step
+        """grpo_accum under this search's pinned fields."""
+        return grpo_accum(self.pinned, batch, accum)
 
     def evaluate(self, setup: Setup) -> Candidate:
         """The candidate at its best micro-batch (or at batch 1 when nothing fits).
