@@ -68,8 +68,7 @@ def head_limit(setup) -> int | None:
 
     def tokens(b: int) -> int:
         rows = trainer_rows(at(setup, b), setup.attn_impl or "sdpa")
-        return scored(rows.batch_size, rows.seq_len, prompt_tokens(setup) if setup.trainer == "grpo" else 0,
-                      rows.padded)
+        return scored(rows.batch_size, rows.seq_len, prompt_tokens(setup), rows.padded)
     per = tokens(2 * step) - tokens(step)  # the scored tokens are affine in the micro-batch
     if per <= 0:
         return None
@@ -177,13 +176,13 @@ def fit(trace, batch_size: int, runs: dict[int, list] | None = None, step: int =
             runs[b] = trace(b)
         return runs[b]
     bases = tuple(b * step for b in BASES)
+    far = -(-far_check(batch_size) // step) * step
+    if limit is not None:
+        far = min(far, limit)
     for used in (bases[:2], bases):
         line = line_through(*(at_(b) for b in used), first=used[0], step=step)
         if line is None:
             return None  # not the same run: no curve either
-        far = -(-far_check(batch_size) // step) * step
-        if limit is not None:
-            far = min(far, limit)
         checks = (batch_size if batch_size not in used else max(used) + step, far)
         if all(holds(line, b, at_(b)) for b in checks):
             return dataclasses.replace(line, upto=max(checks))
@@ -230,8 +229,8 @@ def from_json(data) -> Line | None | bool:
             return None
         names = data["phase_names"]
         line = Line(_unpack(data["ids"]), tuple(names[i] for i in _unpack(data["phases"])), _unpack(data["base"]),
-                    _unpack(data["slope"]), _unpack(data["curve"]), int(data["upto"]),
-                    int(data.get("first", BASES[0])), int(data.get("step", 1)))
+                    _unpack(data["slope"]), _unpack(data["curve"]), int(data["upto"]), int(data["first"]),
+                    int(data["step"]))
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, zlib.error):
         return False
     if not len(line.ids) == len(line.phases) == len(line.base) == len(line.slope) == len(line.curve):

@@ -121,14 +121,8 @@ def synthesize(a: tuple, b: tuple, tokens: int) -> list[tuple]:
             return s
         if g is None or bg != g:
             return s if k < TEMPLATE else ("d", bg, tokens - n + k, j)
-        target = at - (home - k)
-        if target == k and k < TEMPLATE:
-            return s
-        if target < TEMPLATE:
-            if target < 1:  # the prefill is no decode step: nothing stands for it
-                raise _Mismatch(f"window {home} frees a storage of the prefill")
-            return serial[bg, target, j]
-        return ("d", bg, target, j)
+        target = at - (home - k)  # never before k: a window frees what it or an earlier one allocated
+        return serial[bg, target, j] if target < TEMPLATE else ("d", bg, target, j)
 
     out: list[tuple] = []
     pos, last = 0, tokens - 1
