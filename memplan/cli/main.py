@@ -103,7 +103,8 @@ def fit(model, gpu_name, memory, seq_len, num_gpus, headroom, task, trust_remote
 @click.option("--force", is_flag=True, help="-o: overwrite launcher files beside the plan that hold other content")
 @click.option("--replay/--no-replay", default=None, help="set the micro-batch by replaying PyTorch's CUDA caching "
               "allocator over traced steps of the whole model (single GPU; seconds to a minute on the CPU the first "
-              "time, GRPO a few minutes; then cached; docs/PLANNER.md); default: the replay when it is cached, else the closed-form bound")
+              "time, GRPO a few minutes; then cached; docs/PLANNER.md); default: the replay when it is cached, else "
+              "the closed-form bound")
 @setup_options
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as one JSON object")

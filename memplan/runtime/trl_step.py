@@ -17,6 +17,11 @@ from memplan.setup import Setup, generation_steps, needs_reference_model, prompt
 GENERATED = contextvars.ContextVar("memplan_generated_tokens", default=None)
 
 
+def generated_tokens(user: Setup) -> int:
+    """The tokens GRPO's generate() makes in this run: GENERATED where set, else max_completion_length."""
+    return GENERATED.get() or user.max_completion_length
+
+
 def trl_loop(model, ref, opt, spec, user: Setup, rows: Setup, steps: int, device: str,
              enter_phase: Callable[[str], None], forward_ctx: Callable = contextlib.nullcontext,
              after_backward: Callable | None = None, after_step: Callable | None = None,
@@ -101,7 +106,7 @@ def _grpo_prepare(model, ref, spec, user: Setup, rows: Setup, device, enter_phas
     if not user.use_vllm:  # vLLM generates in its own engine (measured separately: vllm_gpu_memory_utilization)
         enter_phase("generation")
         with torch.no_grad(), (contextlib.nullcontext() if peft_model else autocast):
-            length = GENERATED.get() or user.max_completion_length
+            length = generated_tokens(user)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=length, min_new_tokens=length,
                            do_sample=False, use_cache=True, pad_token_id=0)
     del ids, mask

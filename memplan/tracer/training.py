@@ -28,7 +28,7 @@ from memplan.errors import BadInput
 from memplan.setup import TRL_TRAINERS, Setup, prompt_tokens, trainer_rows
 from memplan.runtime.offload import STASH, offloading
 from memplan.runtime.trl import add_head
-from memplan.runtime.trl_step import GENERATED, reference_model, trl_loop
+from memplan.runtime.trl_step import generated_tokens, reference_model, trl_loop
 from memplan.model.compat import attn_impl
 from memplan.runtime.standins import StandInBnbOptimizer
 from memplan.runtime.emulate.cuda import cuda_like
@@ -105,7 +105,7 @@ def _traced_run(spec, setup: Setup, d: dict, layers: int | None, steps: int, fak
     sharded = shard(model) if shard else contextlib.nullcontext()
     answers = contextlib.nullcontext()
     if user.trainer == "grpo" and fake:
-        answers = generation_answers(prompt_tokens(user) + (GENERATED.get() or user.max_completion_length))
+        answers = generation_answers(prompt_tokens(user) + generated_tokens(user))
         no_eos(model)
         if tracker.calls is not None:  # each call of the model: generate()'s prefill, then one per decode step
             generating = model.get_base_model() if hasattr(model, "get_base_model") else model
